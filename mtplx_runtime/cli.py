@@ -1,0 +1,53 @@
+"""`mtplx` command line: a table of subcommands, nothing else.
+
+Each subcommand lives in its own module exposing `add_args(parser)` and `main(args) -> int`.
+Subcommand modules keep torch and every GPU library out of their top-level imports, so `--help`
+works (and is fast) on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .checkpoint.safetensors_io import CheckpointError
+from .formats.base import FormatError
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("mtplx_runtime.demo", "build the tiny K3 fixtures and show what they hold"),
+    "make-tiny": ("mtplx_runtime.fixtures.tiny", "write a tiny deterministic K3 checkpoint"),
+    "inspect": ("mtplx_runtime.inspect", "summarise a K3 checkpoint: layout, codec, experts"),
+    "recode-w4": ("mtplx_runtime.recode_w4", "recode a W3 checkpoint to W4 losslessly (for vLLM)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mtplx", description="mtplx_runtime: run Kimi K3 with routed experts streamed from disk"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_args(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).main(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (FormatError, CheckpointError, OSError) as e:
+        # Bad input and I/O failures end the command with their message, not a traceback;
+        # anything else is a bug and keeps its traceback.
+        print(f"mtplx {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The codec contract: how one expert projection's weight matrix becomes bytes and back.
+
+A projection is a 2-D float matrix `[rows, cols] = [out_features, in_features]`. A codec turns it
+into named *components* (numpy arrays, each written as one safetensors tensor or one bank
+segment) and decodes them back to float32. Every codec has an obviously-correct NumPy decode
+(`decode`), which is the definition the fast paths are tested against.
+
+numpy has no bfloat16: BF16 data is carried as its raw uint16 bit pattern everywhere in this
+package, and the component spec says which safetensors tag ("BF16" or "U16") it is written with.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+Shape2 = tuple[int, int]
+
+
+class FormatError(ValueError):
+    """Bytes or metadata that do not follow a codec's layout."""
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentSpec:
+    """One named array of an encoded projection, in the order it is stored."""
+
+    name: str  # e.g. "packed", "weight_scale"
+    dtype: np.dtype  # numpy dtype of the array in memory (BF16 -> uint16 bits)
+    shape: tuple[int, ...]
+    st_dtype: str  # safetensors dtype tag: U8, U16, I32, I64, BF16, F32
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+class Codec(ABC):
+    """Encode/decode one projection. Subclasses are small and stateless apart from parameters."""
+
+    name: str
+
+    @abstractmethod
+    def components(self, shape: Shape2) -> list[ComponentSpec]:
+        """Component specs of a `[rows, cols]` projection, in storage order."""
+
+    @abstractmethod
+    def encode(self, weight: np.ndarray) -> dict[str, np.ndarray]:
+        """float32 `[rows, cols]` -> components (keys and order as `components`)."""
+
+    @abstractmethod
+    def decode(self, parts: Mapping[str, np.ndarray], shape: Shape2) -> np.ndarray:
+        """Components -> float32 `[rows, cols]`. The reference definition: slow and exact."""
+
+    def projection_bytes(self, shape: Shape2) -> int:
+        return sum(c.nbytes for c in self.components(shape))
+
+    def bits_per_weight(self, shape: Shape2) -> float:
+        return 8.0 * self.projection_bytes(shape) / (shape[0] * shape[1])
+
+    def check_parts(self, parts: Mapping[str, np.ndarray], shape: Shape2) -> None:
+        """Raise FormatError unless `parts` holds exactly the expected components."""
+        specs = self.components(shape)
+        missing = [c.name for c in specs if c.name not in parts]
+        if missing:
+            raise FormatError(f"{self.name}: missing components {missing}")
+        for c in specs:
+            a = parts[c.name]
+            if a.dtype != c.dtype or tuple(a.shape) != c.shape:
+                raise FormatError(
+                    f"{self.name}: component {c.name} is {a.dtype}{list(a.shape)}, "
+                    f"expected {np.dtype(c.dtype)}{list(c.shape)}"
+                )
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns, round-to-nearest-even on the bits (no NaN special case).
+
+    `(u + 0x7FFF + ((u >> 16) & 1)) >> 16` in 32-bit unsigned arithmetic, as the t158 reference
+    encoder does (FORMAT.md, t158 scales).
+    """
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(
+        np.uint16
+    )
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16) -> float32, exact (`u16 << 16`)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
