@@ -144,10 +144,16 @@ class SafetensorsFile:
             raise self._fail(f"no tensor {name!r}") from None
 
     def read_bytes(self, name: str) -> bytes:
+        return self.read_range(name, 0, self.info(name).nbytes)
+
+    def read_range(self, name: str, offset: int, nbytes: int) -> bytes:
+        """`nbytes` bytes of tensor `name` starting `offset` bytes into its data (one pread)."""
         t = self.info(name)
-        data = os.pread(self._fd, t.nbytes, t.start)
-        if len(data) != t.nbytes:  # the file shrank after open
-            raise self._fail(f"short read of {name!r}: {len(data)} of {t.nbytes} bytes")
+        if offset < 0 or nbytes < 0 or offset + nbytes > t.nbytes:
+            raise self._fail(f"range [{offset}, {offset + nbytes}) outside {name!r} ({t.nbytes} B)")
+        data = os.pread(self._fd, nbytes, t.start + offset)
+        if len(data) != nbytes:  # the file shrank after open
+            raise self._fail(f"short read of {name!r}: {len(data)} of {nbytes} bytes")
         return data
 
     def read(self, name: str) -> np.ndarray:

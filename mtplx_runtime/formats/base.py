@@ -55,6 +55,9 @@ class Codec(ABC):
     def decode(self, parts: Mapping[str, np.ndarray], shape: Shape2) -> np.ndarray:
         """Components -> float32 `[rows, cols]`. The reference definition: slow and exact."""
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
     def projection_bytes(self, shape: Shape2) -> int:
         return sum(c.nbytes for c in self.components(shape))
 

@@ -1,0 +1,357 @@
+"""Kimi K3 text-model configuration: the fields the runtime needs, validated once.
+
+Two on-disk forms carry the same numbers (k3-model.md §1; t158-and-streaming.md §5.9):
+  * official: top-level `model_type "kimi_k3"` with a nested `text_config` (`"kimi_linear"`);
+  * flattened: the text config alone, `model_type "kimi_linear"` (the t158 artifacts).
+`kimi_linear` is also Kimi-Linear-48B's type, whose math differs, so a flattened config is taken
+as K3 only when it carries the three K3-only fields; we never dispatch on `model_type` alone.
+Layer lists keep the file's 1-based numbering; every helper takes 0-based layer indices.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+
+from .safetensors_io import CheckpointError
+
+
+class ConfigError(CheckpointError):
+    """A config that is not a valid Kimi K3 text config."""
+
+
+# linear_attn_config key -> ModelConfig field (KDA settings and the two layer lists).
+_LINEAR_ATTN = {
+    "num_heads": "kda_num_heads",
+    "head_dim": "kda_head_dim",
+    "short_conv_kernel_size": "kda_short_conv_kernel_size",
+    "gate_lower_bound": "kda_gate_lower_bound",
+    "use_full_rank_gate": "kda_use_full_rank_gate",
+    "kda_layers": "kda_layers",
+    "full_attn_layers": "full_attn_layers",
+}
+# Official configs keep these at the top level; text_config values win where both exist.
+_TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
+# A flattened kimi_linear config is K3 only with all of these (k3-model.md §1, last paragraph).
+_K3_MARKERS = (
+    "routed_expert_hidden_size", "attn_res_block_size", "linear_attn_config.gate_lower_bound"
+)
+
+_TYPE_OK = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "tuple[int, ...]": lambda v: isinstance(v, tuple)
+    and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+    "dict | None": lambda v: v is None or isinstance(v, dict),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """K3 text config (k3-model.md §1). Fields without defaults are required in the file."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int  # dense MLP of layers < first_k_dense_replace
+    first_k_dense_replace: int
+    num_experts: int
+    num_experts_per_token: int
+    moe_intermediate_size: int  # routed expert FFN width
+    routed_expert_hidden_size: int  # latent width the routed experts run in
+    num_shared_experts: int  # one SiTU MLP of width num_shared_experts * moe_intermediate_size
+    latent_moe_use_norm: bool
+    routed_scaling_factor: float
+    moe_renormalize: bool
+    num_attention_heads: int  # MLA
+    num_key_value_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int  # weights exist; no rotation is applied
+    v_head_dim: int
+    mla_use_output_gate: bool
+    kda_num_heads: int
+    kda_head_dim: int
+    kda_short_conv_kernel_size: int
+    kda_gate_lower_bound: float
+    kda_use_full_rank_gate: bool
+    kda_layers: tuple[int, ...]  # 1-based
+    full_attn_layers: tuple[int, ...]  # 1-based (MLA)
+    attn_res_block_size: int
+    activation_situ_beta: float
+    activation_situ_linear_beta: float
+    rms_norm_eps: float
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    # Required: HF's class default is True, K3's value is False; guessing would tie lm_head.
+    tie_word_embeddings: bool
+    # Settings the runtime implements in exactly one way; absent means K3's value.
+    moe_layer_freq: int = 1
+    num_expert_group: int = 1
+    topk_group: int = 1
+    hidden_act: str = "situ"
+    moe_router_activation_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    mla_use_nope: bool = True
+    num_nextn_predict_layers: int = 0
+    max_position_embeddings: int = 1_048_576
+    quantization_config: dict | None = None  # raw block, read by the checkpoint reader
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not _TYPE_OK[f.type](v):
+                raise ConfigError(f"{f.name} = {v!r} is not of type {f.type}")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+                     "num_experts", "num_experts_per_token", "moe_intermediate_size",
+                     "routed_expert_hidden_size", "num_attention_heads", "num_key_value_heads",
+                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
+                     "kda_num_heads", "kda_head_dim", "kda_short_conv_kernel_size",
+                     "attn_res_block_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("qk_rope_head_dim", "num_shared_experts"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("rms_norm_eps", "routed_scaling_factor", "activation_situ_beta",
+                     "activation_situ_linear_beta"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name} must be finite and positive, got {v}")
+        if not math.isfinite(self.kda_gate_lower_bound):
+            raise ConfigError(
+                f"kda_gate_lower_bound must be finite, got {self.kda_gate_lower_bound}"
+            )
+        if self.num_experts_per_token > self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_token {self.num_experts_per_token} exceeds num_experts "
+                f"{self.num_experts}"
+            )
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ConfigError(
+                f"first_k_dense_replace {self.first_k_dense_replace} is outside "
+                f"0..num_hidden_layers ({self.num_hidden_layers})"
+            )
+        # MLA expands one latent into per-head K/V (kv_b_proj has num_attention_heads blocks).
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ConfigError(
+                f"num_key_value_heads {self.num_key_value_heads} must equal num_attention_heads "
+                f"{self.num_attention_heads} (MLA)"
+            )
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                raise ConfigError(f"{name} {getattr(self, name)} is outside 0..vocab_size-1")
+        self._check_layer_lists()
+        self._check_supported()
+
+    def _check_layer_lists(self) -> None:
+        n = self.num_hidden_layers
+        both = sorted(set(self.kda_layers) & set(self.full_attn_layers))
+        if both:
+            raise ConfigError(
+                f"layers {both} (1-based) are in both kda_layers and full_attn_layers"
+            )
+        listed = list(self.kda_layers) + list(self.full_attn_layers)
+        dupes = sorted({x for x in listed if listed.count(x) > 1})
+        if dupes:
+            raise ConfigError(f"layers {dupes} (1-based) are listed twice")
+        outside = sorted(x for x in listed if not 1 <= x <= n)
+        if outside:
+            raise ConfigError(f"layers {outside} are outside 1..{n} (the lists are 1-based)")
+        missing = sorted(set(range(1, n + 1)) - set(listed))
+        if missing:
+            raise ConfigError(
+                f"layers {missing} (1-based) are in neither kda_layers nor full_attn_layers"
+            )
+
+    def _check_supported(self) -> None:
+        # Each of these selects different math or tensors that the runtime does not implement.
+        expected = {
+            "hidden_act": "situ",
+            "moe_router_activation_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "moe_layer_freq": 1,
+            "num_expert_group": 1,
+            "topk_group": 1,
+            "mla_use_nope": True,
+            "kda_use_full_rank_gate": True,
+            "num_nextn_predict_layers": 0,
+        }
+        for name, want in expected.items():
+            if getattr(self, name) != want:
+                raise ConfigError(
+                    f"{name} = {getattr(self, name)!r} is not supported (Kimi K3 uses {want!r})"
+                )
+
+    # ---- derived layout helpers (0-based layer indices) ----
+
+    def _check_index(self, layer: int) -> None:
+        if not 0 <= layer < self.num_hidden_layers:
+            raise ValueError(f"layer {layer} is outside 0..{self.num_hidden_layers - 1}")
+
+    def is_kda_layer(self, layer: int) -> bool:
+        """True for KDA layers, False for MLA layers (k3-model.md §2: `ℓ+1 ∈ kda_layers`)."""
+        self._check_index(layer)
+        return layer + 1 in self.kda_layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layers from first_k_dense_replace on are MoE (moe_layer_freq is 1)."""
+        self._check_index(layer)
+        return layer >= self.first_k_dense_replace
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(range(self.first_k_dense_replace, self.num_hidden_layers))
+
+    @property
+    def expert_shapes(self) -> dict[str, tuple[int, int]]:
+        """Logical `[rows, cols]` of one routed expert's projections (k3-model.md §3.6)."""
+        inner, latent = self.moe_intermediate_size, self.routed_expert_hidden_size
+        return {"gate": (inner, latent), "up": (inner, latent), "down": (latent, inner)}
+
+    @property
+    def attn_res_block_starts(self) -> list[int]:
+        """Layers that open an AttnRes block (`ℓ % attn_res_block_size == 0`, k3-model.md §2)."""
+        return list(range(0, self.num_hidden_layers, self.attn_res_block_size))
+
+    # ---- dict forms ----
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        """Parse an official (nested) or flattened K3 config; unknown keys are ignored."""
+        if not isinstance(d, dict):
+            raise ConfigError("config is not a JSON object")
+        text = _k3_text_config(d)
+        lac = text.get("linear_attn_config", {})
+        if not isinstance(lac, dict):
+            raise ConfigError("linear_attn_config is not a JSON object")
+        lac_key = {f: k for k, f in _LINEAR_ATTN.items()}
+        values: dict[str, object] = {"quantization_config": _quantization_config(d, text)}
+        missing = []
+        for f in fields(cls):
+            if f.name == "quantization_config":
+                continue
+            src, key = (lac, lac_key[f.name]) if f.name in lac_key else (text, f.name)
+            if key not in src:
+                if f.default is MISSING:
+                    missing.append(f"linear_attn_config.{key}" if src is lac else key)
+                continue
+            v = src[key]
+            # JSON has lists and no int/float distinction; normalise before the type checks.
+            if f.type == "tuple[int, ...]" and isinstance(v, list):
+                v = tuple(v)
+            elif f.type == "float" and _TYPE_OK["float"](v):
+                v = float(v)
+            values[f.name] = v
+        if missing:
+            raise ConfigError(f"missing required fields: {', '.join(missing)}")
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> ModelConfig:
+        path = Path(path)
+        try:
+            return cls.from_dict(load_json(path))
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def _text_dict(self) -> dict:
+        def value(name: str) -> object:
+            v = getattr(self, name)
+            return list(v) if isinstance(v, tuple) else v
+
+        lac_fields = set(_LINEAR_ATTN.values())
+        d = {
+            f.name: value(f.name)
+            for f in fields(self)
+            if f.name not in lac_fields and f.name != "quantization_config"
+        }
+        d["linear_attn_config"] = {k: value(f) for k, f in _LINEAR_ATTN.items()}
+        d["model_type"] = "kimi_linear"
+        return d
+
+    def to_flat_dict(self) -> dict:
+        """The flattened `kimi_linear` form of the t158 artifacts (t158-and-streaming.md §5.9)."""
+        d = self._text_dict()
+        if self.quantization_config is not None:
+            d["quantization_config"] = self.quantization_config
+        return d
+
+    def to_official_dict(self) -> dict:
+        """The published nested form; quantization_config at the top level, as HF writes it."""
+        d: dict = {
+            "model_type": "kimi_k3",
+            "architectures": ["KimiK3ForConditionalGeneration"],
+            **{k: getattr(self, k) for k in _TOP_LEVEL},
+            "text_config": self._text_dict(),
+        }
+        if self.quantization_config is not None:
+            d["quantization_config"] = self.quantization_config
+        return d
+
+
+def _k3_text_config(d: dict) -> dict:
+    """The text-config mapping of an official or flattened K3 config, after identifying it."""
+    if "text_config" in d:
+        if d.get("model_type") != "kimi_k3":
+            raise ConfigError(
+                f"nested text_config under model_type {d.get('model_type')!r}; expected 'kimi_k3'"
+            )
+        text = d["text_config"]
+        if not isinstance(text, dict) or text.get("model_type") != "kimi_linear":
+            raise ConfigError("text_config must be an object with model_type 'kimi_linear'")
+        return {**{k: d[k] for k in _TOP_LEVEL if k in d}, **text}
+    if d.get("model_type") not in ("kimi_linear", "kimi_k3"):
+        raise ConfigError(f"model_type {d.get('model_type')!r} is not a Kimi K3 config")
+    lac = d.get("linear_attn_config")
+    present = {
+        "routed_expert_hidden_size": "routed_expert_hidden_size" in d,
+        "attn_res_block_size": "attn_res_block_size" in d,
+        "linear_attn_config.gate_lower_bound": isinstance(lac, dict) and "gate_lower_bound" in lac,
+    }
+    absent = [m for m in _K3_MARKERS if not present[m]]
+    if absent:
+        raise ConfigError(
+            f"this is Kimi-Linear, not Kimi K3: a flattened kimi_linear config is K3 only with "
+            f"{', '.join(_K3_MARKERS)}; missing {', '.join(absent)}"
+        )
+    return d
+
+
+def _quantization_config(d: dict, text: dict) -> dict | None:
+    """The quantization block, at the top level or inside text_config (both only if equal)."""
+    top, inner = d.get("quantization_config"), text.get("quantization_config")
+    if top is not None and inner is not None and top != inner:
+        raise ConfigError("quantization_config differs between the top level and text_config")
+    qc = top if top is not None else inner
+    if qc is not None and not isinstance(qc, dict):
+        raise ConfigError("quantization_config is not a JSON object")
+    return qc
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    d: dict = {}
+    for k, v in pairs:
+        if k in d:
+            raise ValueError(f"duplicate key {k!r}")
+        d[k] = v
+    return d
+
+
+def load_json(path: Path) -> object:
+    """Read a JSON file, rejecting duplicate keys; errors name the file."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not valid JSON: {e}") from None

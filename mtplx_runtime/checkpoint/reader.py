@@ -1,0 +1,147 @@
+"""open_checkpoint: an HF-style Kimi K3 checkpoint directory, validated at open, read lazily.
+
+    config.json + index (or one model.safetensors) -> shard headers -> expert layout -> residents
+
+At open only headers are read: the index is checked against the shard headers, the routed-expert
+layout is detected and checked against the config (layouts.py), and the resident text tensors are
+checked (residents.py). Shards stay open; tensors and experts are read on demand with pread.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..formats import Codec
+from .config import ModelConfig, load_json
+from .layouts import ExpertRecord, detect_expert_layout
+from .residents import check_residents
+from .safetensors_io import CheckpointError, SafetensorsFile, TensorInfo
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class Checkpoint:
+    """A validated, open checkpoint. Reads are positional (pread), so threads may read at once;
+    close() only when no read is in flight."""
+
+    def __init__(self, path: Path, config: ModelConfig, shards: list[SafetensorsFile],
+                 where: dict[str, SafetensorsFile]):
+        self.path = path
+        self.config = config
+        self._shards = shards
+        self._where = where  # tensor name -> the shard holding it
+        self._experts = detect_expert_layout(config, where, str(path))
+        self.layout: str = self._experts.name  # "mxfp4" | "w3" | "t158" | "bf16"
+        self.codec: Codec = self._experts.codec
+        check_residents(config, where, str(path))
+
+    def tensor_names(self) -> list[str]:
+        return sorted(self._where)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._where
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        """Header entry (safetensors dtype tag, shape, absolute file extent) of one tensor."""
+        return self._shard(name).tensors[name]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The whole tensor as a fresh array, BF16 as uint16 bits. Meant for residents: a t158
+        stacked expert tensor is a whole layer's experts; use `expert()` for those."""
+        return self._shard(name).read(name)
+
+    def expert(self, layer: int, expert: int) -> ExpertRecord:
+        """Routed expert `expert` of MoE layer `layer` (0-based model index). Blocks on I/O."""
+        cfg = self.config
+        if not (0 <= layer < cfg.num_hidden_layers and cfg.is_moe_layer(layer)):
+            raise ValueError(f"layer {layer} is not an MoE layer (MoE layers "
+                             f"{cfg.first_k_dense_replace}..{cfg.num_hidden_layers - 1})")
+        if not 0 <= expert < cfg.num_experts:
+            raise ValueError(f"expert {expert} is outside 0..{cfg.num_experts - 1}")
+        return self._experts.read(layer, expert)
+
+    def _shard(self, name: str) -> SafetensorsFile:
+        try:
+            return self._where[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor {name!r}") from None
+
+    def close(self) -> None:
+        for shard in self._shards:
+            shard.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Open and validate a checkpoint directory; errors are CheckpointError naming the file."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a checkpoint directory")
+    config = ModelConfig.from_file(root / CONFIG)
+    shards: list[SafetensorsFile] = []
+    try:
+        weight_map = _read_index(root)
+        names = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE]
+        for name in names:
+            if not (root / name).is_file():
+                raise CheckpointError(f"{root / INDEX}: shard {name!r} is missing from {root}")
+            shards.append(SafetensorsFile(root / name))
+        where = _locate(shards, weight_map, root)
+        return Checkpoint(root, config, shards, where)
+    except BaseException:
+        for shard in shards:
+            shard.close()
+        raise
+
+
+def _read_index(root: Path) -> dict[str, str] | None:
+    """The index's weight_map, or None for a single-file checkpoint."""
+    index = root / INDEX
+    if not index.exists():
+        if not (root / SINGLE).exists():
+            raise CheckpointError(f"{root}: neither {INDEX} nor {SINGLE} is present")
+        return None
+    data = load_json(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(v, str) for v in weight_map.values()
+    ):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+    for shard in set(weight_map.values()):
+        # A path with directories (or "..") would read files outside the checkpoint.
+        if shard in ("", ".", "..") or Path(shard).name != shard:
+            raise CheckpointError(f"{index}: shard name {shard!r} is not a plain file name")
+    return weight_map
+
+
+def _locate(shards: list[SafetensorsFile], weight_map: dict[str, str] | None,
+            root: Path) -> dict[str, SafetensorsFile]:
+    """Tensor name -> shard, after checking that the headers and the index agree exactly."""
+    where: dict[str, SafetensorsFile] = {}
+    for shard in shards:
+        for name in shard.tensors:
+            if name in where:
+                raise CheckpointError(f"{root}: tensor {name!r} is in two shards: "
+                                      f"{where[name].path.name} and {shard.path.name}")
+            where[name] = shard
+    if weight_map is None:
+        return where
+    for name, shard_name in weight_map.items():
+        holder = where.get(name)
+        if holder is None or holder.path.name != shard_name:
+            raise CheckpointError(f"{root / shard_name}: tensor {name!r}, which {INDEX} places "
+                                  f"in this shard, is not in it")
+    for name, shard in where.items():
+        if name not in weight_map:
+            raise CheckpointError(f"{shard.path}: tensor {name!r} is not listed in {INDEX}")
+    return where

@@ -1,0 +1,138 @@
+"""The non-expert ("resident") text tensors a K3 checkpoint must hold, and their check.
+
+`resident_tensor_specs(cfg)` is the one table of names, shapes and dtypes (k3-model.md §3.1-3.6,
+dtypes per §3.7); the reader checks checkpoints against it and the fixture writer writes from it.
+Tensors outside the table (vision tower, mm_projector, extras) are ignored.
+
+`A_log` (§3.3, open point 4): written 1-D with the head count padded up to a multiple of 128
+(the published 128 entries for 96 heads, tail zero). Its stored rank is unconfirmed and the
+reference allocates it unpadded, so the reader accepts any shape with a single non-unit axis
+whose length is the padded or the plain head count; only the first `kda_num_heads` are used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from .config import ModelConfig
+from .safetensors_io import CheckpointError, SafetensorsFile
+
+BACKBONE = "language_model.model."
+LM_HEAD = "language_model.lm_head.weight"
+
+
+class ResidentSpec(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: str  # safetensors tag: "BF16" or "F32"
+
+
+def a_log_entries(cfg: ModelConfig) -> int:
+    """Stored length of `A_log`: the KDA head count padded up to a multiple of 128."""
+    return -(-cfg.kda_num_heads // 128) * 128
+
+
+def resident_tensor_specs(cfg: ModelConfig) -> dict[str, ResidentSpec]:
+    """Full tensor name -> expected shape and dtype of every required non-expert text tensor."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    bf16 = lambda *shape: ResidentSpec(tuple(shape), "BF16")  # noqa: E731
+    f32 = lambda *shape: ResidentSpec(tuple(shape), "F32")  # noqa: E731
+    specs = {
+        BACKBONE + "embed_tokens.weight": bf16(V, D),
+        BACKBONE + "norm.weight": bf16(D),
+        BACKBONE + "output_attn_res_norm.weight": bf16(D),
+        BACKBONE + "output_attn_res_proj.weight": bf16(1, D),
+    }
+    if not cfg.tie_word_embeddings:
+        specs[LM_HEAD] = bf16(V, D)
+
+    kda_heads, kda_d = cfg.kda_num_heads, cfg.kda_head_dim
+    kda_w = kda_heads * kda_d  # KDA projection width (12288 in K3)
+    mla_heads = cfg.num_attention_heads
+    q_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    kv_head = cfg.qk_nope_head_dim + cfg.v_head_dim
+    mla_out = mla_heads * cfg.v_head_dim
+    shared_w = cfg.num_shared_experts * cfg.moe_intermediate_size
+    R = cfg.routed_expert_hidden_size
+
+    for layer in range(cfg.num_hidden_layers):
+        p = f"{BACKBONE}layers.{layer}."
+        for norm in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm",
+                     "mlp_res_norm"):
+            specs[f"{p}{norm}.weight"] = bf16(D)
+        specs[f"{p}self_attention_res_proj.weight"] = bf16(1, D)
+        specs[f"{p}mlp_res_proj.weight"] = bf16(1, D)
+
+        a = p + "self_attn."
+        if cfg.is_kda_layer(layer):
+            for x in "qkv":
+                specs[f"{a}{x}_proj.weight"] = bf16(kda_w, D)
+                specs[f"{a}{x}_conv1d.weight"] = f32(kda_w, 1, cfg.kda_short_conv_kernel_size)
+            specs[a + "f_a_proj.weight"] = bf16(kda_d, D)
+            specs[a + "f_b_proj.weight"] = bf16(kda_w, kda_d)
+            specs[a + "b_proj.weight"] = bf16(kda_heads, D)
+            specs[a + "A_log"] = f32(a_log_entries(cfg))
+            specs[a + "dt_bias"] = f32(kda_w)
+            specs[a + "g_proj.weight"] = bf16(kda_w, D)  # full-rank output gate
+            specs[a + "o_norm.weight"] = f32(kda_d)
+            specs[a + "o_proj.weight"] = bf16(D, kda_w)
+        else:
+            specs[a + "q_a_proj.weight"] = bf16(cfg.q_lora_rank, D)
+            specs[a + "q_a_layernorm.weight"] = bf16(cfg.q_lora_rank)
+            specs[a + "q_b_proj.weight"] = bf16(mla_heads * q_head, cfg.q_lora_rank)
+            specs[a + "kv_a_proj_with_mqa.weight"] = bf16(
+                cfg.kv_lora_rank + cfg.qk_rope_head_dim, D
+            )
+            specs[a + "kv_a_layernorm.weight"] = bf16(cfg.kv_lora_rank)
+            specs[a + "kv_b_proj.weight"] = bf16(mla_heads * kv_head, cfg.kv_lora_rank)
+            if cfg.mla_use_output_gate:
+                specs[a + "g_proj.weight"] = bf16(mla_out, D)
+            specs[a + "o_proj.weight"] = bf16(D, mla_out)
+
+        if not cfg.is_moe_layer(layer):
+            m, inner = p + "mlp.", cfg.intermediate_size
+            specs[m + "gate_proj.weight"] = bf16(inner, D)
+            specs[m + "up_proj.weight"] = bf16(inner, D)
+            specs[m + "down_proj.weight"] = bf16(D, inner)
+            continue
+        m = p + "block_sparse_moe."
+        specs[m + "gate.weight"] = bf16(cfg.num_experts, D)
+        specs[m + "gate.e_score_correction_bias"] = f32(cfg.num_experts)
+        specs[m + "routed_expert_down_proj.weight"] = bf16(R, D)
+        if cfg.latent_moe_use_norm:
+            specs[m + "routed_expert_norm.weight"] = bf16(R)
+        specs[m + "routed_expert_up_proj.weight"] = bf16(D, R)
+        if shared_w:
+            specs[m + "shared_experts.gate_proj.weight"] = bf16(shared_w, D)
+            specs[m + "shared_experts.up_proj.weight"] = bf16(shared_w, D)
+            specs[m + "shared_experts.down_proj.weight"] = bf16(D, shared_w)
+    return specs
+
+
+def _a_log_shape_ok(shape: tuple[int, ...], cfg: ModelConfig) -> bool:
+    axes = [n for n in shape if n != 1]
+    return len(axes) == 1 and axes[0] in (a_log_entries(cfg), cfg.kda_num_heads)
+
+
+def check_residents(
+    cfg: ModelConfig, where: Mapping[str, SafetensorsFile], root: str
+) -> None:
+    """Raise CheckpointError naming the tensor (and its file) unless every resident matches."""
+    specs = resident_tensor_specs(cfg)
+    missing = [name for name in specs if name not in where]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        shown = ", ".join(missing[:5]) + more
+        raise CheckpointError(f"{root}: {len(missing)} required tensors are missing: {shown}")
+    for name, spec in specs.items():
+        shard = where[name]
+        info = shard.tensors[name]
+        if name.endswith(".A_log"):
+            shape_ok = _a_log_shape_ok(info.shape, cfg)
+        else:
+            shape_ok = info.shape == spec.shape
+        if info.dtype != spec.dtype or not shape_ok:
+            raise CheckpointError(
+                f"{shard.path}: tensor {name!r} is {info.dtype}{list(info.shape)}, the config "
+                f"requires {spec.dtype}{list(spec.shape)}"
+            )
