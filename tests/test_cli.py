@@ -36,3 +36,26 @@ def test_line_budget():
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "linecount.py")],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_demo_builds_then_reuses_fixtures(tmp_path, capsys):
+    assert main(["demo", "--cache-dir", str(tmp_path)]) == 0
+    first = capsys.readouterr().out
+    for label in ("t158", "mxfp4", "w3-legacy", "w3-dense", "bf16"):
+        row = next(line for line in first.splitlines() if line.startswith(label + " "))
+        assert "exact 40/40" in row and row.endswith("built"), row
+    assert "7,741,440" in first and "14,270,464" in first and "13,418,496" in first
+    assert main(["demo", "--cache-dir", str(tmp_path)]) == 0
+    second = capsys.readouterr().out
+    assert second.count("cached") == 5 and "FAIL" not in second
+
+
+def test_inspect_reports_layout_and_sizes(tmp_path, capsys):
+    from mtplx_runtime.fixtures.tiny import make_tiny
+
+    make_tiny(tmp_path / "t", "t158", seed=3)
+    assert main(["inspect", str(tmp_path / "t"), "--decode", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "layout        t158" in out
+    assert "5,760 (1.875 bits/weight)" in out  # 3 projections of 128x64 at 15 B per 64 weights
+    assert out.count("finite True") == 6  # 2 experts x 3 projections

@@ -16,7 +16,7 @@ import os
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from .safetensors_io import CheckpointError
+from .safetensors_io import CheckpointError, no_duplicate_keys
 
 
 class ConfigError(CheckpointError):
@@ -336,13 +336,6 @@ def _quantization_config(d: dict, text: dict) -> dict | None:
     return qc
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    d: dict = {}
-    for k, v in pairs:
-        if k in d:
-            raise ValueError(f"duplicate key {k!r}")
-        d[k] = v
-    return d
 
 
 def load_json(path: Path) -> object:
@@ -352,6 +345,6 @@ def load_json(path: Path) -> object:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
     except (UnicodeDecodeError, ValueError) as e:
         raise CheckpointError(f"{path}: not valid JSON: {e}") from None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..formats import Codec, ComponentSpec, FormatError, get_codec
-from ..formats.ctint import dequantize, detect_layout, parse_quantization_config
+from ..formats.ctint import detect_layout, parse_quantization_config
 from .config import ModelConfig
 from .safetensors_io import CheckpointError, SafetensorsFile
 
@@ -50,13 +50,7 @@ class ProjectionRecord:
 
     def decode(self) -> np.ndarray:
         """float32 `[rows, cols]` via the codec's reference decode."""
-        g_idx = self.parts.get("weight_g_idx")
-        if g_idx is None:
-            return self.codec.decode(self.parts, self.shape)
-        # CtIntCodec.decode takes no activation order (w3-and-io §1.9), so apply it here.
-        q, zp = self.codec.codes(self.parts, self.shape)
-        scale = self.parts["weight_scale"]
-        return dequantize(q, scale, zp, g_idx, group_size=self.codec.group_size)
+        return self.codec.decode(self.parts, self.shape)
 
 
 @dataclass(frozen=True, slots=True)

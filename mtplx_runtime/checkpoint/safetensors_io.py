@@ -55,7 +55,8 @@ class TensorInfo:
         return self.end - self.start
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+def no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    """`json.loads` hook: a repeated key is an error (JSON silently keeps the last one)."""
     seen: dict = {}
     for k, v in pairs:
         if k in seen:
@@ -93,7 +94,7 @@ class SafetensorsFile:
             raise self._fail(f"truncated: header claims {n} bytes, file has {self.size - 8}")
         raw = os.pread(self._fd, n, 8)
         try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
         except (UnicodeDecodeError, ValueError) as e:
             raise self._fail(f"header is not valid JSON: {e}") from None
         if not isinstance(header, dict):

@@ -79,6 +79,24 @@ class Codec(ABC):
                 )
 
 
+def check_weight(codec: str, weight: np.ndarray, group_elems: int) -> np.ndarray:
+    """A 2-D finite float32 `[rows, cols]` with `cols % group_elems == 0`, or FormatError.
+
+    The common entry check of every grouped encoder: a bad shape or NaN would otherwise turn into
+    silently wrong bytes.
+    """
+    w = np.asarray(weight, dtype=np.float32)
+    if w.ndim != 2:
+        raise FormatError(f"{codec}: weight must be 2-D [rows, cols], got shape {list(w.shape)}")
+    if w.shape[1] % group_elems:
+        raise FormatError(
+            f"{codec}: cols={w.shape[1]} is not a multiple of the group size {group_elems}"
+        )
+    if not np.isfinite(w).all():
+        raise FormatError(f"{codec}: weight has NaN or Inf values; the encoder needs finite inputs")
+    return w
+
+
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bit patterns, round-to-nearest-even on the bits (no NaN special case).
 

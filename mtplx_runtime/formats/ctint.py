@@ -398,6 +398,8 @@ class CtIntCodec(Codec):
         return q, (zu.astype(np.int16) - off).astype(np.int8)
 
     def decode(self, parts: Mapping[str, np.ndarray], shape: Shape2) -> np.ndarray:
+        """Reference dequant; an optional `weight_g_idx` part applies activation order (§1.9)."""
         q, zp = self.codes(parts, shape)
-        return dequantize(q, parts["weight_scale"], zp, group_size=self.group_size)
+        return dequantize(q, parts["weight_scale"], zp, parts.get("weight_g_idx"),
+                          group_size=self.group_size)
 

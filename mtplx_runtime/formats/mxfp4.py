@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .base import Codec, ComponentSpec, FormatError, Shape2
+from .base import Codec, ComponentSpec, FormatError, Shape2, check_weight
 
 GROUP_ELEMS = 32
 E8M0_NAN = 0xFF
@@ -47,14 +47,8 @@ def encode_mxfp4(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     Raises FormatError if cols % 32 != 0, on NaN/Inf, or when a group's amax >= 1.75 * 2^127
     (that needs E8M0 0xFF; compressed-tensors silently writes a wrapped exponent there).
     """
-    w = np.asarray(weight, dtype=np.float32)
-    if w.ndim != 2:
-        raise FormatError(f"mxfp4: weight must be 2-D [rows, cols], got shape {list(w.shape)}")
+    w = check_weight("mxfp4", weight, GROUP_ELEMS)
     rows, cols = w.shape
-    if cols % GROUP_ELEMS:
-        raise FormatError(f"mxfp4: cols={cols} is not a multiple of the group size {GROUP_ELEMS}")
-    if not np.isfinite(w).all():
-        raise FormatError("mxfp4: weight has NaN or Inf values; the encoder needs finite inputs")
 
     g = w.reshape(rows, -1, GROUP_ELEMS)  # [rows, G, 32]
     amax = np.abs(g).max(axis=-1)

@@ -18,7 +18,15 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .base import Codec, ComponentSpec, FormatError, Shape2, bf16_bits_to_f32, f32_to_bf16_bits
+from .base import (
+    Codec,
+    ComponentSpec,
+    FormatError,
+    Shape2,
+    bf16_bits_to_f32,
+    check_weight,
+    f32_to_bf16_bits,
+)
 
 GROUP_ELEMS = 64
 GROUP_BYTES = 13  # 65 slots (64 trits + 1 padding) at 5 trits per byte
@@ -55,14 +63,8 @@ def encode_t158(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     cols % 64 != 0, if any input is NaN/Inf, or if a group's scale is not finite in bf16 (|w| sums
     overflow float32).
     """
-    w = np.asarray(weight, dtype=np.float32)
-    if w.ndim != 2:
-        raise FormatError(f"t158: weight must be 2-D [rows, cols], got shape {list(w.shape)}")
+    w = check_weight("t158", weight, GROUP_ELEMS)
     rows, cols = w.shape
-    if cols % GROUP_ELEMS:
-        raise FormatError(f"t158: cols={cols} is not a multiple of the group size {GROUP_ELEMS}")
-    if not np.isfinite(w).all():
-        raise FormatError("t158: weight has NaN or Inf values; the encoder needs finite inputs")
 
     g = w.reshape(-1, GROUP_ELEMS)  # [N, 64], N = rows * G
     a = np.abs(g)
