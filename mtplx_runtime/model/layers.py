@@ -1,0 +1,100 @@
+"""Small reference blocks of K3 (k3-model.md §4.1, §4.2, §4.7): RMSNorm, SiTU-GLU, the AttnRes mix.
+
+Each op follows the precision contract (§6): the model dtype (float32 or bfloat16) flows between
+ops, and every op the reference computes in fp32 (norm statistics, the SiTU activation, the whole
+AttnRes mix) runs on an explicit fp32 island that is cast back once, where the reference casts.
+With a float32 model every cast is a no-op, so the same code is the float32 reference.
+
+Shape legend: T tokens, D width of the normed / mixed vector (hidden 7168, latent 3584, ...),
+I MLP width, N = n + 1 AttnRes entries (n banked blocks plus the live partial sum).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+SITU_BETA = 4.0  # k3-model.md §4.2
+SITU_LINEAR_BETA = 25.0
+ATTN_RES_EPS = 1e-5  # §4.7: fixed, not a config field
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """KimiRMSNorm over the last dim (§4.1): `w ⊙ cast_to_x.dtype(x₃₂ · rsqrt(mean(x₃₂²) + ε))`.
+
+    x: [..., D] float32 or bfloat16; w: [D]. The cast back to x's dtype happens *before* the
+    weight multiply, so in a bf16 model the multiply is bf16 × bf16 (one rounding of the exact
+    product). Result dtype is torch's promotion of (x.dtype, w.dtype), as in the reference.
+    """
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., D] fp32
+    return w * y.to(x.dtype)
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = SITU_BETA,
+             beta_lin: float = SITU_LINEAR_BETA) -> torch.Tensor:
+    """`SiTU(gate) ⊙ β_lin·tanh(up/β_lin)` (§4.2), computed in fp32 and cast to gate's dtype.
+
+    SiTU(g) = β·tanh(g/β)·σ(g). gate, up: [..., I] in the model dtype -> [..., I].
+    """
+    g, u = gate.float(), up.float()  # fp32 island: the reference's SituAndMul upcasts here
+    h = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
+    return h.to(gate.dtype)
+
+
+def glu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+            beta: float = SITU_BETA, beta_lin: float = SITU_LINEAR_BETA) -> torch.Tensor:
+    """SiTU-GLU MLP `W_down · situ_glu(W_gate x, W_up x)`.
+
+    x: [T, Din]; w_gate, w_up: [I, Din]; w_down: [Dout, I]; all in the model dtype -> [T, Dout].
+    The three GEMMs run in the model dtype (bf16 GEMM in a bf16 model, §6).
+    """
+    h = situ_glu(F.linear(x, w_gate), F.linear(x, w_up), beta, beta_lin)  # [T, I]
+    return F.linear(h, w_down)  # [T, Dout]
+
+
+class GluMLP:
+    """A SiTU-GLU MLP from `{gate_proj,up_proj,down_proj}.weight`: the dense layer-0 MLP (§3.5)
+    and the MoE shared experts (§4.6 step 6, width num_shared_experts × moe_intermediate_size).
+
+    `cfg` only supplies the two activation betas (any object with `activation_situ_beta` and
+    `activation_situ_linear_beta`; None means K3's 4 and 25).
+    """
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], cfg=None):
+        self.gate = weights["gate_proj.weight"]  # [I, D]
+        self.up = weights["up_proj.weight"]  # [I, D]
+        self.down = weights["down_proj.weight"]  # [D, I]
+        self.beta = cfg.activation_situ_beta if cfg is not None else SITU_BETA
+        self.beta_lin = cfg.activation_situ_linear_beta if cfg is not None else SITU_LINEAR_BETA
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, D] model dtype -> [T, D]."""
+        return glu_mlp(x, self.gate, self.up, self.down, self.beta, self.beta_lin)
+
+    __call__ = forward
+
+
+def attn_res_mix(partial: torch.Tensor, bank: Sequence[torch.Tensor], w_norm: torch.Tensor,
+                 w_proj: torch.Tensor, eps: float = ATTN_RES_EPS) -> torch.Tensor:
+    """The Attention-Residuals Mix of §4.7, per token, vectorised over the leading dims.
+
+    partial: [T, D] live block sum; bank: n tensors [T, D] (may be empty, then the result equals
+    `partial`); w_norm: [D] (`*_res_norm.weight`); w_proj: [1, D] or [D] (`*_res_proj.weight`).
+    Returns a fresh [T, D] tensor in partial's dtype; the inputs are never written ([WASTE]'s
+    in-place final mix aliased the live sum).
+
+    Entry order is bank first, live sum last. Everything between the input and the final cast is
+    fp32: the learned-weight-free RMS normalisation (not cast back), the scores against
+    `w_norm ⊙ w_proj`, the softmax over the N = n + 1 entries and the weighted sum.
+    """
+    v = torch.stack([b.float() for b in bank] + [partial.float()])  # [N, T, D] fp32
+    k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)  # [N, T, D] no learned weight
+    # The product of two bf16 values is exact in fp32, so forming it first loses nothing.
+    w = w_norm.float().reshape(-1) * w_proj.float().reshape(-1)  # [D]
+    scores = (k * w).sum(-1)  # [N, T]
+    alpha = torch.softmax(scores, dim=0)  # [N, T] over the entries, per token
+    mix = (alpha.unsqueeze(-1) * v).sum(0)  # [T, D] fp32
+    return mix.to(partial.dtype)
