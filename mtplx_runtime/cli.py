@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("mtplx_runtime.demo", "build the tiny K3 fixtures and show what they hold"),
     "make-tiny": ("mtplx_runtime.fixtures.tiny", "write a tiny deterministic K3 checkpoint"),
     "inspect": ("mtplx_runtime.inspect", "summarise a K3 checkpoint: layout, codec, experts"),
+    "logits": ("mtplx_runtime.logits", "reference forward of a token list, logits to a .npy file"),
     "recode-w4": ("mtplx_runtime.recode_w4", "recode a W3 checkpoint to W4 losslessly (for vLLM)"),
 }
 

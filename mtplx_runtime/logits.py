@@ -1,0 +1,43 @@
+"""`mtplx logits`: full causal forward of a token list, logits saved as a float32 .npy [T, V]."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _token_list(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens wants comma-separated ids, got {text!r}")
+    if not ids:
+        raise argparse.ArgumentTypeError("--tokens is empty")
+    return ids
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--tokens", required=True, type=_token_list, help="comma-separated token ids")
+    p.add_argument("--out", required=True, help="output .npy file")
+
+
+def main(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from .model.kimi_k3 import load_model
+
+    model = load_model(args.model, dtype=args.dtype)
+    vocab = model.cfg.vocab_size
+    bad = [t for t in args.tokens if not 0 <= t < vocab]
+    if bad:
+        print(f"mtplx logits: error: token ids {bad[:5]} are outside the vocabulary "
+              f"0..{vocab - 1}", file=sys.stderr)
+        return 2
+    logits = model.logits(args.tokens).to(torch.float32).numpy()
+    np.save(args.out, logits)
+    top = logits[-1].argmax()
+    print(f"logits {list(logits.shape)} ({args.dtype}) -> {args.out}; next-token argmax {top}")
+    return 0

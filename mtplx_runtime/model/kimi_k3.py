@@ -1,0 +1,127 @@
+"""Kimi K3: embeddings -> 93 decoder layers (KDA or MLA, dense MLP or LatentMoE, AttnRes) -> head.
+
+Shape legend: T tokens, D hidden (7168), V vocab (163840), B banked AttnRes blocks (<= 8).
+
+    tokens -> embed -> [AttnRes mix -> norm -> attn -> AttnRes mix -> norm -> MLP/MoE] x L
+           -> final AttnRes mix -> norm -> lm_head -> logits
+
+The whole model follows k3-model.md §4.7-4.8. Per-sequence state (KDA recurrent + conv state,
+MLA latent cache) lives in `SequenceState`, so `prefill` then `decode` steps continue exactly
+where a full forward would be. Routed experts come from an `ExpertProvider`; the model never
+knows where their bytes live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint import ModelConfig
+from .kda import KDALayer, KDAState
+from .layers import GluMLP, attn_res_mix, rms_norm
+from .load import sub
+from .mla import MLACache, MLALayer
+from .moe import ExpertProvider, LatentMoE
+
+
+@dataclass
+class SequenceState:
+    """Everything one sequence carries between steps: one entry per layer (KDA or MLA)."""
+
+    layers: list[KDAState | MLACache]
+    tokens: int = 0
+
+
+class DecoderLayer:
+    """One layer of §4.7: AttnRes-mixed inputs feed the norms; the running sum never sees them."""
+
+    def __init__(self, cfg: ModelConfig, index: int, w: dict[str, torch.Tensor],
+                 provider: ExpertProvider):
+        self.index, self.cfg = index, cfg
+        self.kda = cfg.is_kda_layer(index)
+        attn_w = sub(w, "self_attn.")
+        self.attn = KDALayer(cfg, attn_w) if self.kda else MLALayer(cfg, attn_w)
+        if cfg.is_moe_layer(index):
+            self.mlp = LatentMoE(cfg, index, sub(w, "block_sparse_moe."), provider)
+        else:
+            self.mlp = GluMLP(sub(w, "mlp."), cfg)
+        self.w = w
+        self.starts_block = index % cfg.attn_res_block_size == 0
+
+    def forward(self, h: torch.Tensor, bank: list[torch.Tensor],
+                state: KDAState | MLACache | None) -> torch.Tensor:
+        w, eps = self.w, self.cfg.rms_norm_eps
+        p = h  # [T, D] running sum of the current block
+        a_in = (attn_res_mix(p, bank, w["self_attention_res_norm.weight"],
+                             w["self_attention_res_proj.weight"]) if bank else h)
+        if self.starts_block:
+            bank.append(p)  # the raw prefix sum, not a_in
+            p = None
+        x = rms_norm(a_in, w["input_layernorm.weight"], eps)
+        if self.kda:  # prefill runs the chunked form, one-token decode the recurrent one (§4.3)
+            a = self.attn.forward(x, state, mode="recurrent" if x.shape[0] == 1 else "chunk")
+        else:
+            a = self.attn.forward(x, state)
+        p = a if p is None else p + a
+        m_in = attn_res_mix(p, bank, w["mlp_res_norm.weight"], w["mlp_res_proj.weight"])
+        m = self.mlp.forward(rms_norm(m_in, w["post_attention_layernorm.weight"], eps))
+        return p + m
+
+
+class KimiK3:
+    """The reference K3 text model on CPU (or any torch device), float32 or bfloat16."""
+
+    def __init__(self, cfg: ModelConfig, top: dict[str, torch.Tensor],
+                 layers: list[dict[str, torch.Tensor]], provider: ExpertProvider,
+                 dtype: torch.dtype):
+        self.cfg, self.dtype, self.provider = cfg, dtype, provider
+        self.top = top
+        self.layers = [DecoderLayer(cfg, i, w, provider) for i, w in enumerate(layers)]
+
+    def new_state(self) -> SequenceState:
+        device = self.top["embed_tokens.weight"].device
+        return SequenceState([
+            KDAState.zeros(self.cfg, self.dtype, device) if layer.kda
+            else MLACache.empty(self.cfg, self.dtype, device)
+            for layer in self.layers
+        ])
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """Logits [T, V] for `token_ids` [T] continuing `state` (updated in place)."""
+        h = self.top["embed_tokens.weight"][token_ids]  # [T, D] plain lookup, no scaling
+        bank: list[torch.Tensor] = []  # AttnRes blocks of these tokens; never crosses tokens
+        for layer, layer_state in zip(self.layers, state.layers):
+            h = layer.forward(h, bank, layer_state)
+        # Fresh buffer: an in-place final mix aliases the live sum (k3-model.md §4.7).
+        h = attn_res_mix(h, bank, self.top["output_attn_res_norm.weight"],
+                         self.top["output_attn_res_proj.weight"])
+        h = rms_norm(h, self.top["norm.weight"], self.cfg.rms_norm_eps)
+        state.tokens += int(token_ids.numel())
+        return h @ self.top["lm_head.weight"].T  # [T, V] in the model dtype
+
+    def logits(self, token_ids) -> torch.Tensor:
+        """Full causal forward over `token_ids` from a fresh state."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        return self.forward(ids, self.new_state())
+
+    def prefill(self, token_ids, state: SequenceState) -> torch.Tensor:
+        return self.forward(torch.as_tensor(token_ids, dtype=torch.long), state)
+
+    def decode(self, token_id: int, state: SequenceState) -> torch.Tensor:
+        """Logits [V] of one next token."""
+        return self.forward(torch.tensor([token_id], dtype=torch.long), state)[0]
+
+
+def load_model(path, device: str = "cpu", dtype: str = "float32") -> KimiK3:
+    """A K3 model from any checkpoint the reader accepts, experts resident (decoded once)."""
+    from ..checkpoint import open_checkpoint
+    from .load import load_residents, model_dtype
+    from .moe import ResidentExpertProvider
+
+    torch_dtype = model_dtype(dtype)
+    ckpt = open_checkpoint(path)
+    top, layers = load_residents(ckpt, torch_dtype, device)
+    provider = ResidentExpertProvider(ckpt, torch_dtype, device)
+    return KimiK3(ckpt.config, top, layers, provider, torch_dtype)
