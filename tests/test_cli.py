@@ -45,6 +45,10 @@ def test_demo_builds_then_reuses_fixtures(tmp_path, capsys):
         row = next(line for line in first.splitlines() if line.startswith(label + " "))
         assert "exact 40/40" in row and row.endswith("built"), row
     assert "7,741,440" in first and "14,270,464" in first and "13,418,496" in first
+    cont = {line.split()[0]: line.split("]")[0] for line in first.splitlines()
+            if line.startswith("  ") and "tok/s" in line}
+    assert set(cont) == {"t158", "mxfp4", "w3-legacy", "w3-dense", "bf16"}
+    assert cont["w3-legacy"].split("[")[1] == cont["w3-dense"].split("[")[1]
     assert main(["demo", "--cache-dir", str(tmp_path)]) == 0
     second = capsys.readouterr().out
     assert second.count("cached") == 5 and "FAIL" not in second

@@ -34,19 +34,16 @@ class SequenceState:
 
 
 class DecoderLayer:
-    """One layer of §4.7: AttnRes-mixed inputs feed the norms; the running sum never sees them."""
+    """One layer of §4.7: AttnRes-mixed inputs feed the norms; the running sum never sees them.
 
-    def __init__(self, cfg: ModelConfig, index: int, w: dict[str, torch.Tensor],
-                 provider: ExpertProvider):
-        self.index, self.cfg = index, cfg
-        self.kda = cfg.is_kda_layer(index)
-        attn_w = sub(w, "self_attn.")
-        self.attn = KDALayer(cfg, attn_w) if self.kda else MLALayer(cfg, attn_w)
-        if cfg.is_moe_layer(index):
-            self.mlp = LatentMoE(cfg, index, sub(w, "block_sparse_moe."), provider)
-        else:
-            self.mlp = GluMLP(sub(w, "mlp."), cfg)
-        self.w = w
+    `attn` is a KDALayer or MLALayer, `mlp` a GluMLP or LatentMoE; `w` holds the layer's norm
+    and AttnRes weights by suffix (e.g. "input_layernorm.weight").
+    """
+
+    def __init__(self, cfg: ModelConfig, index: int, w: dict[str, torch.Tensor], attn, mlp,
+                 kda: bool):
+        self.index, self.cfg, self.w = index, cfg, w
+        self.attn, self.mlp, self.kda = attn, mlp, kda
         self.starts_block = index % cfg.attn_res_block_size == 0
 
     def forward(self, h: torch.Tensor, bank: list[torch.Tensor],
@@ -69,15 +66,33 @@ class DecoderLayer:
         return p + m
 
 
+def build_decoder_layer(cfg: ModelConfig, index: int, w: dict[str, torch.Tensor],
+                        provider: ExpertProvider) -> DecoderLayer:
+    """The layer's blocks from its resident weights (suffixes after `layers.{index}.`)."""
+    kda = cfg.is_kda_layer(index)
+    attn_w = sub(w, "self_attn.")
+    attn = KDALayer(cfg, attn_w) if kda else MLALayer(cfg, attn_w)
+    if cfg.is_moe_layer(index):
+        mlp = LatentMoE(cfg, index, sub(w, "block_sparse_moe."), provider)
+    else:
+        mlp = GluMLP(sub(w, "mlp."), cfg)
+    return DecoderLayer(cfg, index, w, attn, mlp, kda)
+
+
 class KimiK3:
     """The reference K3 text model on CPU (or any torch device), float32 or bfloat16."""
 
     def __init__(self, cfg: ModelConfig, top: dict[str, torch.Tensor],
-                 layers: list[dict[str, torch.Tensor]], provider: ExpertProvider,
-                 dtype: torch.dtype):
-        self.cfg, self.dtype, self.provider = cfg, dtype, provider
-        self.top = top
-        self.layers = [DecoderLayer(cfg, i, w, provider) for i, w in enumerate(layers)]
+                 layers: list[DecoderLayer], dtype: torch.dtype):
+        self.cfg, self.top, self.layers, self.dtype = cfg, top, layers, dtype
+
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, top: dict[str, torch.Tensor],
+                     layer_weights: list[dict[str, torch.Tensor]], provider: ExpertProvider,
+                     dtype: torch.dtype) -> KimiK3:
+        """Build every layer from resident weights (`load.load_residents`) and an expert provider."""
+        layers = [build_decoder_layer(cfg, i, w, provider) for i, w in enumerate(layer_weights)]
+        return cls(cfg, top, layers, dtype)
 
     def new_state(self) -> SequenceState:
         device = self.top["embed_tokens.weight"].device
@@ -124,4 +139,4 @@ def load_model(path, device: str = "cpu", dtype: str = "float32") -> KimiK3:
     ckpt = open_checkpoint(path)
     top, layers = load_residents(ckpt, torch_dtype, device)
     provider = ResidentExpertProvider(ckpt, torch_dtype, device)
-    return KimiK3(ckpt.config, top, layers, provider, torch_dtype)
+    return KimiK3.from_weights(ckpt.config, top, layers, provider, torch_dtype)

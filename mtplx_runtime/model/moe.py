@@ -27,17 +27,23 @@ RENORM_EPS = 1e-20  # §4.5 step 4: added to the weight sum before dividing
 
 
 def route(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, top_k: int,
-          renormalize: bool = True, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+          renormalize: bool = True, scaling: float = 1.0,
+          forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid top-k router with a selection-only correction bias (§4.5).
 
     x: [T, D] normed MoE input (any float dtype); w_router: [E, D]; bias: [E]
     (`e_score_correction_bias`, F32). Returns (ids [T, K] int64, sorted ascending per token;
     weights [T, K] float32 aligned with ids). Everything is fp32 (§6). The bias only picks the
     experts; the weights are the unbiased sigmoid scores, renormalised over the K picks.
+    `forced_ids` [T, K] imposes a selection (a replayed route, or fp32 routing under a bf16
+    model when comparing precisions); the weights still come from this router's scores.
     """
     logits = F.linear(x.float(), w_router.float())  # [T, E] fp32
     scores = torch.sigmoid(logits)  # [T, E]
-    picked = torch.topk(scores + bias.float(), top_k, dim=-1, sorted=False).indices  # [T, K]
+    if forced_ids is not None:
+        picked = forced_ids.to(device=scores.device, dtype=torch.long)  # [T, K]
+    else:
+        picked = torch.topk(scores + bias.float(), top_k, dim=-1, sorted=False).indices  # [T, K]
     # Sorting by id fixes the fp32 combine order independent of topk's backend order (§6).
     ids = torch.sort(picked, dim=-1).values  # [T, K]
     weights = scores.gather(-1, ids)  # [T, K] unbiased
@@ -101,7 +107,8 @@ class LatentMoE:
     `layers.{l}.block_sparse_moe.`: gate.weight [E, D], gate.e_score_correction_bias [E] (F32),
     routed_expert_down_proj.weight [R, D], routed_expert_norm.weight [R],
     routed_expert_up_proj.weight [D, R], shared_experts.{gate,up,down}_proj.weight.
-    All but the bias are in the model dtype. `last_ids` [T, K] holds the latest routing.
+    All but the bias are in the model dtype. `last_ids` [T, K] holds the latest routing;
+    setting `forced_ids` [T, K] makes the next forwards use that selection instead (`route`).
     """
 
     def __init__(self, cfg, layer: int, weights: Mapping[str, torch.Tensor],
@@ -119,12 +126,14 @@ class LatentMoE:
         self.shared = GluMLP(shared, cfg) if cfg.num_shared_experts > 0 else None
         self.last_ids: torch.Tensor | None = None
         self.last_weights: torch.Tensor | None = None
+        self.forced_ids: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] post_attention_layernorm output, model dtype -> [T, D] model dtype."""
         cfg = self.cfg
         ids, w = route(x, self.router, self.bias, cfg.num_experts_per_token,
-                       cfg.moe_renormalize, cfg.routed_scaling_factor)  # [T, K] each
+                       cfg.moe_renormalize, cfg.routed_scaling_factor,
+                       self.forced_ids)  # [T, K] each
         self.last_ids, self.last_weights = ids, w
         r = F.linear(x, self.down_lat)  # [T, R]
         needed = torch.unique(ids).tolist()  # [U] ascending
