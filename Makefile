@@ -25,6 +25,7 @@ demo: $(VENV)/.stamp-base
 	$(PY) -m mtplx_runtime demo
 
 test: $(VENV)/.stamp-test
+	$(PY) -m ruff check mtplx_runtime tests tools
 	$(PY) -m pytest -q
 
 clean:

@@ -26,7 +26,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mtplx", description="mtplx_runtime: run Kimi K3 with routed experts streamed from disk"
+        prog="mtplx",
+        description="mtplx_runtime: run Kimi K3 with routed experts streamed from disk",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():

@@ -81,7 +81,8 @@ def main(args: argparse.Namespace) -> int:
         weights = sum(r * c for r, c in shapes.values())
         k3_bytes = sum(ckpt.codec.projection_bytes(s) for s in K3_SHAPES.values())
         exact, total, worst = _check(info, ckpt)
-        check = f"exact {exact}/{total}" if exact == total else f"FAIL {exact}/{total} max|d|={worst:g}"
+        check = (f"exact {exact}/{total}" if exact == total
+                 else f"FAIL {exact}/{total} max|d|={worst:g}")
         rows.append((label, layout, total, tiny_bytes, 8 * tiny_bytes / weights, k3_bytes, check,
                      "built" if built else "cached"))
     elapsed = time.perf_counter() - t0
@@ -96,17 +97,20 @@ def main(args: argparse.Namespace) -> int:
         f" routed experts (top-{cfg.num_experts_per_token}), expert {g[1]} -> {g[0]} -> {g[1]}"
     )
     print()
-    head = ("codec", "on-disk layout", "experts", "B/expert", "bits/w", "K3 B/expert", "decode check", "fixture")
+    head = ("codec", "on-disk layout", "experts", "B/expert", "bits/w", "K3 B/expert",
+            "decode check", "fixture")
     widths = (10, 42, 8, 9, 7, 12, 14, 6)
     fmt = lambda r: "  ".join(str(v).ljust(w) if i < 2 or i > 5 else str(v).rjust(w)  # noqa: E731
                               for i, (v, w) in enumerate(zip(r, widths)))
     print(fmt(head).rstrip())
     for label, layout, total, tb, bpw, k3b, check, state in rows:
-        print(fmt((label, layout, total, f"{tb:,}", f"{bpw:.3f}", f"{k3b:,}", check, state)).rstrip())
+        row = (label, layout, total, f"{tb:,}", f"{bpw:.3f}", f"{k3b:,}", check, state)
+        print(fmt(row).rstrip())
     print()
     print("B/expert: bytes of one routed expert (gate+up+down) in the tiny model; K3 B/expert: the")
     print("same codec at full K3 geometry (3584 -> 3072 -> 3584). decode check: every expert read")
-    print(f"back through the checkpoint reader equals the weights it was drawn from. ({elapsed:.1f} s)")
+    print("back through the checkpoint reader equals the weights it was drawn from. "
+          f"({elapsed:.1f} s)")
     print()
     _continue(root, args)
     ok = all(r[6].startswith("exact") for r in rows)

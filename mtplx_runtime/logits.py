@@ -10,7 +10,8 @@ def _token_list(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--tokens wants comma-separated ids, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--tokens wants comma-separated ids, got {text!r}") from None
     if not ids:
         raise argparse.ArgumentTypeError("--tokens is empty")
     return ids

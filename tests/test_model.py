@@ -82,7 +82,8 @@ def test_bfloat16_mode_within_tolerance_of_float32(fixtures, name):
     resolution pick other experts for some tokens, which with random experts moves logits far
     more than rounding does; that flip is expected and is not a tolerance failure."""
     ids = torch.tensor(TOKENS)
-    ref, low = load_model(fixtures[name], dtype="float32"), load_model(fixtures[name], dtype="bfloat16")
+    ref = load_model(fixtures[name], dtype="float32")
+    low = load_model(fixtures[name], dtype="bfloat16")
     want = ref.logits(ids)
     for ref_moe, low_moe in zip(_moe_layers(ref), _moe_layers(low)):
         low_moe.forced_ids = ref_moe.last_ids

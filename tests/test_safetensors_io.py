@@ -13,7 +13,11 @@ import safetensors.numpy
 import torch
 from safetensors.torch import save_file
 
-from mtplx_runtime.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, write_safetensors
+from mtplx_runtime.checkpoint.safetensors_io import (
+    CheckpointError,
+    SafetensorsFile,
+    write_safetensors,
+)
 
 
 def _raw(path, header: dict, data: bytes, pad=True):
@@ -65,18 +69,21 @@ def test_reading_one_tensor_reads_only_its_bytes(tmp_path, monkeypatch):
     assert max(sizes) < 4096  # the 8-byte length, the header, the 16-byte tensor
 
 
+def _entry(dtype="F32", shape=(2,), offsets=(0, 8), **extra):
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets), **extra}
+
+
 @pytest.mark.parametrize(
     "header,data,needle",
     [
-        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 12, "trailing bytes"),
-        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "hole"),
-        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-          "u": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]}}, b"\0" * 8, "overlaps"),
-        ({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "needs 12 bytes"),
-        ({"t": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "unknown dtype"),
-        ({"t": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, "bad shape"),
-        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "x": 1}}, b"\0" * 8, "exactly"),
-        ({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "truncated"),
+        ({"t": _entry()}, b"\0" * 12, "trailing bytes"),
+        ({"t": _entry(offsets=(4, 12))}, b"\0" * 12, "hole"),
+        ({"t": _entry(), "u": _entry("U8", (4,), (4, 8))}, b"\0" * 8, "overlaps"),
+        ({"t": _entry(shape=(3,))}, b"\0" * 8, "needs 12 bytes"),
+        ({"t": _entry("Q4")}, b"\0" * 8, "unknown dtype"),
+        ({"t": _entry(shape=(-2,))}, b"\0" * 8, "bad shape"),
+        ({"t": _entry(x=1)}, b"\0" * 8, "exactly"),
+        ({"t": _entry(shape=(4,), offsets=(0, 16))}, b"\0" * 8, "truncated"),
         ({"__metadata__": {"k": 1}}, b"", "__metadata__"),
         ([1, 2], b"", "not a JSON object"),
     ],
@@ -102,7 +109,8 @@ def test_header_limits_and_garbage(tmp_path):
     p.write_bytes((8).to_bytes(8, "little") + b"\xff\xfe{}    ")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         SafetensorsFile(p)
-    raw = b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
+    one = b'{"dtype":"U8","shape":[1],"data_offsets":[0,1]}'
+    raw = b'{"a":' + one + b',"a":' + one + b"}"
     p.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0")
     with pytest.raises(CheckpointError, match="duplicate key"):
         SafetensorsFile(p)

@@ -203,7 +203,8 @@ def write_safetensors(
         want = ST_DTYPES[st_dtype]
         if arr.dtype.itemsize != want.itemsize:
             raise ValueError(f"{name}: array dtype {arr.dtype} does not fit safetensors {st_dtype}")
-        header[name] = {"dtype": st_dtype, "shape": list(arr.shape), "data_offsets": [off, off + arr.nbytes]}
+        header[name] = {"dtype": st_dtype, "shape": list(arr.shape),
+                        "data_offsets": [off, off + arr.nbytes]}
         off += arr.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

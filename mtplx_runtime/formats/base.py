@@ -104,9 +104,8 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     encoder does (FORMAT.md, t158 scales).
     """
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(
-        np.uint16
-    )
+    one, sixteen = np.uint32(1), np.uint32(16)
+    return ((u + np.uint32(0x7FFF) + ((u >> sixteen) & one)) >> sixteen).astype(np.uint16)
 
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:

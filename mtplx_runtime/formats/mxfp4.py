@@ -14,7 +14,7 @@ values that are already E2M1 times a power of two survive a round trip unchanged
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import torch
@@ -106,7 +106,7 @@ def decode_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return out.reshape(*scale.shape[:-1], -1)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tables_on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(_NIBBLE_VALUES).to(device), torch.from_numpy(_E8M0_SCALES).to(device)
 

@@ -13,7 +13,7 @@ summation order (§1.5), so re-encoding a source gives the same bytes as the pub
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import torch
@@ -123,7 +123,7 @@ def decode_t158(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(*scales.shape[:-1], -1)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _trits_on(device: torch.device) -> torch.Tensor:
     return torch.from_numpy(_TRITS).to(device)
 

@@ -90,7 +90,7 @@ class KimiK3:
     def from_weights(cls, cfg: ModelConfig, top: dict[str, torch.Tensor],
                      layer_weights: list[dict[str, torch.Tensor]], provider: ExpertProvider,
                      dtype: torch.dtype) -> KimiK3:
-        """Build every layer from resident weights (`load.load_residents`) and an expert provider."""
+        """Every layer from resident weights (`load.load_residents`) and an expert provider."""
         layers = [build_decoder_layer(cfg, i, w, provider) for i, w in enumerate(layer_weights)]
         return cls(cfg, top, layers, dtype)
 
