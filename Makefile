@@ -17,8 +17,12 @@ $(VENV)/.stamp-base: pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
+# NVIDIA NeMo AutoModel's K3 is the whole-model oracle (tests/test_model_oracle.py). Its own
+# requirements (megatron, datasets, a transformers pin, ...) are not needed for the K3 modules on
+# CPU, and an extra cannot say --no-deps, hence the separate step.
 $(VENV)/.stamp-test: pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps nemo-automodel==0.7.0
 	touch $@ $(VENV)/.stamp-base
 
 demo: $(VENV)/.stamp-base
