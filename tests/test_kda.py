@@ -55,7 +55,7 @@ def test_gate_matches_fla():
 
 
 @pytest.mark.parametrize("with_state", [False, True])
-@pytest.mark.parametrize("T", [1, 5, 64, 100, 130])
+@pytest.mark.parametrize("T", [1, 5, 64, 100, 128, 130])
 def test_recurrent_and_chunked_match_fla(T, with_state):
     from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
