@@ -2,7 +2,8 @@
 
 Names: "t158" (MTPLX ternary), "mxfp4" (compressed-tensors mxfp4-pack-quantized), "bf16"
 (unquantized passthrough), "ct-int" (compressed-tensors pack-quantized int; params num_bits,
-layout "dense" | "legacy", symmetric). Byte layouts: FORMAT.md at the repository root.
+layout "dense" | "legacy", symmetric), "q2k" (GGUF Q2_K, read-only: the source the published t158
+artifact was converted from). Byte layouts: FORMAT.md at the repository root.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from .base import Codec, ComponentSpec, FormatError
 
 __all__ = ["Codec", "ComponentSpec", "FormatError", "get_codec", "CODEC_NAMES"]
 
-CODEC_NAMES = ("t158", "mxfp4", "bf16", "ct-int")
+CODEC_NAMES = ("t158", "mxfp4", "bf16", "ct-int", "q2k")
 
 
 def get_codec(name: str, **params) -> Codec:
@@ -32,4 +33,8 @@ def get_codec(name: str, **params) -> Codec:
         from .ctint import CtIntCodec
 
         return CtIntCodec(**params)
+    if name == "q2k":
+        from .q2k import Q2KCodec
+
+        return Q2KCodec(**params)
     raise ValueError(f"unknown codec {name!r}; known: {', '.join(CODEC_NAMES)}")
