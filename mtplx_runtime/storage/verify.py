@@ -1,0 +1,253 @@
+"""Verify a streaming artifact directory against its manifest (t158-and-streaming.md §5.6) and the
+`mtplx verify ARTIFACT [--records] [--shard-hashes]` subcommand.
+
+    expert-manifest.json --load (§5.3-5.5)--> descriptor (§5.5 15-20) --> index + safetensors
+    headers (§5.6.2) --> shard sizes/headers (§5.6.3) --> [--records] record hashes (§5.6.4)
+
+Every problem is collected (not raised) and names the file and, for records, the layer/expert,
+so one run lists everything that is wrong. `--shard-hashes` also covers the bank parts (§5.6.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..checkpoint.safetensors_io import CheckpointError, SafetensorsFile, no_duplicate_keys
+from .manifest import MANIFEST_NAME, Manifest, load_manifest
+from .manifest_rules import K3_T158_DESCRIPTOR, Descriptor, descriptor_for, validate_descriptor
+
+INDEX_NAME = "model.safetensors.index.json"
+NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")  # §5.6.2: allowed unlisted residents
+_CHUNK = 16 * 2**20
+
+
+@dataclass
+class VerifyReport:
+    root: Path
+    problems: list[str] = field(default_factory=list)
+    shards_checked: int = 0
+    records_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        state = "OK" if self.ok else f"{len(self.problems)} problem(s)"
+        return (f"verify {self.root}: {state}; {self.shards_checked} shards, "
+                f"{self.records_checked} records checked")
+
+
+def _member(root: Path, name: str, rep: VerifyReport) -> Path | None:
+    """`root/name` if it stays under the root, or is a Hugging Face snapshot link into the
+    sibling `blobs/` directory (§5.6, last paragraph); otherwise a problem and None."""
+    p = root / name
+    real, base = os.path.realpath(p), os.path.realpath(root)
+    if real.startswith(base + os.sep):
+        return p
+    blobs = root.parent.parent / "blobs"
+    if (root.parent.name == "snapshots" and blobs.is_dir() and not blobs.is_symlink()
+            and real.startswith(os.path.realpath(blobs) + os.sep)):
+        return p
+    rep.problems.append(f"{name}: resolves to {real}, outside the artifact root")
+    return None
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _descriptor(m: Manifest, root: Path, rep: VerifyReport) -> Descriptor | None:
+    if m.model_key == K3_T158_DESCRIPTOR.model_key:
+        return K3_T158_DESCRIPTOR
+    from ..checkpoint.config import ModelConfig
+
+    try:
+        cfg = ModelConfig.from_file(root / "config.json")
+        return descriptor_for(cfg, m.quantization["mode"], m.quantization["bits"],
+                              model_key=m.model_key)
+    except (CheckpointError, OSError) as e:
+        rep.problems.append(f"config.json: cannot derive the record layout: {e}")
+        return None
+
+
+def _check_shards(m: Manifest, root: Path, rep: VerifyReport, hashes: bool) -> dict:
+    """§5.6.3/5: sizes, re-read safetensors headers, optional whole-file hashes. Returns the
+    parsed safetensors files' tensors {shard: {name: TensorInfo}}."""
+    tensors = {}
+    for s in m.shards:
+        p = _member(root, s.name, rep)
+        if p is None:
+            continue
+        rep.shards_checked += 1
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            rep.problems.append(f"{s.name}: missing")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            rep.problems.append(f"{s.name}: not a regular file")
+            continue
+        if st.st_size != s.size:
+            rep.problems.append(f"{s.name}: size {st.st_size}, manifest says {s.size}"
+                                + (" (truncated)" if st.st_size < s.size else ""))
+            continue
+        if s.kind != "sidecar":
+            try:
+                with SafetensorsFile(p) as f:
+                    tensors[s.name] = f.tensors
+            except CheckpointError as e:
+                rep.problems.append(f"{s.name}: bad safetensors header: {e}")
+                continue
+            with open(p, "rb") as f:
+                n = 8 + int.from_bytes(f.read(8), "little")
+                f.seek(0)
+                got = hashlib.sha256(f.read(n)).hexdigest()
+            if n != s.header_bytes or got != s.header_sha256:
+                rep.problems.append(f"{s.name}: header changed (header_bytes {n} vs "
+                                    f"{s.header_bytes}, header_sha256 {got} vs {s.header_sha256})")
+        if hashes and s.sha256 is not None and _file_sha256(p) != s.sha256:
+            rep.problems.append(f"{s.name}: sha256 mismatch (whole file)")
+    return tensors
+
+
+def _check_index(m: Manifest, root: Path, rep: VerifyReport, tensors: dict,
+                 desc: Descriptor | None) -> None:
+    """§5.6.2: *.safetensors files == listed shards; index == headers; residents == index."""
+    listed = {s.name for s in m.shards if s.kind != "sidecar"}
+    present = {p.name for p in root.glob("*.safetensors")}
+    for name in sorted(present - listed):
+        rep.problems.append(f"{name}: *.safetensors file not listed in the manifest")
+    for name in sorted(listed - present):
+        if (root / name).exists():  # listed under a subdirectory: the glob does not see it
+            continue
+        rep.problems.append(f"{name}: listed safetensors shard is missing")
+    try:
+        with open(root / INDEX_NAME, "rb") as f:
+            index = json.loads(f.read(), object_pairs_hook=no_duplicate_keys)
+        wmap = index["weight_map"]
+        assert isinstance(wmap, dict)
+    except FileNotFoundError:
+        rep.problems.append(f"{INDEX_NAME}: missing")
+        return
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        rep.problems.append(f"{INDEX_NAME}: unreadable or without a weight_map object: {e!r}")
+        return
+    held = {name: (shard, t) for shard, ts in tensors.items() for name, t in ts.items()}
+    for name in sorted(held.keys() - wmap.keys()):
+        rep.problems.append(f"{INDEX_NAME}: tensor {name!r} of {held[name][0]} is not indexed")
+    for name, shard in sorted(wmap.items()):
+        if name not in held or held[name][0] != shard:
+            rep.problems.append(f"{INDEX_NAME}: {name!r} -> {shard!r}, but that shard does not "
+                                "hold it")
+    total = index.get("metadata", {}).get("total_size") if isinstance(index, dict) else None
+    if total is not None and total != sum(t.nbytes for _, t in held.values()):
+        rep.problems.append(f"{INDEX_NAME}: metadata.total_size {total} != summed tensor "
+                            f"lengths {sum(t.nbytes for _, t in held.values())}")
+    prefix = desc.resident_prefix if desc is not None else ""
+    indexed = {n: v for n, v in held.items() if n in wmap and n.startswith(prefix)}
+    listed_res = {t.tensor: t for t in m.resident_tensors}
+    for name in sorted(indexed.keys() ^ listed_res.keys()):
+        where = "indexed but not a manifest resident" if name in indexed else "not indexed"
+        rep.problems.append(f"resident tensor {name!r}: {where}")
+    for name in sorted(indexed.keys() & listed_res.keys()):
+        (shard, t), r = indexed[name], listed_res[name]
+        if (shard, t.start, t.nbytes, t.dtype, t.shape) != (r.shard, r.offset, r.length,
+                                                            r.dtype, r.shape):
+            rep.problems.append(f"resident tensor {name!r}: manifest says {r.shard}@{r.offset} "
+                                f"{r.dtype}{list(r.shape)}, file has {shard}@{t.start} "
+                                f"{t.dtype}{list(t.shape)}")
+    for name in sorted(n for n in wmap if not n.startswith(prefix)):
+        if not name.startswith(NON_TEXT_PREFIXES):
+            rep.problems.append(f"{INDEX_NAME}: {name!r} is neither a resident nor a "
+                                "vision_tower./mm_projector. tensor")
+
+
+def _check_records(m: Manifest, root: Path, rep: VerifyReport) -> None:
+    """§5.6.4: re-read every record (segment by segment) and compare its SHA-256."""
+    fds: dict[str, int | None] = {}
+    try:
+        for r in m.records:
+            part = r.segments[0].shard
+            if r.sha256 is None:
+                rep.problems.append(f"{part}: record layer {r.layer} expert {r.expert} has no "
+                                    "sha256 to check")
+                continue
+            h, bad = hashlib.sha256(), None
+            for s in r.segments:
+                if s.shard not in fds:
+                    p = _member(root, s.shard, rep)
+                    try:
+                        fds[s.shard] = None if p is None else os.open(p, os.O_RDONLY)
+                    except OSError:
+                        fds[s.shard] = None  # reported by the shard check
+                fd = fds[s.shard]
+                data = b"" if fd is None else os.pread(fd, s.length, s.offset)
+                if len(data) != s.length:
+                    bad = f"unreadable or truncated ({s.component} at {s.offset})"
+                    break
+                h.update(data)
+            rep.records_checked += 1
+            if bad is None and h.hexdigest() != r.sha256:
+                start = r.segments[0].offset
+                bad = f"sha256 mismatch (bytes [{start}, {start + r.logical_bytes}))"
+            if bad is not None:
+                rep.problems.append(f"{part}: record layer {r.layer} expert {r.expert}: {bad}")
+    finally:
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
+
+
+def verify_artifact(root: str | os.PathLike, *, records: bool = False,
+                    shard_hashes: bool = False) -> VerifyReport:
+    """Check the directory `root` against its `expert-manifest.json` (§5.6). Never raises for a
+    bad artifact: every problem is a line in the report. Blocks on file reads (whole files with
+    `shard_hashes`, every record with `records`)."""
+    root = Path(root)
+    rep = VerifyReport(root)
+    try:
+        m = load_manifest(root / MANIFEST_NAME)
+    except CheckpointError as e:
+        rep.problems.append(str(e))
+        return rep
+    desc = None
+    if m.authoritative:
+        desc = _descriptor(m, root, rep)
+        if desc is not None:
+            try:
+                validate_descriptor(m, desc)
+            except CheckpointError as e:
+                rep.problems.append(f"{MANIFEST_NAME}: {e}")
+    tensors = _check_shards(m, root, rep, shard_hashes)
+    if m.authoritative:
+        _check_index(m, root, rep, tensors, desc)
+    if records:
+        _check_records(m, root, rep)
+    return rep
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("artifact", help="artifact directory holding expert-manifest.json")
+    parser.add_argument("--records", action="store_true",
+                        help="re-read every record and compare its SHA-256")
+    parser.add_argument("--shard-hashes", action="store_true",
+                        help="hash every whole file (resident shards and bank parts)")
+
+
+def main(args: argparse.Namespace) -> int:
+    rep = verify_artifact(args.artifact, records=args.records, shard_hashes=args.shard_hashes)
+    for line in rep.problems:
+        print(line)
+    print(rep.summary())
+    return 0 if rep.ok else 1
