@@ -21,6 +21,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("mtplx_runtime.inspect", "summarise a K3 checkpoint: layout, codec, experts"),
     "logits": ("mtplx_runtime.logits", "reference forward of a token list, logits to a .npy file"),
     "recode-w4": ("mtplx_runtime.recode_w4", "recode a W3 checkpoint to W4 losslessly (for vLLM)"),
+    "build-manifest": ("mtplx_runtime.storage.builder_cli",
+                       "build or resume a streaming artifact (bank parts + manifest)"),
     "verify": ("mtplx_runtime.storage.verify",
                "check an artifact directory against its expert manifest"),
 }

@@ -46,26 +46,34 @@ MODES: dict[str, Mode] = {
 Component = tuple[str, str, tuple[int, ...], int]
 
 
+def mode_codec(mode: str, bits: int | None = None):
+    """The codec whose components a bank record of `mode` holds (ct-int: always dense)."""
+    from ..formats import get_codec
+
+    if mode in ("t158", "mxfp4", "bf16"):
+        return get_codec(mode)
+    if mode in ("ct-int", "ct-int-asym"):
+        if bits not in (3, 4):
+            raise ManifestError(f"mode {mode}: bits must be 3 or 4, got {bits!r}")
+        return get_codec("ct-int", num_bits=bits, layout="dense", symmetric=mode == "ct-int")
+    raise ManifestError(f"no record layout for codec mode {mode!r}")
+
+
+def quantization_for(mode: str, bits: int | None = None) -> dict:
+    """The manifest `quantization` object of one of our modes: exactly {bits, group_size, mode}."""
+    mode_codec(mode, bits)  # validates mode and bits
+    spec = MODES[mode]
+    return {"bits": bits if len(spec.bits) > 1 else spec.bits[0], "group_size": spec.group_size,
+            "mode": mode}
+
+
 def record_components(mode: str, expert_shapes: Mapping,
                       bits: int | None = None) -> list[Component]:
     """The record's components for `mode` WITHOUT padding, gate then up then down.
 
     `expert_shapes` maps "gate"/"up"/"down" (or "gate_proj"...) to `(rows, cols)`. `bits` is
     needed only for ct-int modes (3 or 4; 3-bit always in the dense layout in banks)."""
-    from ..formats import get_codec
-
-    if mode == "t158":
-        codec = get_codec("t158")
-    elif mode == "mxfp4":
-        codec = get_codec("mxfp4")
-    elif mode == "bf16":
-        codec = get_codec("bf16")
-    elif mode in ("ct-int", "ct-int-asym"):
-        if bits not in (3, 4):
-            raise ManifestError(f"mode {mode}: bits must be 3 or 4, got {bits!r}")
-        codec = get_codec("ct-int", num_bits=bits, layout="dense", symmetric=mode == "ct-int")
-    else:
-        raise ManifestError(f"no record layout for codec mode {mode!r}")
+    codec = mode_codec(mode, bits)
     out = []
     for p in PROJECTIONS:
         shape = expert_shapes[p] if p in expert_shapes else expert_shapes[f"{p}_proj"]

@@ -1,0 +1,373 @@
+"""Bank record layout per codec mode: component order, 4 KiB-aligned offsets, padding segments,
+and bank part names (FORMAT.md "Streaming artifact", spec t158-and-streaming.md §3, §5.2).
+
+One record = one expert of one routed layer = gate, up, down components in codec order. Every
+component starts 4 KiB-aligned inside the record; a component whose length is not a multiple of
+4096 is followed by an explicit `pad` segment (tensor "", U8 [n], zero bytes), so segments are
+contiguous and cover `logical_bytes` exactly. K3 t158 needs no padding (§3). A record's stride in
+its part is its `logical_bytes`, itself a multiple of 4096.
+
+    source ExpertRecord -> parts per projection (mode codec) -> record_bytes (+ zero pads)
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from ..checkpoint.config import ModelConfig
+from ..checkpoint.safetensors_io import ST_DTYPES
+from ..formats import Codec, FormatError
+from .journal import (
+    BuildError,
+    JournalWriter,
+    check_record_geometry,
+    fsync_dir,
+    header_mismatch,
+    parse_journal,
+    truncate_file,
+)
+from .manifest_rules import PAD, mode_codec, padded_layout, record_components
+
+ALIGNMENT = 4096  # record and component alignment inside a bank part (O_DIRECT-friendly)
+PROJECTIONS = ("gate", "up", "down")  # record order
+PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    return -(-n // alignment) * alignment
+
+
+def part_name(mode: str, layer: int, n_routed: int) -> str:
+    """`experts-{mode}-layer-{L:03d}-of-{N:03d}.bin`; L the 0-based model layer index."""
+    return f"experts-{mode}-layer-{layer:03d}-of-{n_routed:03d}.bin"
+
+
+def tensor_name(layer: int, expert: int, proj: str, part: str) -> str:
+    return f"model.layers.{layer}.mlp.switch_mlp.experts.{expert}.{PROJ_NAMES[proj]}.{part}"
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentLayout:
+    """One segment of a record; `offset` is relative to the record start."""
+
+    component: str  # "{gate_proj|up_proj|down_proj}.{part}" or "pad"
+    proj: str | None  # "gate" | "up" | "down"; None for padding
+    part: str | None  # codec component name; None for padding
+    offset: int
+    length: int
+    dtype: str  # safetensors tag ("U8" for padding)
+    shape: tuple[int, ...]
+
+    def tensor(self, layer: int, expert: int) -> str:
+        return "" if self.proj is None else tensor_name(layer, expert, self.proj, self.part)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordLayout:
+    mode: str
+    bits: int | None
+    segments: tuple[SegmentLayout, ...]
+    logical_bytes: int  # also the record stride in its part
+
+    @property
+    def codec(self) -> Codec:
+        return mode_codec(self.mode, self.bits)
+
+
+def record_layout(cfg: ModelConfig, mode: str, bits: int | None = None) -> RecordLayout:
+    """The (layer- and expert-independent) segment layout of one record of `mode`: the
+    manifest's component list for the mode with its `pad` segments (manifest_rules)."""
+    try:
+        components = padded_layout(record_components(mode, cfg.expert_shapes, bits))
+    except FormatError as e:
+        raise FormatError(f"expert shapes {cfg.expert_shapes} cannot be stored as {mode}: "
+                          f"{e}") from None
+    segs: list[SegmentLayout] = []
+    off = 0
+    for component, dtype, shape, length in components:
+        proj, part = (None, None) if component == PAD else component.split(".", 1)
+        proj = proj and proj.removesuffix("_proj")
+        segs.append(SegmentLayout(component, proj, part, off, length, dtype, shape))
+        off += length
+    return RecordLayout(mode, bits, tuple(segs), off)
+
+
+def record_bytes(layout: RecordLayout, parts: dict[str, dict[str, np.ndarray]]) -> bytes:
+    """Serialize `{proj: {component: array}}` into one record (padding zero-filled)."""
+    buf = bytearray(layout.logical_bytes)
+    for s in layout.segments:
+        if s.proj is None:
+            continue
+        a = np.ascontiguousarray(parts[s.proj][s.part])
+        if a.nbytes != s.length or tuple(a.shape) != s.shape:
+            raise FormatError(f"{s.component}: array {a.dtype}{list(a.shape)} does not match "
+                              f"the record layout {s.dtype}{list(s.shape)}")
+        buf[s.offset:s.offset + s.length] = a.tobytes()
+    return bytes(buf)
+
+
+def record_parts(layout: RecordLayout, data: bytes | memoryview) -> dict[str, dict]:
+    """Inverse of `record_bytes`: `{proj: {component: array}}` (fresh arrays, BF16 as uint16)."""
+    out: dict[str, dict[str, np.ndarray]] = {p: {} for p in PROJECTIONS}
+    for s in layout.segments:
+        if s.proj is not None:
+            raw = np.frombuffer(data, np.uint8, s.length, s.offset)
+            out[s.proj][s.part] = raw.view(ST_DTYPES[s.dtype]).reshape(s.shape).copy()
+    return out
+
+
+# ---- Writing one bank part: journal protocol, resume, publication (§5.7, §5.8) ----
+
+_CRASH = {"after": int(os.environ.get("MTPLX_BUILD_CRASH_AFTER", "0") or 0), "count": 0}
+_CRASH_LOCK = threading.Lock()
+HASH_CHUNK = 8 << 20
+
+
+def crash_point(what: str) -> None:
+    """Test hook: with MTPLX_BUILD_CRASH_AFTER=N, the N-th crash point SIGKILLs the process
+    (simulates power loss at every interesting step of a build; tests/test_builder_crash.py)."""
+    if not _CRASH["after"]:
+        return
+    with _CRASH_LOCK:
+        _CRASH["count"] += 1
+        if _CRASH["count"] == _CRASH["after"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_all(fd: int, data: bytes, offset: int | None = None) -> None:
+    """Write every byte (positional when `offset` is given). Tests monkeypatch this to inject
+    ENOSPC."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view) if offset is None else os.pwrite(fd, view, offset)
+        view = view[n:]
+        if offset is not None:
+            offset += n
+
+
+def _write(fd: int, data: bytes, offset: int | None = None) -> None:
+    write_all(fd, data, offset)  # late-bound so a monkeypatched write_all is seen
+
+
+def sha256_hex(data) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def hash_file(path: Path) -> tuple[int, str]:
+    """(size, sha256) of a file, in 8 MiB reads."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+class PartSource(Protocol):
+    """What `build_part` needs from the source: per expert, the source components' hashes
+    (journaled, re-checked on resume) and the record's parts in the bank mode."""
+
+    def source_components(self, layer: int, expert: int) -> tuple[list[dict], object]: ...
+
+    def record_parts(self, layer: int, expert: int, handle: object) -> dict: ...
+
+
+@dataclass
+class PartResult:
+    name: str
+    size: int
+    sha256: str
+    outputs: list[dict]  # journal `output` objects, one per expert
+    written: int = 0  # records written by this run
+    resumed: int = 0  # records kept from an earlier run
+    adopted: bool = False  # the final part existed and re-verified
+
+
+def expected_output(layout: RecordLayout, name: str, layer: int, expert: int) -> dict:
+    """The journal `output` object of one record without hashes."""
+    base = expert * layout.logical_bytes
+    return {
+        "layer": layer, "expert": expert, "shard": name, "record_offset": base,
+        "logical_bytes": layout.logical_bytes,
+        "segments": [{"component": s.component, "tensor": s.tensor(layer, expert), "shard": name,
+                      "offset": base + s.offset, "length": s.length, "dtype": s.dtype,
+                      "shape": list(s.shape)} for s in layout.segments],
+    }
+
+
+def hashed_output(layout: RecordLayout, name: str, layer: int, expert: int, rec: bytes) -> dict:
+    out = expected_output(layout, name, layer, expert)
+    for seg, s in zip(out["segments"], layout.segments):
+        seg["sha256"] = sha256_hex(rec[s.offset:s.offset + s.length])
+    out["sha256"] = sha256_hex(rec)
+    return out
+
+
+def build_part(out_dir: Path, name: str, layer: int, layout: RecordLayout, n_experts: int,
+               header: dict, source: PartSource, on_record=lambda nbytes: None) -> PartResult:
+    """Write (or resume, or adopt) bank part `name` in `out_dir`. Blocks; one record in memory.
+
+    Raises BuildError when the existing state cannot be continued safely (header mismatch,
+    source changed, stray files) or the disk is full (partial + journal stay resumable).
+    """
+    final, stride = out_dir / name, layout.logical_bytes
+    partial = out_dir / (name + ".partial")
+    jpath = out_dir / (name + ".journal.jsonl")
+    if final.exists():
+        return _adopt(final, partial, jpath, layer, layout, n_experts, header, source)
+    have_p, have_j = partial.exists(), jpath.exists()
+    if have_j and not have_p:
+        raise BuildError(f"{jpath}: journal without {partial.name}; remove the journal to rebuild")
+    if have_p and not have_j:
+        st = partial.stat()
+        if st.st_size or st.st_nlink != 1:
+            raise BuildError(f"{partial}: a non-empty or linked partial without a journal; remove "
+                             f"it to rebuild")
+    if not have_p:
+        os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+        fsync_dir(out_dir)
+    outputs: list[dict] = []
+    running = hashlib.sha256()
+    parsed = parse_journal(jpath, n_experts) if have_j else None
+    if parsed is not None and parsed.header is not None:
+        why = header_mismatch(parsed.header, header)
+        if why:
+            raise BuildError(f"{jpath}: journal header differs from this build ({why}); rerun the "
+                             f"original command, or remove {partial.name} and the journal")
+        good_end = _rescan(parsed, partial, layer, layout, name, source, outputs, running)
+        truncate_file(jpath, good_end)
+    elif have_j:
+        truncate_file(jpath, 0)  # crashed before the header line was complete
+    truncate_file(partial, len(outputs) * stride)
+    resumed = len(outputs)
+    journal = JournalWriter(jpath, _write)
+    fd = os.open(partial, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        if parsed is None or parsed.header is None:
+            journal.append(header)
+        for e in range(resumed, n_experts):
+            src_components, handle = source.source_components(layer, e)
+            rec = record_bytes(layout, source.record_parts(layer, e, handle))
+            try:
+                _write(fd, rec, e * stride)
+                os.fsync(fd)
+                crash_point("record")
+                outputs.append(hashed_output(layout, name, layer, e, rec))
+                journal.append({"ordinal": e, "source_components": src_components,
+                                "output": outputs[-1]})
+            except OSError as err:
+                if err.errno == errno.ENOSPC:
+                    raise BuildError(f"{partial}: no space left on device while writing record "
+                                     f"{e} ({e} of {n_experts} records are durable); free space "
+                                     f"and rerun the same command to resume") from None
+                raise
+            running.update(rec)
+            crash_point("journal")
+            on_record(stride)
+        os.ftruncate(fd, n_experts * stride)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    size, digest = hash_file(partial)
+    if size != n_experts * stride or digest != running.hexdigest():
+        raise BuildError(f"{partial}: durable readback hash {digest} ({size} B) differs from the "
+                         f"hash of the records written; the disk returned different bytes")
+    try:
+        journal.append({"completion": {"record_count": n_experts, "size": size, "sha256": digest}})
+    finally:
+        journal.close()
+    crash_point("completion")
+    try:
+        os.link(partial, final)
+    except FileExistsError:
+        raise BuildError(f"{final}: already exists; refusing to overwrite") from None
+    crash_point("link")
+    os.unlink(partial)
+    fsync_dir(out_dir)
+    return PartResult(name, size, digest, outputs, n_experts - resumed, resumed)
+
+
+def _verify_record(data: bytes, line: dict) -> bool:
+    out = line["output"]
+    if sha256_hex(data) != out["sha256"]:
+        return False
+    base = out["record_offset"]
+    return all(sha256_hex(data[s["offset"] - base:s["offset"] - base + s["length"]]) == s["sha256"]
+               for s in out["segments"])
+
+
+def _check_source(line: dict, layer: int, e: int, source: PartSource, path: Path) -> None:
+    got, _ = source.source_components(layer, e)
+    if got != line.get("source_components"):
+        raise BuildError(f"{path}: record {e}: source hash changed since it was journaled; the "
+                         f"source is not the one this part was started from")
+
+
+def _rescan(parsed, partial: Path, layer: int, layout: RecordLayout, name: str,
+            source: PartSource, outputs: list, running) -> int:
+    """Re-verify journaled records in order; keep the good prefix. Returns the journal offset
+    just past the last good record (or the header)."""
+    good_end = parsed.header_end
+    stride = layout.logical_bytes
+    with open(partial, "rb", buffering=0) as f:
+        for e, line in enumerate(parsed.records):
+            if check_record_geometry(line, expected_output(layout, name, layer, e)):
+                break
+            _check_source(line, layer, e, source, partial)
+            f.seek(e * stride)
+            data = f.read(stride)
+            if len(data) != stride or not _verify_record(data, line):
+                break  # first mismatch stops the scan (§5.8)
+            outputs.append(line["output"])
+            running.update(data)
+            good_end = parsed.record_ends[e]
+    return good_end
+
+
+def _adopt(final: Path, partial: Path, jpath: Path, layer: int, layout: RecordLayout,
+           n_experts: int, header: dict, source: PartSource) -> PartResult:
+    """Accept an already published part only after full re-verification (§5.8)."""
+    def fail(why: str) -> BuildError:
+        return BuildError(f"{final}: exists but cannot be adopted: {why}; remove it (and its "
+                          f"journal) to rebuild")
+
+    if partial.exists() and not os.path.samefile(partial, final):
+        raise fail(f"a different {partial.name} exists")
+    if not jpath.exists():
+        raise fail("its journal is missing")
+    parsed = parse_journal(jpath, n_experts)
+    if parsed.header is None or header_mismatch(parsed.header, header):
+        raise fail("its journal header differs from this build")
+    if parsed.completion is None or len(parsed.records) != n_experts or parsed.torn_bytes:
+        raise fail("its journal is not header + all records + completion")
+    stride, name = layout.logical_bytes, final.name
+    if final.stat().st_size != n_experts * stride:
+        raise fail(f"size {final.stat().st_size}, expected {n_experts * stride}")
+    running = hashlib.sha256()
+    with open(final, "rb", buffering=0) as f:
+        for e, line in enumerate(parsed.records):
+            if check_record_geometry(line, expected_output(layout, name, layer, e)):
+                raise fail(f"record {e} geometry differs")
+            _check_source(line, layer, e, source, final)
+            data = f.read(stride)
+            if not _verify_record(data, line):
+                raise fail(f"record {e} hash mismatch")
+            running.update(data)
+    completion = {"record_count": n_experts, "size": n_experts * stride,
+                  "sha256": running.hexdigest()}
+    if parsed.completion != completion:
+        raise fail("completion line does not match the re-hashed part")
+    if partial.exists():
+        os.unlink(partial)  # crashed between link and unlink
+        fsync_dir(final.parent)
+    return PartResult(name, completion["size"], completion["sha256"],
+                      [line["output"] for line in parsed.records], adopted=True)

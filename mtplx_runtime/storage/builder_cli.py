@@ -1,0 +1,42 @@
+"""`mtplx build-manifest SRC OUT`: build (or resume) a streaming artifact from a checkpoint.
+
+Rerunning the same command after a crash or a full disk continues where the journal ends
+(FORMAT.md "Build journal, resume and publication").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", type=Path, metavar="SRC",
+                        help="source checkpoint directory (safetensors or GGUF Q2_K)")
+    parser.add_argument("out", type=Path, metavar="OUT", help="artifact directory (created)")
+    parser.add_argument("--codec", choices=("keep", "t158"), default="keep",
+                        help="keep the source codec (default) or re-encode experts to t158; "
+                             "a GGUF Q2_K source always becomes t158")
+    parser.add_argument("--layers", default=None, metavar="SPEC",
+                        help="MoE layers to build, e.g. 1-5,7 (default: all)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="layers built in parallel; memory holds at most N records (default 1)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def main(args: argparse.Namespace) -> int:
+    from .builder import build_artifact
+    from .journal import BuildError
+
+    try:
+        r = build_artifact(args.src, args.out, codec=args.codec, layers=args.layers,
+                           jobs=args.jobs, progress=not args.no_progress)
+    except BuildError as e:
+        print(f"mtplx build-manifest: error: {e}", file=sys.stderr)
+        return 2
+    note = f" ({', '.join(r.notes)})" if r.notes else ""
+    print(f"build-manifest: {r.mode} {len(r.parts)} parts, {r.records} records "
+          f"({r.written} written, {r.resumed} resumed, {r.adopted} parts adopted) -> {r.out} "
+          f"manifest {r.manifest_sha256[:12]} in {r.seconds:.1f}s{note}")
+    return 0

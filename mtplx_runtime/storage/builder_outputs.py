@@ -1,0 +1,212 @@
+"""Everything a build writes besides bank parts: resident shards, copied metadata files, the
+index, `build-receipt.json` and the manifest object (spec t158-and-streaming.md §5.9).
+
+Every file is installed through `<name>.partial` + fsync + hard link (never overwriting) +
+unlink + directory fsync; when the final file already exists (a resumed build), its bytes MUST
+equal what this build would write, else the build stops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .bank import ALIGNMENT, HASH_CHUNK, hash_file
+from .journal import BuildError, fsync_dir
+from .manifest import (
+    FORMAT,
+    Manifest,
+    Record,
+    ResidentTensor,
+    Segment,
+    Shard,
+    Sidecar,
+    SidecarPart,
+)
+from .manifest import (
+    MANIFEST_NAME as MANIFEST,
+)
+from .manifest_rules import quantization_for
+
+RECEIPT = "build-receipt.json"
+INDEX = "model.safetensors.index.json"
+RECEIPT_FORMAT = "mtplx-build-receipt-v1"
+RESIDENT_SHARD_BYTES = 4 << 30  # resident shards are cut at ~4 GiB (a bigger tensor stands alone)
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+# Routed-expert tensor names of every source layout (checkpoint/layouts.py); never residents.
+_EXPERT = re.compile(r"(?:language_model\.)?model\.layers\.\d+\.(?:mlp|block_sparse_moe)\."
+                     r"(?:switch_mlp\.|experts\.\d+\.)")
+_NOT_METADATA = {INDEX, "fixture.json", MANIFEST, RECEIPT}
+
+
+def file_identity(path: Path) -> dict:
+    st = os.stat(path)
+    return {"name": path.name, "device": st.st_dev, "inode": st.st_ino, "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def install_chunks(path: Path, chunks) -> tuple[int, str]:
+    """Install `path` from an iterable of byte chunks (§5.9); returns (size, sha256). If `path`
+    exists it is kept only when byte-identical to the chunks."""
+    h, size = hashlib.sha256(), 0
+    if path.exists():
+        for c in chunks:
+            h.update(c)
+            size += len(c)
+        if hash_file(path) != (size, h.hexdigest()):
+            raise BuildError(f"{path}: exists with different content than this build writes; "
+                             f"use a fresh output directory")
+        return size, h.hexdigest()
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as f:
+        for c in chunks:
+            f.write(c)
+            h.update(c)
+            size += len(c)
+        f.flush()
+        os.fsync(f.fileno())
+    os.link(partial, path)
+    os.unlink(partial)
+    fsync_dir(path.parent)
+    return size, h.hexdigest()
+
+
+def install_bytes(path: Path, data: bytes) -> tuple[int, str]:
+    return install_chunks(path, [data])
+
+
+@dataclass
+class Residents:
+    shards: list[Shard]
+    tensors: list[ResidentTensor]
+
+
+def resident_names(ckpt) -> list[str]:
+    return sorted(n for n in ckpt.tensor_names() if not _EXPERT.match(n))
+
+
+def copy_residents(ckpt, out: Path) -> Residents:
+    """Copy every non-expert tensor byte for byte into `resident-NNNNN-of-MMMMM.safetensors`
+    shards (names sorted, header compact JSON space-padded to 8, data back to back)."""
+    groups: list[list[str]] = []
+    size = 0
+    for name in resident_names(ckpt):
+        n = ckpt.tensor_info(name).nbytes
+        if not groups or (size + n > RESIDENT_SHARD_BYTES and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += n
+    shards, tensors = [], []
+    for i, names in enumerate(groups, 1):
+        fname = f"resident-{i:05d}-of-{len(groups):05d}.safetensors"
+        header, off, infos = {}, 0, []
+        for name in names:
+            info = ckpt.tensor_info(name)
+            header[name] = {"dtype": info.dtype, "shape": list(info.shape),
+                            "data_offsets": [off, off + info.nbytes]}
+            infos.append((name, info, off))
+            off += info.nbytes
+        raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+        raw += b" " * (-len(raw) % 8)
+        prefix = len(raw).to_bytes(8, "little") + raw
+
+        def chunks(names=names, prefix=prefix):
+            yield prefix
+            for name in names:
+                data = ckpt.tensor(name).tobytes()
+                if len(data) != ckpt.tensor_info(name).nbytes:
+                    raise BuildError(f"{ckpt.path}: tensor {name!r} read back with a wrong size")
+                for k in range(0, len(data), HASH_CHUNK):
+                    yield data[k:k + HASH_CHUNK]
+
+        total, digest = install_chunks(out / fname, chunks())
+        shards.append(Shard(fname, total, len(prefix), hashlib.sha256(prefix).hexdigest(),
+                            digest))
+        tensors += [ResidentTensor(n, fname, len(prefix) + o, info.nbytes, info.dtype,
+                                   tuple(info.shape)) for n, info, o in infos]
+    return Residents(shards, sorted(tensors, key=lambda t: t.tensor))
+
+
+def copy_metadata_files(ckpt, out: Path) -> list[str]:
+    """Copy config, tokenizer and generation files (every small regular non-weight file)."""
+    root, copied = Path(ckpt.path), []
+    for p in sorted(root.iterdir()):
+        if (not p.is_file() or p.is_symlink() or p.name.startswith(".")
+                or p.suffix in (".safetensors", ".gguf", ".partial") or p.name in _NOT_METADATA):
+            continue
+        install_bytes(out / p.name, p.read_bytes())
+        copied.append(p.name)
+    return copied
+
+
+def assemble_manifest(cfg, esrc, ckpt, results: dict, residents: Residents,
+                      src_hashes: list[dict]) -> Manifest:
+    """The manifest object: resident shards, then bank parts (sidecar shards) in layer order."""
+    layers = sorted(results)
+    parts = [SidecarPart(results[L].name, results[L].size, results[L].sha256) for L in layers]
+    shards = list(residents.shards) + [
+        Shard(p.file, p.size, 0, EMPTY_SHA256, p.sha256, kind="sidecar") for p in parts]
+    records = []
+    for i, L in enumerate(layers):
+        for o in results[L].outputs:
+            segs = [Segment(s["component"], s["tensor"], s["shard"], s["offset"], s["length"],
+                            s["dtype"], tuple(s["shape"])) for s in o["segments"]]
+            records.append(Record(o["layer"], o["expert"], o["logical_bytes"], segs, o["sha256"],
+                                  o["record_offset"], o["logical_bytes"], i))
+    routed = sum(r.logical_bytes for r in records)
+    res_bytes = sum(t.length for t in residents.tensors)
+    return Manifest(
+        format=FORMAT, model_key=f"mtplx-{cfg_model_key(cfg)}-{esrc.mode}",
+        source_repo=Path(ckpt.path).resolve().name,
+        source_revision=source_revision(src_hashes),
+        quantization=quantization_for(esrc.mode, esrc.bits),
+        artifact={"tensor_bytes": routed + res_bytes, "resident_tensor_bytes": res_bytes,
+                  "routed_expert_bytes": routed, "shard_count": len(shards),
+                  "record_count": len(records)},
+        shards=shards, resident_tensors=residents.tensors, records=records,
+        sidecar=Sidecar(ALIGNMENT, parts))
+
+
+def cfg_model_key(cfg) -> str:
+    return "kimi-k3" if cfg.hidden_size == 7168 else "kimi-k3-custom"
+
+
+def source_hashes(files: list[Path]) -> list[dict]:
+    out = []
+    for p in files:
+        size, digest = hash_file(p)
+        out.append({"name": p.name, "size": size, "sha256": digest})
+    return out
+
+
+def source_revision(hashes: list[dict]) -> str:
+    """A content identity of the source: sha256 over its files' names, sizes and sha256s."""
+    return hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()
+
+
+def receipt_bytes(ckpt, esrc, codec: str, out: Path, results: dict, manifest: Manifest,
+                  src_hashes: list[dict]) -> bytes:
+    """`build-receipt.json`: source identity, codec, every output file's size and sha256."""
+    known = {r.name: (r.size, r.sha256) for r in results.values()}
+    outputs = []
+    for p in sorted(out.iterdir()):
+        if p.name in (RECEIPT, MANIFEST) or p.name.endswith(".partial") or not p.is_file():
+            continue
+        size, digest = known.get(p.name) or hash_file(p)
+        outputs.append({"file": p.name, "size": size, "sha256": digest})
+    receipt = {
+        "format": RECEIPT_FORMAT,
+        "source": {"path": str(Path(ckpt.path).resolve()), "layout": ckpt.layout,
+                   "files": src_hashes},
+        "codec": {"requested": codec, "mode": esrc.mode, "conversion": esrc.conversion,
+                  "quantization": quantization_for(esrc.mode, esrc.bits),
+                  "record_bytes": esrc.layout.logical_bytes},
+        "outputs": outputs,
+        "manifest_sha256": manifest.compute_sha256(),
+    }
+    return (json.dumps(receipt, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()

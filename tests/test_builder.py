@@ -1,0 +1,303 @@
+"""Streaming artifact builder: every fixture codec round-trips through a bank, t158 records are
+copied byte for byte, resume after ENOSPC / corruption, header mismatch, layouts, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mtplx_runtime.checkpoint import open_checkpoint
+from mtplx_runtime.fixtures.tiny import make_tiny, tiny_config
+from mtplx_runtime.formats import FormatError
+from mtplx_runtime.formats.t158 import encode_t158
+from mtplx_runtime.storage import bank, builder_cli
+from mtplx_runtime.storage.bank import part_name, record_layout, record_parts
+from mtplx_runtime.storage.builder import ExpertSource, build_artifact, parse_layers
+from mtplx_runtime.storage.journal import BuildError, canonical_line, parse_journal
+from mtplx_runtime.storage.manifest import load_manifest
+from mtplx_runtime.storage.manifest_rules import PAD, mode_codec
+from mtplx_runtime.storage.verify import verify_artifact
+
+SOURCES = {
+    "t158": dict(codec="t158"),
+    "mxfp4": dict(codec="mxfp4"),
+    "bf16": dict(codec="bf16"),
+    "w3-legacy-sym": dict(codec="w3", w3_layout="legacy", w3_symmetric=True),
+    "w3-legacy-asym": dict(codec="w3", w3_layout="legacy", w3_symmetric=False),
+    "w3-dense-sym": dict(codec="w3", w3_layout="dense", w3_symmetric=True),
+    "w3-dense-asym": dict(codec="w3", w3_layout="dense", w3_symmetric=False),
+}
+MODES = {"t158": "t158", "mxfp4": "mxfp4", "bf16": "bf16", "w3-legacy-sym": "ct-int",
+         "w3-legacy-asym": "ct-int-asym", "w3-dense-sym": "ct-int", "w3-dense-asym": "ct-int-asym"}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("src")
+    return {k: make_tiny(root / k, **kw).path for k, kw in SOURCES.items()}
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.is_file()}
+
+
+def read_record(root: Path, rec) -> tuple[bytes, dict[str, bytes]]:
+    """Whole record bytes and `{component: bytes}` via the manifest's segments."""
+    segs = {}
+    with open(root / rec.segments[0].shard, "rb") as f:
+        f.seek(rec.segments[0].offset)
+        whole = f.read(rec.logical_bytes)
+    base = rec.segments[0].offset
+    for s in rec.segments:
+        segs.setdefault(s.component, b"")
+        segs[s.component] += whole[s.offset - base:s.offset - base + s.length]
+    return whole, segs
+
+
+def decode_bank(root: Path, cfg, m, layer: int, expert: int) -> dict[str, np.ndarray]:
+    (rec,) = [r for r in m.records if (r.layer, r.expert) == (layer, expert)]
+    whole, _ = read_record(root, rec)
+    q = m.quantization
+    layout = record_layout(cfg, q["mode"], q["bits"] if q["mode"].startswith("ct-int") else None)
+    parts = record_parts(layout, whole)
+    codec = mode_codec(layout.mode, layout.bits)
+    return {p: codec.decode(parts[p], cfg.expert_shapes[p]) for p in parts}
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_keep_round_trips_every_codec(sources, tmp_path, name):
+    out = tmp_path / "art"
+    report = build_artifact(sources[name], out, progress=False)
+    assert report.mode == MODES[name] and report.written == report.records == 5 * 8
+    m = load_manifest(out / "expert-manifest.json")
+    assert m.quantization["mode"] == MODES[name]
+    with open_checkpoint(sources[name]) as ckpt:
+        cfg = ckpt.config
+        for layer, expert in [(1, 0), (3, 5), (5, 7)]:
+            want = ckpt.expert(layer, expert).decode()
+            got = decode_bank(out, cfg, m, layer, expert)
+            for p in want:
+                np.testing.assert_array_equal(got[p], want[p])
+    for rec in m.records:  # every record and component 4 KiB aligned; pads are zeros
+        assert rec.sidecar_offset % 4096 == 0 and rec.logical_bytes % 4096 == 0
+        for s in rec.segments:
+            assert (s.component == PAD) or (s.offset - rec.segments[0].offset) % 4096 == 0
+    whole, segs = read_record(out, m.records[3])
+    assert set(segs.get(PAD, b"")) <= {0}
+    names = sorted(p.name for p in out.iterdir())
+    assert part_name(MODES[name], 1, 5) in names and "resident-00001-of-00001.safetensors" in names
+    assert not [n for n in names if n.endswith(".partial")]
+    rep = verify_artifact(out, records=True, shard_hashes=True)  # the MANIFEST helper's check
+    assert rep.problems == [] and rep.records_checked == 40
+
+
+def test_t158_source_records_are_byte_identical(sources, tmp_path):
+    out = tmp_path / "art"
+    build_artifact(sources["t158"], out, progress=False)
+    m = load_manifest(out / "expert-manifest.json")
+    with open_checkpoint(sources["t158"]) as ckpt:
+        for rec in m.records:
+            src = ckpt.expert(rec.layer, rec.expert)
+            _, segs = read_record(out, rec)
+            for proj, pname in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+                for comp, arr in src.projections[proj].parts.items():
+                    assert segs[f"{pname}.{comp}"] == arr.tobytes()
+        # Resident tensors are copied byte for byte.
+        for t in m.resident_tensors[:20]:
+            with open(out / t.shard, "rb") as f:
+                f.seek(t.offset)
+                assert f.read(t.length) == ckpt.tensor(t.tensor).tobytes()
+
+
+def test_codec_t158_reencodes(sources, tmp_path):
+    out = tmp_path / "art"
+    build_artifact(sources["mxfp4"], out, codec="t158", layers="2-3", progress=False)
+    m = load_manifest(out / "expert-manifest.json")
+    assert {r.layer for r in m.records} == {2, 3} and m.quantization["mode"] == "t158"
+    with open_checkpoint(sources["mxfp4"]) as ckpt:
+        cfg = ckpt.config
+        for layer, expert in [(2, 1), (3, 6)]:
+            src = ckpt.expert(layer, expert).decode()
+            got = decode_bank(out, cfg, m, layer, expert)
+            t158 = mode_codec("t158")
+            for p, w in src.items():
+                packed, scales = encode_t158(w)
+                want = t158.decode({"packed": packed, "scales": scales}, w.shape)
+                np.testing.assert_array_equal(got[p], want)
+
+
+def test_gguf_source_converts_to_t158(tmp_path):
+    pytest.importorskip("gguf")
+    from mtplx_runtime.checkpoint.gguf_source import open_gguf_source
+    from mtplx_runtime.fixtures.tiny_gguf import make_tiny_gguf
+
+    src = make_tiny_gguf(tmp_path / "gguf").path
+    out = tmp_path / "art"
+    report = build_artifact(src, out, layers="1", progress=False)
+    assert report.mode == "t158"
+    m = load_manifest(out / "expert-manifest.json")
+    with open_gguf_source(src) as g:
+        w = g.expert(1, 4).decode()
+        got = decode_bank(out, g.config, m, 1, 4)
+        for p in w:
+            packed, scales = encode_t158(w[p])
+            want = mode_codec("t158").decode({"packed": packed, "scales": scales}, w[p].shape)
+            np.testing.assert_array_equal(got[p], want)
+
+
+def test_jobs_and_rerun_give_identical_artifact(sources, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    build_artifact(sources["mxfp4"], a, progress=False)
+    build_artifact(sources["mxfp4"], b, jobs=3, progress=False)
+    assert snapshot(a) == snapshot(b)
+    again = build_artifact(sources["mxfp4"], a, progress=False)  # finished: nothing to do
+    assert again.notes == ["already complete"] and snapshot(a) == snapshot(b)
+
+
+def _enospc_after(monkeypatch, n: int) -> None:
+    real, calls = bank.write_all, {"n": 0}
+
+    def write_all(fd, data, offset=None):
+        calls["n"] += 1
+        if calls["n"] > n:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, data, offset)
+
+    monkeypatch.setattr(bank, "write_all", write_all)
+
+
+def test_enospc_leaves_a_resumable_build(sources, tmp_path, monkeypatch):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    build_artifact(sources["mxfp4"], ref, progress=False)
+    # header + (record, journal line) x 5, then the 6th record write fails
+    _enospc_after(monkeypatch, 11)
+    with pytest.raises(BuildError, match="no space left on device.*rerun the same command"):
+        build_artifact(sources["mxfp4"], out, progress=False)
+    assert not (out / "expert-manifest.json").exists()
+    part = out / part_name("mxfp4", 1, 5)
+    assert (out / (part.name + ".partial")).exists()
+    assert len(parse_journal(Path(str(part) + ".journal.jsonl"), 8).records) == 5
+    monkeypatch.undo()
+    report = build_artifact(sources["mxfp4"], out, progress=False)
+    assert report.resumed == 5 and report.written == 35
+    assert snapshot(out) == snapshot(ref)
+
+
+def test_corrupt_partial_record_is_truncated_and_rebuilt(sources, tmp_path, monkeypatch):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    build_artifact(sources["bf16"], ref, progress=False)
+    _enospc_after(monkeypatch, 13)  # 6 records journaled in layer 1
+    with pytest.raises(BuildError):
+        build_artifact(sources["bf16"], out, progress=False)
+    monkeypatch.undo()
+    partial = out / (part_name("bf16", 1, 5) + ".partial")
+    stride = record_layout(tiny_config(), "bf16").logical_bytes
+    with open(partial, "r+b") as f:  # flip one byte inside record 2
+        f.seek(2 * stride + 100)
+        b = f.read(1)
+        f.seek(2 * stride + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    report = build_artifact(sources["bf16"], out, progress=False)
+    assert report.resumed == 2 and report.written == 38
+    assert snapshot(out) == snapshot(ref)
+
+
+def test_mismatched_header_aborts(sources, tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    make_tiny(src, "bf16")
+    _enospc_after(monkeypatch, 5)
+    with pytest.raises(BuildError):
+        build_artifact(src, tmp_path / "out", progress=False)
+    monkeypatch.undo()
+    shard = sorted(src.glob("*.safetensors"))[0]
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the source changed
+    with pytest.raises(BuildError, match="journal header differs.*'source'"):
+        build_artifact(src, tmp_path / "out", progress=False)
+
+
+def test_torn_journal_line_is_ignored(tmp_path):
+    path = tmp_path / "j.jsonl"
+    header = {"format": "mtplx-bank-part-journal-v1", "layer": 1}
+    path.write_bytes(canonical_line(header) + canonical_line({"ordinal": 0, "x": 1})
+                     + b'{"ordinal":1,"x"')
+    parsed = parse_journal(path, 8)
+    assert parsed.header == header and len(parsed.records) == 1 and parsed.torn_bytes == 16
+    path.write_bytes(canonical_line(header) + canonical_line({"ordinal": 1}))
+    assert parse_journal(path, 8).problem is not None  # ordinals must start at 0
+
+
+def test_record_layouts():
+    cfg = tiny_config()
+    lay = record_layout(cfg, "t158")
+    comps = [s.component for s in lay.segments if s.component != PAD]
+    assert comps == ["gate_proj.packed", "gate_proj.scales", "up_proj.packed", "up_proj.scales",
+                     "down_proj.packed", "down_proj.scales"]
+    assert lay.logical_bytes == 6 * 4096
+    asym = record_layout(cfg, "ct-int-asym", 3)
+    assert [s.component for s in asym.segments if s.component != PAD][:3] == [
+        "gate_proj.weight_packed", "gate_proj.weight_scale", "gate_proj.weight_zero_point"]
+    off = 0
+    for s in asym.segments:  # contiguous, cover logical_bytes
+        assert s.offset == off
+        off += s.length
+    assert off == asym.logical_bytes
+    # K3 geometry: t158 records need no padding (§3).
+    k3 = dataclasses.replace(cfg, moe_intermediate_size=3072, routed_expert_hidden_size=3584)
+    k3_lay = record_layout(k3, "t158")
+    assert k3_lay.logical_bytes == 7_741_440 and PAD not in [s.component for s in k3_lay.segments]
+    assert part_name("t158", 1, 92) == "experts-t158-layer-001-of-092.bin"
+    with pytest.raises(FormatError, match="cannot be stored as t158"):
+        record_layout(dataclasses.replace(cfg, routed_expert_hidden_size=96), "t158")
+
+
+def test_t158_rejects_unfit_shapes():
+    cfg = dataclasses.replace(tiny_config(), routed_expert_hidden_size=96)
+
+    class Fake:
+        config, layout, path = cfg, "bf16", Path("/nowhere")
+
+    with pytest.raises(BuildError, match="cannot be stored as t158"):
+        ExpertSource(Fake(), "t158")
+
+
+def test_parse_layers():
+    assert parse_layers("1-3,5", [1, 2, 3, 4, 5]) == [1, 2, 3, 5]
+    assert parse_layers(None, [1, 2]) == [1, 2]
+    with pytest.raises(BuildError, match="not MoE layers"):
+        parse_layers("0-2", [1, 2, 3])
+
+
+def test_cli(sources, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    builder_cli.add_args(parser)
+    args = parser.parse_args([str(sources["bf16"]), str(tmp_path / "o"), "--layers", "4",
+                              "--no-progress", "--jobs", "2"])
+    assert builder_cli.main(args) == 0
+    assert "bf16 1 parts, 8 records" in capsys.readouterr().out
+    args = parser.parse_args([str(sources["bf16"]), str(tmp_path / "o"), "--codec", "t158"])
+    assert builder_cli.main(args) == 2  # another mode's artifact is already there
+    assert "error" in capsys.readouterr().err
+
+
+def test_progress_bar_only_on_a_tty(sources, tmp_path, monkeypatch):
+    import io
+    import sys
+
+    class TTY(io.StringIO):
+        def isatty(self):
+            return True
+
+    err = TTY()
+    monkeypatch.setattr(sys, "stderr", err)
+    build_artifact(sources["bf16"], tmp_path / "a", layers="1", progress=True)
+    assert "8/8 records" in err.getvalue() and "B/s" in err.getvalue()
+    err.truncate(0)
+    build_artifact(sources["bf16"], tmp_path / "b", layers="1", progress=False)
+    assert err.getvalue() == ""
