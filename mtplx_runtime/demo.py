@@ -117,21 +117,6 @@ def main(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _tiny_encoding(path: Path):
-    """The fixture's tiktoken.model as a tiktoken Encoding (a stand-in until the K3 tokenizer
-    loader lands; same file format and special ids)."""
-    import base64
-
-    import tiktoken
-
-    from .fixtures.tokenizer import PAT_STR, special_tokens
-
-    lines = (path / "tiktoken.model").read_text().split("\n")
-    ranks = {base64.b64decode(tok): int(rank) for tok, rank in (ln.split() for ln in lines if ln)}
-    return tiktoken.Encoding(name="tiny-k3", pat_str=PAT_STR, mergeable_ranks=ranks,
-                             special_tokens=special_tokens(len(ranks)))
-
-
 def greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy continuation: one prefill, then one-token decode steps on the same state."""
     state = model.new_state()
@@ -145,10 +130,11 @@ def greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 def _continue(root: Path, args: argparse.Namespace) -> None:
     from .model.kimi_k3 import load_model
+    from .tokenizer import load_tokenizer
 
     dirs = {label: root / f"tiny-{label}-seed{args.seed}" for label, *_ in VARIANTS}
-    enc = _tiny_encoding(dirs["t158"])
-    prompt = enc.encode(args.prompt)
+    tok = load_tokenizer(dirs["t158"])
+    prompt = tok.encode(args.prompt)
     print("greedy continuation, float32 reference model (one prefill, then decode steps; "
           "\u00b7 = a special id):")
     print(f"  prompt {args.prompt!r} -> {prompt}")
@@ -158,7 +144,7 @@ def _continue(root: Path, args: argparse.Namespace) -> None:
         ids = greedy(model, prompt, args.max_tokens)
         tok_s = (len(prompt) + args.max_tokens) / (time.perf_counter() - t0)
         # Reserved special ids have random embeddings in the tiny model; show them compactly.
-        text = "".join(enc.decode([i]) if i < enc.n_vocab - 256 else "\u00b7" for i in ids)
+        text = "".join("\u00b7" if tok.is_special(i) else tok.decode([i]) for i in ids)
         print(f"  {label:<10} {ids}  {text[:40]!r}  "
               f"({tok_s:.0f} tok/s, experts decoded on first use)")
     print("The tiny weights are random, so the text is noise; the codecs draw different experts,"
