@@ -1,0 +1,347 @@
+"""Memory plan: how a memory budget splits into fixed items and expert-cache slots.
+
+    model dir (manifest + config, or a plain checkpoint) -> ModelFacts
+        -> fixed items (residents, KDA state, MLA cache, workspace, I/O buffers, reserve)
+        -> what is left / record stride = device-tier slots; host budget / stride = host slots
+
+Every item is computed from the config and the record geometry, never measured, so the same
+arithmetic checks the full-size K3 on any machine (k3-model.md §5, §9; t158-and-streaming §3).
+The budget must hold the minimum working set: the fixed items plus the records one layer needs
+at once (top-k for a decode step, at most min(E, chunk x top-k) for a prefill chunk); below it
+`plan_for` raises `PlanError` naming the minimum and what dominates it.
+
+Conventions the runtime must keep for the plan to hold (the plan itself allocates nothing):
+* MLA caches are allocated with capacity = `context`, `grow=False` (the growing cache doubles);
+* at most `decoded_experts` experts are decoded (model dtype) at once;
+* the prefetcher stages through at most `io_buffers` record-sized buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from .checkpoint.config import ModelConfig
+from .checkpoint.residents import resident_tensor_specs
+from .storage.bank import align_up, record_layout
+from .storage.manifest import DTYPE_BYTES, MANIFEST_NAME, load_manifest
+
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2}
+ACT_BYTES = 4  # workspace activations are estimated in fp32 (the reference's fp32 islands)
+# Python + torch + this package: 226 MiB RSS measured (torch 2.13 CPU, Linux x86-64), doubled
+# for allocator arenas, I/O thread stacks and the CUDA context of a GPU run.
+RUNTIME_FLOOR_BYTES = 512 * 2**20
+RESERVE_FRACTION = 0.05  # of the budget, for allocator fragmentation
+MAX_AUTO_CHUNK = 256
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9,
+          "GB": 10**9, "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
+ITEMS = ("residents", "kda_state", "mla_cache", "workspace", "io_buffers", "reserve")
+
+
+class PlanError(ValueError):
+    """The budget cannot hold the minimum working set (or a plan argument is invalid)."""
+
+
+def parse_bytes(text: str | int) -> int:
+    """"8GiB", "512MiB", "1.5GB", "123456" -> bytes. Binary units KiB..TiB, decimal KB..TB."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise PlanError(f"not a byte size: {text!r}")
+    s = str(text).strip().replace("_", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ").strip()
+    unit = s[len(num):].strip().upper()
+    if unit not in _UNITS:
+        raise PlanError(f"unknown unit {unit!r} in {text!r}; use B, KiB, MiB, GiB, TiB, KB, MB, "
+                        "GB or TB")
+    if num.isdigit():  # exact integer arithmetic for whole numbers
+        return int(num) * _UNITS[unit]
+    try:
+        n = float(num) * _UNITS[unit]
+    except ValueError:
+        raise PlanError(f"not a byte size: {text!r} (write e.g. 8GiB, 512MiB, 1.5GB)") from None
+    if not math.isfinite(n) or n < 0:
+        raise PlanError(f"byte size must be finite and >= 0, got {text!r}")
+    if n != int(n):
+        raise PlanError(f"{text!r} is not a whole number of bytes")
+    return int(n)
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What the plan needs from a model: config, record geometry and stored residents."""
+
+    cfg: ModelConfig
+    mode: str  # record codec mode, e.g. "t158"
+    record_bytes: int  # logical bytes of one record (uniform across the bank)
+    routed_layers: tuple[int, ...]  # 0-based MoE layers whose experts stream
+    residents: tuple[tuple[str, str, int], ...]  # (tensor, stored dtype, stored bytes)
+    source: str  # "manifest" | "checkpoint" | "config"
+
+
+def facts_from_config(cfg: ModelConfig, mode: str = "t158", bits: int | None = None) -> ModelFacts:
+    """Facts without any file: residents from the resident table, records from the layout."""
+    residents = tuple((name, s.dtype, math.prod(s.shape) * DTYPE_BYTES[s.dtype])
+                      for name, s in resident_tensor_specs(cfg).items())
+    return ModelFacts(cfg, mode, record_layout(cfg, mode, bits).logical_bytes,
+                      tuple(cfg.moe_layers), residents, "config")
+
+
+def facts_from_dir(model_dir: str | Path) -> ModelFacts:
+    """A streaming artifact (its manifest and config.json) or, failing that, a plain checkpoint."""
+    root = Path(model_dir)
+    if not (root / MANIFEST_NAME).is_file():
+        from .checkpoint import open_checkpoint
+        from .storage.builder import ExpertSource
+
+        with open_checkpoint(root) as ckpt:
+            src = ExpertSource(ckpt, "keep")
+            facts = facts_from_config(ckpt.config, src.mode, src.bits)
+        return ModelFacts(facts.cfg, facts.mode, facts.record_bytes, facts.routed_layers,
+                          facts.residents, "checkpoint")
+    cfg = ModelConfig.from_file(root / "config.json")
+    m = load_manifest(root / MANIFEST_NAME)
+    sizes = {r.logical_bytes for r in m.records}
+    if len(sizes) != 1:
+        raise PlanError(f"{root}: records of {len(sizes)} sizes; the plan needs one record size")
+    # Only the tensors the model loads count; a stored length beats the table (A_log padding).
+    wanted = resident_tensor_specs(cfg)
+    stored = {t.tensor: (t.dtype, t.length) for t in m.resident_tensors}
+    residents = tuple((name, *stored.get(name, (s.dtype, math.prod(s.shape)
+                                                * DTYPE_BYTES[s.dtype])))
+                      for name, s in wanted.items())
+    return ModelFacts(cfg, m.quantization["mode"], sizes.pop(),
+                      tuple(sorted({r.layer for r in m.records})), residents, "manifest")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """Bytes per item; `sum(items) + device_slots * record_stride + slack_bytes ==
+    memory_budget`. Host-tier slots come from `host_budget` alone. Neither tier gets more slots
+    than the bank has records; bytes beyond that stay slack (unused)."""
+
+    memory_budget: int
+    host_budget: int
+    dtype: str
+    context: int
+    batch: int
+    prefill_chunk: int
+    mode: str
+    source: str
+    record_bytes: int
+    record_stride: int  # record_bytes rounded up to 4 KiB: one slot
+    routed_layers: int
+    experts_per_layer: int
+    top_k: int
+    working_set_records: int  # records one layer needs at once: min(E, chunk x top-k)
+    decoded_experts: int
+    items: dict[str, int] = field(default_factory=dict)  # ITEMS order
+    device_slots: int = 0
+    host_slots: int = 0
+    slack_bytes: int = 0
+    host_slack_bytes: int = 0
+    minimum_budget: int = 0  # smallest memory_budget that plans at prefill chunk minimum_chunk
+    minimum_chunk: int = 1
+    minimum_dominant: str = ""  # the largest item at the minimum
+
+    @property
+    def fixed_bytes(self) -> int:
+        return sum(self.items.values())
+
+    @property
+    def slots_per_layer(self) -> int:
+        return self.device_slots // self.routed_layers
+
+    @property
+    def host_slots_per_layer(self) -> int:
+        return self.host_slots // self.routed_layers
+
+    @property
+    def total_records(self) -> int:
+        return self.routed_layers * self.experts_per_layer
+
+    @property
+    def cacheable_share(self) -> float:
+        return min(1.0, (self.device_slots + self.host_slots) / self.total_records)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(fixed_bytes=self.fixed_bytes, slots_per_layer=self.slots_per_layer,
+                 host_slots_per_layer=self.host_slots_per_layer,
+                 total_records=self.total_records, cacheable_share=self.cacheable_share)
+        return d
+
+
+def resident_bytes(facts: ModelFacts, dtype: str) -> int:
+    """BF16 residents load in the model dtype (double in float32); F32 ones stay F32."""
+    size = DTYPE_SIZES[dtype]
+    return sum(n // 2 * size if st == "BF16" else n for _, st, n in facts.residents)
+
+
+def kda_state_bytes(cfg: ModelConfig, dtype: str, batch: int = 1) -> int:
+    """§5: fp32 recurrent [H, K, K] + conv history [3, W-1, H*K] in the model dtype, per layer."""
+    n_kda = sum(cfg.is_kda_layer(i) for i in range(cfg.num_hidden_layers))
+    h, k, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_short_conv_kernel_size
+    per_layer = h * k * k * 4 + 3 * (w - 1) * h * k * DTYPE_SIZES[dtype]
+    return n_kda * per_layer * batch
+
+
+def mla_token_bytes(cfg: ModelConfig, dtype: str) -> int:
+    """§5: [c̄ ‖ k_pe] = kv_lora_rank + rope values per token per MLA layer (27,648 B in K3 bf16)."""
+    n_mla = sum(not cfg.is_kda_layer(i) for i in range(cfg.num_hidden_layers))
+    return n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * DTYPE_SIZES[dtype]
+
+
+def workspace_bytes(cfg: ModelConfig, dtype: str, tokens: int, context: int,
+                    decoded_experts: int) -> int:
+    """Estimate of one step's live activations for `tokens` (chunk x batch) tokens, fp32, plus
+    `decoded_experts` experts decoded to the model dtype. Conservative: the terms are summed."""
+    t, d = tokens, cfg.hidden_size
+    blocks = len(cfg.attn_res_block_starts)
+    stream = (blocks + 4) * t * d  # AttnRes bank + running sum + mixed input + normed input
+    kda_w = cfg.kda_num_heads * cfg.kda_head_dim
+    mla_head = 2 * cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+    attn = max(10 * t * kda_w,  # q, k, v, g, beta, gates and their convolved copies
+               t * cfg.num_attention_heads * (mla_head + 2 * context))  # q/k/v + scores, probs
+    inner, shared = cfg.moe_intermediate_size, cfg.num_shared_experts * cfg.moe_intermediate_size
+    mlp = 3 * t * max(cfg.intermediate_size if cfg.first_k_dense_replace else 0, shared,
+                      cfg.num_experts_per_token * inner)
+    logits = t * cfg.vocab_size
+    expert = 3 * inner * cfg.routed_expert_hidden_size * DTYPE_SIZES[dtype]
+    return (stream + attn + mlp + logits) * ACT_BYTES + decoded_experts * expert
+
+
+def plan_for(facts: ModelFacts, *, memory_budget: int | str, host_budget: int | str = 0,
+             context: int = 4096, dtype: str = "bfloat16", batch: int = 1,
+             prefill_chunk: int | None = None, io_buffers: int | None = None,
+             decoded_experts: int | None = None, reserve_fraction: float = RESERVE_FRACTION,
+             reserve_floor: int = RUNTIME_FLOOR_BYTES) -> MemoryPlan:
+    """The plan for `facts` inside `memory_budget` (bytes or a size string). Raises PlanError.
+
+    prefill_chunk None picks the largest power of two <= 256 that fits and keeps at least 3/4
+    of chunk 1's device slots (the minimum reported is then chunk 1's); io_buffers None = top-k
+    (one layer's misses in flight); decoded_experts None = the working set (the ExpertProvider
+    protocol returns every needed expert decoded at once)."""
+    budget, host = parse_bytes(memory_budget), parse_bytes(host_budget)
+    if dtype not in DTYPE_SIZES:
+        raise PlanError(f"dtype must be one of {', '.join(DTYPE_SIZES)}, not {dtype!r}")
+    if context < 1 or batch < 1:
+        raise PlanError(f"context and batch must be >= 1, got {context} and {batch}")
+    if not 0 <= reserve_fraction < 1 or reserve_floor < 0:
+        raise PlanError("reserve_fraction must be in [0, 1) and reserve_floor >= 0")
+    if not facts.routed_layers:
+        raise PlanError("the model has no routed layers to stream")
+    if prefill_chunk is not None:
+        if prefill_chunk < 1:
+            raise PlanError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        return _plan(facts, budget, host, context, dtype, batch, prefill_chunk, io_buffers,
+                     decoded_experts, reserve_fraction, reserve_floor, strict=True)
+    first = best = _plan(facts, budget, host, context, dtype, batch, 1, io_buffers,
+                         decoded_experts, reserve_fraction, reserve_floor, strict=True)
+    chunk = 2
+    while chunk <= MAX_AUTO_CHUNK:
+        p = _plan(facts, budget, host, context, dtype, batch, chunk, io_buffers,
+                  decoded_experts, reserve_fraction, reserve_floor, strict=False)
+        if p is None or 4 * p.device_slots < 3 * first.device_slots:  # keep 3/4 of the cache
+            break
+        best, chunk = p, chunk * 2
+    # The floor to report is chunk 1's: any budget above it plans (with a smaller chunk).
+    return replace(best, minimum_budget=first.minimum_budget, minimum_chunk=1,
+                   minimum_dominant=first.minimum_dominant)
+
+
+def _plan(facts, budget, host, context, dtype, batch, chunk, io_buffers, decoded_experts,
+          frac, floor, *, strict):
+    cfg = facts.cfg
+    k, n_exp = cfg.num_experts_per_token, cfg.num_experts
+    stride = align_up(facts.record_bytes)
+    working = min(n_exp, chunk * k)
+    decoded = working if decoded_experts is None else decoded_experts
+    io = k if io_buffers is None else io_buffers
+    items = {
+        "residents": resident_bytes(facts, dtype),
+        "kda_state": kda_state_bytes(cfg, dtype, batch),
+        "mla_cache": mla_token_bytes(cfg, dtype) * context * batch,
+        "workspace": workspace_bytes(cfg, dtype, chunk * batch, context, decoded),
+        "io_buffers": io * stride,
+    }
+    need = sum(items.values()) + floor + working * stride  # all but the budget-dependent part
+    minimum = _minimum_budget(need, frac)
+    # What the minimum consists of (reserve taken at the minimum) and its largest part.
+    parts = dict(items, reserve=floor + int(minimum * frac), working_set=working * stride)
+    top = max(parts, key=parts.get)
+    items["reserve"] = floor + int(budget * frac)
+    left = budget - sum(items.values())
+    total = len(facts.routed_layers) * n_exp  # more slots than records would never be used
+    slots = min(total, left // stride) if left > 0 else 0
+    host_slots = min(total - slots, host // stride)
+    if slots < working:
+        if not strict:
+            return None
+        raise PlanError(
+            f"memory budget {fmt_bytes(budget)} cannot hold the minimum working set: at least "
+            f"{fmt_bytes(minimum)} ({minimum:,} B) is needed for {facts.mode} records of "
+            f"{stride:,} B, {working} per layer at once (top-{k} x prefill chunk {chunk}), "
+            f"context {context}, {dtype}; {top.replace('_', ' ')} dominate with "
+            f"{fmt_bytes(parts[top])} (" + ", ".join(
+                f"{n.replace('_', ' ')} {fmt_bytes(v)}" for n, v in parts.items()) + ")")
+    return MemoryPlan(
+        memory_budget=budget, host_budget=host, dtype=dtype, context=context, batch=batch,
+        prefill_chunk=chunk, mode=facts.mode, source=facts.source,
+        record_bytes=facts.record_bytes, record_stride=stride,
+        routed_layers=len(facts.routed_layers), experts_per_layer=n_exp, top_k=k,
+        working_set_records=working, decoded_experts=decoded, items=items,
+        device_slots=slots, host_slots=host_slots, slack_bytes=left - slots * stride,
+        host_slack_bytes=host - host_slots * stride, minimum_budget=minimum, minimum_chunk=chunk,
+        minimum_dominant=top)
+
+
+def _minimum_budget(need: int, frac: float) -> int:
+    """Smallest B with B - int(B * frac) >= need (the reserve fraction grows with B)."""
+    b = max(need, math.floor(need / (1 - frac)) - 2)
+    while b - int(b * frac) < need:
+        b += 1
+    return b
+
+
+def make_plan(model_dir: str | Path, *, memory_budget: int | str, **kwargs) -> MemoryPlan:
+    """`plan_for(facts_from_dir(model_dir), ...)`: the plan for an artifact or checkpoint."""
+    return plan_for(facts_from_dir(model_dir), memory_budget=memory_budget, **kwargs)
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """A readable table: items with units, slots per tier and per layer, the minimum budget."""
+    p = plan
+    rows = [("resident tensors", p.items["residents"], f"{p.dtype} (F32 tensors stay F32)"),
+            ("KDA state", p.items["kda_state"], "fp32 recurrent + conv history, all KDA layers"),
+            ("MLA latent cache", p.items["mla_cache"], f"{p.context} tokens x batch {p.batch}"),
+            ("workspace", p.items["workspace"],
+             f"activations, chunk {p.prefill_chunk}; {p.decoded_experts} decoded experts"),
+            ("I/O buffers", p.items["io_buffers"],
+             f"{p.items['io_buffers'] // p.record_stride} x {p.record_stride:,} B"),
+            ("reserve", p.items["reserve"], "runtime floor + fraction of the budget"),
+            ("device-tier slots", p.device_slots * p.record_stride,
+             f"{p.device_slots} slots x {p.record_stride:,} B"),
+            ("slack", p.slack_bytes, "unused")]
+    out = [f"memory plan: {p.mode} records of {p.record_bytes:,} B from {p.source}, "
+           f"{p.routed_layers} routed layers x {p.experts_per_layer} experts, top-{p.top_k}",
+           f"{'item':<20}{'bytes':>20}{'':>12}  note"]
+    for name, n, note in rows:
+        out.append(f"{name:<20}{n:>20,}{fmt_bytes(n):>12}  {note}")
+    out.append(f"{'memory budget':<20}{p.memory_budget:>20,}{fmt_bytes(p.memory_budget):>12}")
+    out.append(f"host-tier slots: {p.host_slots} ({fmt_bytes(p.host_slots * p.record_stride)} "
+               f"of host budget {fmt_bytes(p.host_budget)})")
+    out.append(f"slots per layer: device {p.slots_per_layer}, host {p.host_slots_per_layer}; "
+               f"working set {p.working_set_records} records per layer")
+    out.append(f"cacheable: {p.device_slots + p.host_slots} of {p.total_records} experts "
+               f"({100 * p.cacheable_share:.1f}%)")
+    out.append(f"minimum budget: {fmt_bytes(p.minimum_budget)} ({p.minimum_budget:,} B) at "
+               f"prefill chunk {p.minimum_chunk}; largest item: {p.minimum_dominant}")
+    return "\n".join(out)

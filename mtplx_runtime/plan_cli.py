@@ -1,0 +1,39 @@
+"""`mtplx plan --model DIR --memory-budget 8GiB`: print the memory plan, or refuse (exit 2) when
+the budget cannot hold the minimum working set. Plans only; reads the manifest and config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, required=True, metavar="DIR",
+                        help="streaming artifact (expert-manifest.json) or plain checkpoint")
+    parser.add_argument("--memory-budget", required=True, metavar="SIZE",
+                        help="bytes the process may use, e.g. 8GiB, 512MiB, 1.5GB")
+    parser.add_argument("--host-budget", default="0", metavar="SIZE",
+                        help="host RAM for a host-tier expert cache (default 0)")
+    parser.add_argument("--context", type=int, default=4096, metavar="N",
+                        help="tokens the MLA cache holds (default 4096)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--batch", type=int, default=1, metavar="N", help="sequences (default 1)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                        help="tokens per prefill step (default: the largest that fits)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    from .plan import PlanError, format_plan, make_plan
+
+    try:
+        plan = make_plan(args.model, memory_budget=args.memory_budget,
+                         host_budget=args.host_budget, context=args.context, dtype=args.dtype,
+                         batch=args.batch, prefill_chunk=args.prefill_chunk)
+    except PlanError as e:
+        print(f"mtplx plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0

@@ -1,0 +1,205 @@
+"""Memory plan: the items add up to the budget, refusal below the minimum, full-size K3
+arithmetic against k3-model.md §5/§9 and t158-and-streaming.md §3, byte sizes, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from test_config import k3_official
+
+from mtplx_runtime import plan_cli
+from mtplx_runtime.checkpoint import ModelConfig
+from mtplx_runtime.fixtures.tiny import make_tiny
+from mtplx_runtime.plan import (
+    ITEMS,
+    RUNTIME_FLOOR_BYTES,
+    PlanError,
+    facts_from_config,
+    facts_from_dir,
+    format_plan,
+    kda_state_bytes,
+    make_plan,
+    mla_token_bytes,
+    parse_bytes,
+    plan_for,
+    resident_bytes,
+)
+from mtplx_runtime.storage.builder import build_artifact
+from mtplx_runtime.storage.manifest import load_manifest
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(plain t158 checkpoint, streaming artifact built from it)."""
+    root = tmp_path_factory.mktemp("plan")
+    make_tiny(root / "src", "t158")
+    build_artifact(root / "src", root / "art", progress=False)
+    return root / "src", root / "art"
+
+
+@pytest.fixture(scope="module")
+def k3():
+    return facts_from_config(ModelConfig.from_dict(k3_official()))
+
+
+def adds_up(p) -> None:
+    assert list(p.items) == list(ITEMS)
+    assert sum(p.items.values()) + p.device_slots * p.record_stride + p.slack_bytes \
+        == p.memory_budget
+    assert p.host_slots * p.record_stride + p.host_slack_bytes == p.host_budget
+    assert p.slack_bytes >= 0 and p.host_slack_bytes >= 0
+    assert p.record_stride % 4096 == 0 and p.record_stride >= p.record_bytes
+    assert p.device_slots >= p.working_set_records
+
+
+def test_tiny_artifact_adds_up(tiny):
+    _, art = tiny
+    m = load_manifest(art / "expert-manifest.json")
+    p = make_plan(art, memory_budget="1GiB", host_budget="3MiB", prefill_chunk=1)
+    adds_up(p)
+    assert p.source == "manifest" and p.mode == "t158"
+    assert p.record_bytes == m.records[0].logical_bytes
+    assert p.routed_layers == len({r.layer for r in m.records})
+    assert p.device_slots == p.total_records == len(m.records)  # a tiny bank fits whole
+    assert p.host_slots == 0 and p.host_slack_bytes == 3 * 2**20  # nothing left to cache
+    assert p.cacheable_share == 1.0 and p.slots_per_layer == p.experts_per_layer
+    # Residents are the manifest's stored bytes in bf16, BF16 doubled in float32, F32 kept.
+    stored = {t.tensor: (t.dtype, t.length) for t in m.resident_tensors}
+    facts = facts_from_dir(art)
+    assert {n: (d, b) for n, d, b in facts.residents}.items() <= stored.items()
+    assert p.items["residents"] == sum(b for _, _, b in facts.residents)
+    assert resident_bytes(facts, "float32") == sum(2 * b if d == "BF16" else b
+                                                   for _, d, b in facts.residents)
+    assert p.items["reserve"] == RUNTIME_FLOOR_BYTES + int(GiB * 0.05)
+    assert p.items["io_buffers"] == p.top_k * p.record_stride
+
+
+def test_tiny_slots_scale_with_budget(tiny):
+    _, art = tiny
+    low = make_plan(art, memory_budget="1GiB", reserve_floor=0, reserve_fraction=0,
+                    prefill_chunk=1)
+    fixed = sum(low.items.values())
+    for extra in (2, 5, 17):
+        p = make_plan(art, memory_budget=fixed + extra * low.record_stride + 123,
+                      reserve_floor=0, reserve_fraction=0, prefill_chunk=1)
+        adds_up(p)
+        assert (p.device_slots, p.slack_bytes) == (extra, 123)
+
+
+def test_refusal_below_the_minimum(tiny):
+    _, art = tiny
+    p = make_plan(art, memory_budget="1GiB")
+    minimum = p.minimum_budget
+    at_min = make_plan(art, memory_budget=minimum)
+    adds_up(at_min)
+    assert at_min.device_slots == at_min.working_set_records == at_min.top_k
+    with pytest.raises(PlanError) as e:
+        make_plan(art, memory_budget=minimum - 1)
+    assert f"{minimum:,} B" in str(e.value) and "dominate" in str(e.value)
+    # An explicit prefill chunk needs its whole working set resident at once.
+    with pytest.raises(PlanError, match="prefill chunk 4"):
+        make_plan(art, memory_budget=minimum, prefill_chunk=4)
+
+
+def test_plain_checkpoint_matches_artifact(tiny):
+    src, art = tiny
+    a = make_plan(art, memory_budget="1GiB", context=64)
+    b = make_plan(src, memory_budget="1GiB", context=64)
+    assert b.source == "checkpoint"
+    assert (a.items, a.device_slots, a.record_bytes) == (b.items, b.device_slots, b.record_bytes)
+
+
+def test_k3_state_figures_match_spec(k3):
+    cfg = k3.cfg
+    assert kda_state_bytes(cfg, "bfloat16") == 449_372_160  # §5 fixed KDA cache at batch 1
+    assert kda_state_bytes(cfg, "float32") == 434_110_464 + 2 * 15_261_696
+    assert kda_state_bytes(cfg, "bfloat16", batch=3) == 3 * 449_372_160
+    assert mla_token_bytes(cfg, "bfloat16") == 27_648  # 24 x 576 x 2
+    assert k3.record_bytes == 7_741_440  # t158-and-streaming §3
+    assert resident_bytes(k3, "bfloat16") == 113_509_540_864  # §9 trunk
+    f32_bytes = sum(b for _, d, b in k3.residents if d == "F32")
+    assert resident_bytes(k3, "float32") == 2 * (113_509_540_864 - f32_bytes) + f32_bytes
+
+
+def test_k3_refuses_8gib(k3):
+    with pytest.raises(PlanError) as e:
+        plan_for(k3, memory_budget="8GiB")
+    msg = str(e.value)
+    assert "8.00 GiB" in msg and "residents dominate" in msg
+    minimum = int(msg.split("(")[1].split(" B)")[0].replace(",", ""))
+    assert minimum > 113_509_540_864 + 449_372_160 + 16 * 7_741_440
+    plan_for(k3, memory_budget=minimum)  # and the stated minimum plans
+    with pytest.raises(PlanError):
+        plan_for(k3, memory_budget=minimum - 1)
+
+
+def test_k3_160gib(k3):
+    p = plan_for(k3, memory_budget="160GiB", host_budget="64GiB", context=4096,
+                 prefill_chunk=1)
+    adds_up(p)
+    assert p.items["residents"] == 113_509_540_864
+    assert p.items["kda_state"] == 449_372_160
+    assert p.items["mla_cache"] == 27_648 * 4096
+    assert p.items["io_buffers"] == 16 * 7_741_440
+    assert p.slack_bytes < p.record_stride
+    assert p.device_slots == (160 * GiB - sum(p.items.values())) // 7_741_440
+    assert p.host_slots == 64 * GiB // 7_741_440 == 8876
+    assert p.device_slots == 6124 and p.slots_per_layer == 66
+    assert p.total_records == 82_432
+    ctx = plan_for(k3, memory_budget="160GiB", context=1_048_576, prefill_chunk=1)
+    assert ctx.items["mla_cache"] == 28_991_029_248  # ≈ 29.0 GB (§5)
+    auto = plan_for(k3, memory_budget="160GiB")
+    adds_up(auto)
+    assert auto.prefill_chunk >= 1 and 4 * auto.device_slots >= 3 * p.device_slots
+    assert auto.minimum_chunk == 1 and auto.minimum_budget == p.minimum_budget
+    text = format_plan(p)
+    for needle in ("resident tensors", "KDA state", "MLA latent cache", "I/O buffers",
+                   "device-tier slots", "host-tier slots: 8876", "slots per layer: device 66",
+                   "minimum budget", "105.71 GiB"):
+        assert needle in text
+
+
+@pytest.mark.parametrize("text, n", [
+    ("8GiB", 8 * GiB), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("123456", 123456),
+    ("16 gib", 16 * GiB), ("2TB", 2 * 10**12), ("0.5KiB", 512), ("7B", 7), (4096, 4096),
+    ("123456789012345678", 123456789012345678), ("1e3", 1000),
+])
+def test_parse_bytes(text, n):
+    assert parse_bytes(text) == n
+
+
+@pytest.mark.parametrize("text, why", [
+    ("8GiX", "unknown unit"), ("", "not a byte size"), ("GiB", "not a byte size"),
+    ("-1GiB", "not a byte size|>= 0"), ("1.5B", "whole number"), ("nan", "unknown unit"),
+    ("1..5GiB", "not a byte size"), (True, "not a byte size"),
+])
+def test_parse_bytes_errors(text, why):
+    with pytest.raises(PlanError, match=why):
+        parse_bytes(text)
+
+
+def run_cli(argv, capsys):
+    parser = argparse.ArgumentParser()
+    plan_cli.add_args(parser)
+    rc = plan_cli.main(parser.parse_args(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli(tiny, capsys):
+    _, art = tiny
+    rc, out, err = run_cli(["--model", str(art), "--memory-budget", "1GiB",
+                            "--host-budget", "1MiB", "--context", "128"], capsys)
+    assert rc == 0 and err == ""
+    assert "memory plan: t158" in out and "128 tokens" in out and "minimum budget" in out
+    rc, out, _ = run_cli(["--model", str(art), "--memory-budget", "1GiB", "--json"], capsys)
+    d = json.loads(out)
+    assert rc == 0 and d["memory_budget"] == GiB and set(d["items"]) == set(ITEMS)
+    rc, out, err = run_cli(["--model", str(art), "--memory-budget", "100MiB"], capsys)
+    assert rc == 2 and out == "" and "cannot hold the minimum working set" in err
+    rc, _, err = run_cli(["--model", str(art), "--memory-budget", "lots"], capsys)
+    assert rc == 2 and "unknown unit 'LOTS'" in err
