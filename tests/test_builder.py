@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import hashlib
 import os
 from pathlib import Path
 
@@ -130,6 +131,21 @@ def test_codec_t158_reencodes(sources, tmp_path):
                 packed, scales = encode_t158(w)
                 want = t158.decode({"packed": packed, "scales": scales}, w.shape)
                 np.testing.assert_array_equal(got[p], want)
+    # A --layers artifact holds a subset of the routed layers, each complete: it verifies.
+    report = verify_artifact(out, records=True, shard_hashes=True)
+    assert report.ok, report.problems
+
+
+def test_install_removes_a_spare_partial_link(tmp_path):
+    """A kill between link and unlink leaves `X.partial` as a second link to `X`; the resumed
+    build must end with the same directory as an uninterrupted one."""
+    from mtplx_runtime.storage.builder_outputs import install_bytes
+
+    final = tmp_path / "config.json"
+    install_bytes(final, b"{}")
+    os.link(final, tmp_path / "config.json.partial")
+    assert install_bytes(final, b"{}") == (2, hashlib.sha256(b"{}").hexdigest())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
 
 
 def test_gguf_source_converts_to_t158(tmp_path):
@@ -301,3 +317,17 @@ def test_progress_bar_only_on_a_tty(sources, tmp_path, monkeypatch):
     err.truncate(0)
     build_artifact(sources["bf16"], tmp_path / "b", layers="1", progress=False)
     assert err.getvalue() == ""
+
+
+def test_hf_snapshot_source_keeps_its_metadata_files(sources, tmp_path):
+    """An HF cache snapshot holds only symlinks into ../../blobs; config and tokenizer files
+    must still be copied (verify derives the record layout from config.json)."""
+    snap = tmp_path / "m" / "snapshots" / "rev"
+    snap.mkdir(parents=True)
+    for p in sources["bf16"].iterdir():
+        os.symlink(p, snap / p.name)
+    out = tmp_path / "art"
+    build_artifact(snap, out, progress=False)
+    for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (sources["bf16"] / name).read_bytes()
+    assert verify_artifact(out).problems == []

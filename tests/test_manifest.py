@@ -166,3 +166,13 @@ def test_file_rules(tmp_path):
         load_manifest(tmp_path)
     with pytest.raises(ManifestError, match="not valid JSON"):
         parse_manifest_bytes(raw[:-1000])
+
+
+def test_lone_surrogate_and_null_digest_are_manifest_errors():
+    raw, _ = serialize(small())
+    bad = raw.replace(b'"model_key":"', b'"model_key":"\\ud800', 1)
+    with pytest.raises(ManifestError, match="not encodable as UTF-8"):
+        parse_manifest_bytes(bad)
+    d = {**small(), "manifest_sha256": None}
+    with pytest.raises(ManifestError, match="manifest_sha256 must be 64 lowercase hex"):
+        parse_manifest_bytes(json.dumps(d).encode(), require_digest=False)

@@ -140,3 +140,12 @@ def test_bad_manifest_is_one_problem(tmp_path):
     rep = verify.verify_artifact(tmp_path)
     assert len(rep.problems) == 1
     assert "records duplicate" in rep.problems[0]
+
+
+def test_index_metadata_not_an_object_is_a_problem_not_a_crash(tmp_path):
+    build(tmp_path)
+    index = tmp_path / verify.INDEX_NAME
+    d = json.loads(index.read_bytes())
+    index.write_text(json.dumps({**d, "metadata": []}))
+    rep = verify.verify_artifact(tmp_path)
+    assert rep.problems == [f"{verify.INDEX_NAME}: metadata is not a JSON object"]

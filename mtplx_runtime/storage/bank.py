@@ -254,6 +254,9 @@ def build_part(out_dir: Path, name: str, layer: int, layout: RecordLayout, n_exp
     try:
         if parsed is None or parsed.header is None:
             journal.append(header)
+            # The journal's directory entry must survive a power loss as well as its line:
+            # a partial without its journal is refused on resume.
+            fsync_dir(out_dir)
         for e in range(resumed, n_experts):
             src_components, handle = source.source_components(layer, e)
             rec = record_bytes(layout, source.record_parts(layer, e, handle))

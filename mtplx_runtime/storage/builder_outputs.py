@@ -53,6 +53,7 @@ def install_chunks(path: Path, chunks) -> tuple[int, str]:
     """Install `path` from an iterable of byte chunks (§5.9); returns (size, sha256). If `path`
     exists it is kept only when byte-identical to the chunks."""
     h, size = hashlib.sha256(), 0
+    partial = path.with_name(path.name + ".partial")
     if path.exists():
         for c in chunks:
             h.update(c)
@@ -60,8 +61,10 @@ def install_chunks(path: Path, chunks) -> tuple[int, str]:
         if hash_file(path) != (size, h.hexdigest()):
             raise BuildError(f"{path}: exists with different content than this build writes; "
                              f"use a fresh output directory")
+        if partial.exists():  # killed between link and unlink: the partial is a spare link
+            os.unlink(partial)
+            fsync_dir(path.parent)
         return size, h.hexdigest()
-    partial = path.with_name(path.name + ".partial")
     with open(partial, "wb") as f:
         for c in chunks:
             f.write(c)
@@ -133,10 +136,11 @@ def copy_residents(ckpt, out: Path) -> Residents:
 
 
 def copy_metadata_files(ckpt, out: Path) -> list[str]:
-    """Copy config, tokenizer and generation files (every small regular non-weight file)."""
+    """Copy config, tokenizer and generation files (every small regular non-weight file; a
+    symlink to a regular file is followed, as in a Hugging Face snapshot)."""
     root, copied = Path(ckpt.path), []
     for p in sorted(root.iterdir()):
-        if (not p.is_file() or p.is_symlink() or p.name.startswith(".")
+        if (not p.is_file() or p.name.startswith(".")
                 or p.suffix in (".safetensors", ".gguf", ".partial") or p.name in _NOT_METADATA):
             continue
         install_bytes(out / p.name, p.read_bytes())

@@ -210,6 +210,9 @@ def _sidecar_dict(sc: Sidecar) -> dict:
     return {"alignment": sc.alignment, "parts": parts}
 
 
+_ABSENT = object()
+
+
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -230,7 +233,12 @@ def parse_manifest_bytes(raw: bytes, *, where: str = "manifest",
             d = json.loads(text, parse_constant=_reject_constant)
         except ValueError as e:
             raise ManifestError(f"{where}: not valid JSON: {e}") from None
-        claimed = d.pop("manifest_sha256", None) if isinstance(d, dict) else None
+        claimed = d.pop("manifest_sha256", _ABSENT) if isinstance(d, dict) else _ABSENT
+        if claimed is _ABSENT:
+            claimed = None
+        elif claimed is None:  # an explicit null is not "absent" (§5.3: lowercase hex)
+            raise ManifestError(f"{where}: manifest_sha256 must be 64 lowercase hex "
+                                "characters, got None")
         m = Manifest.from_dict(d)
         if claimed is not None:
             if type(claimed) is not str or not _HEX64.fullmatch(claimed):
@@ -251,8 +259,11 @@ def parse_manifest_bytes(raw: bytes, *, where: str = "manifest",
                 json.loads(text, object_pairs_hook=no_duplicate_keys)
             except ValueError as e:
                 raise ManifestError(f"{where}: {e}") from None
-        digest = (hashlib.sha256(body.encode("utf-8")).hexdigest() if m._canonical
-                  else m.compute_sha256())
+        try:
+            digest = (hashlib.sha256(body.encode("utf-8")).hexdigest() if m._canonical
+                      else m.compute_sha256())
+        except UnicodeEncodeError as e:  # a lone surrogate escape (\ud800) has no UTF-8 form
+            raise ManifestError(f"{where}: a string is not encodable as UTF-8: {e}") from None
     finally:
         if gc_was_enabled:
             gc.enable()

@@ -146,10 +146,17 @@ K3_T158_RECORD_BYTES = 7_741_440
 
 
 def descriptor_for(cfg, mode: str, bits: int | None = None, *, model_key: str | None = None,
-                   source_repo: str | None = None,
-                   source_revision: str | None = None) -> Descriptor:
+                   source_repo: str | None = None, source_revision: str | None = None,
+                   layers=None) -> Descriptor:
     """Descriptor for one of our artifacts: `cfg` (ModelConfig) gives the routed layers, expert
-    count and projection shapes; `mode` one of MODES except affine; `bits` defaults per mode."""
+    count and projection shapes; `mode` one of MODES except affine; `bits` defaults per mode.
+    `layers` narrows the routed layers for an artifact built with `--layers` (each must be an
+    MoE layer of `cfg`; every expert of each is still required)."""
+    if layers is None:
+        layers = cfg.moe_layers
+    elif not set(layers) <= set(cfg.moe_layers):
+        raise ManifestError(f"layers {sorted(set(layers) - set(cfg.moe_layers))} are not MoE "
+                            f"layers of this config ({cfg.moe_layers})")
     if mode not in MODES or mode == "affine":
         raise ManifestError(f"unknown codec mode {mode!r}; have {sorted(set(MODES) - {'affine'})}")
     spec = MODES[mode]
@@ -159,7 +166,7 @@ def descriptor_for(cfg, mode: str, bits: int | None = None, *, model_key: str | 
     comps = record_components(mode, cfg.expert_shapes, bits)
     return Descriptor(model_key=model_key,
                       quantization={"bits": bits, "group_size": spec.group_size, "mode": mode},
-                      layers=tuple(cfg.moe_layers), experts=cfg.num_experts,
+                      layers=tuple(sorted(layers)), experts=cfg.num_experts,
                       components=tuple(comps), source_repo=source_repo,
                       source_revision=source_revision)
 

@@ -74,8 +74,9 @@ def _descriptor(m: Manifest, root: Path, rep: VerifyReport) -> Descriptor | None
 
     try:
         cfg = ModelConfig.from_file(root / "config.json")
+        # An artifact built with --layers holds a subset of the routed layers, each complete.
         return descriptor_for(cfg, m.quantization["mode"], m.quantization["bits"],
-                              model_key=m.model_key)
+                              model_key=m.model_key, layers={r.layer for r in m.records})
     except (CheckpointError, OSError) as e:
         rep.problems.append(f"config.json: cannot derive the record layout: {e}")
         return None
@@ -150,7 +151,11 @@ def _check_index(m: Manifest, root: Path, rep: VerifyReport, tensors: dict,
         if name not in held or held[name][0] != shard:
             rep.problems.append(f"{INDEX_NAME}: {name!r} -> {shard!r}, but that shard does not "
                                 "hold it")
-    total = index.get("metadata", {}).get("total_size") if isinstance(index, dict) else None
+    meta = index.get("metadata", {})
+    if not isinstance(meta, dict):
+        rep.problems.append(f"{INDEX_NAME}: metadata is not a JSON object")
+        meta = {}
+    total = meta.get("total_size")
     if total is not None and total != sum(t.nbytes for _, t in held.values()):
         rep.problems.append(f"{INDEX_NAME}: metadata.total_size {total} != summed tensor "
                             f"lengths {sum(t.nbytes for _, t in held.values())}")
