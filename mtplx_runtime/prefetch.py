@@ -1,0 +1,473 @@
+"""Prefetcher: moves expert records from the bank straight into cache slots, demand first.
+
+    demand(keys) / speculate(keys) -> reserve slot -> queue (demand | speculative)
+        -> dispatcher (byte budget, demand first) -> reader.read_into(slot buffer) -> commit|abort
+
+The ExpertCache owns slots and replacement; this module owns only the in-flight reads (STYLE.md
+"narrow interfaces"). A read is queued until the in-flight byte budget has room; queued demand
+reads always go before queued speculation, and speculation may only hold `speculative_fraction`
+of the budget. Speculative slots come from `cache.reserve(key, speculative=True)`, so whether a
+guess may displace a pinned or hotter expert is the cache's call (it answers None: skip).
+Reader futures cannot be cancelled: only *queued* reads are cancelled; a read already handed to
+the reader finishes and is committed (or aborted on error) by its completion callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+
+__all__ = ["ExpertKey", "PrefetchError", "NoSlotError", "Prefetcher", "PrefetchStats"]
+
+log = logging.getLogger("mtplx_runtime.prefetch")
+
+ExpertKey = tuple[int, int]  # (layer, expert), the model's 0-based layer index
+# locate(key) -> (part index, absolute byte offset in the part file, length in bytes, sha256|None)
+Locate = Callable[[ExpertKey], tuple[int, int, int, "str | None"]]
+
+
+class PrefetchError(OSError):
+    """One expert's read failed for good; the message names layer, expert, file and offset.
+    The slot has been aborted. The original exception is `__cause__`."""
+
+    def __init__(self, key: ExpertKey, message: str):
+        super().__init__(message)
+        self.key = key
+
+
+class NoSlotError(RuntimeError):
+    """The cache refused a slot for a demand read (`reserve` answered None twice)."""
+
+
+@dataclass(slots=True)
+class PrefetchStats:
+    """Counters since construction. `spec_used`: speculative reads later demanded (promoted in
+    flight) or reported through `note_used`; `spec_wasted`: speculative reads that landed and were
+    settled unused by `cancel_stale`; `spec_cancelled`: dropped before any byte was read."""
+
+    demand_reads: int = 0
+    demand_bytes: int = 0
+    spec_issued: int = 0
+    spec_bytes: int = 0
+    spec_used: int = 0
+    spec_wasted: int = 0
+    spec_cancelled: int = 0
+    spec_skipped: int = 0      # speculate() keys refused: resident, in flight, no slot, cap
+    failed_reads: int = 0
+    stall_ms: float = 0.0      # time callers spent blocked in wait()
+    peak_inflight_bytes: int = 0  # high-water mark of bytes handed to the reader
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Job:
+    __slots__ = ("key", "part", "offset", "length", "sha256", "slot", "future", "speculative",
+                 "state", "recorded")
+
+    def __init__(self, key, part, offset, length, sha256, slot, speculative):
+        self.key, self.part, self.offset, self.length = key, part, offset, length
+        self.sha256, self.slot, self.speculative = sha256, slot, speculative
+        self.future: Future = Future()
+        self.future._mtplx_job = self  # lets wait() find the read behind a caller's future
+        self.state = "queued"  # queued -> running -> done
+        self.recorded = False   # cache.record_read called for this read
+
+
+class Prefetcher:
+    """Background reads of expert records into cache slots under a bounded in-flight byte budget.
+
+    `reader`: `read_into(part, offset, length, buf, sha256=None) -> Future[int]` (RecordReader).
+    `locate(key)`: (part, absolute offset, length, sha256 | None) of one record.
+    `cache`: `reserve(key, *, speculative, transient) -> SlotRef | None`, `buffer(slot)`,
+    `commit(key)`, `abort(key)`, `record_read(key, nbytes, stall_ms)`; optional `key in cache`
+    (resident test for speculate) and `promote(key)` (a speculative slot is now demanded).
+    `max_inflight_bytes`: bytes handed to the reader at once; a single record larger than the
+    budget runs alone. `threads`: reads handed to the reader at once; keep it at the reader's own
+    thread count so nothing queues inside the reader, where demand could not overtake it.
+    """
+
+    def __init__(self, reader, locate: Locate, cache, *, max_inflight_bytes: int,
+                 speculative_fraction: float = 0.25, threads: int = 4):
+        if max_inflight_bytes < 1 or threads < 1:
+            raise ValueError("max_inflight_bytes and threads must be >= 1")
+        if not 0.0 <= speculative_fraction <= 1.0:
+            raise ValueError(f"speculative_fraction must be in [0, 1], got {speculative_fraction}")
+        self.reader, self.locate, self.cache = reader, locate, cache
+        self.max_inflight_bytes, self.threads = max_inflight_bytes, threads
+        self.spec_cap_bytes = int(speculative_fraction * max_inflight_bytes)
+        self.stats = PrefetchStats()
+        self._cond = threading.Condition()
+        self._jobs: dict[ExpertKey, _Job] = {}  # queued or running, one per key
+        self._demand_q: deque[_Job] = deque()
+        self._spec_q: deque[_Job] = deque()
+        self._inflight_bytes = 0   # handed to the reader, not yet completed
+        self._inflight_reads = 0
+        self._spec_bytes = 0       # speculative bytes queued or running (the cap counts both)
+        self._landed: set[ExpertKey] = set()  # speculative reads committed, not yet settled
+        self._closed = False
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, daemon=True,
+                                            name="mtplx-prefetch")
+        self._dispatcher.start()
+
+    # -- public API -------------------------------------------------------------------------
+
+    def demand(self, keys: Iterable[ExpertKey], transient: bool = False
+               ) -> dict[ExpertKey, Future]:
+        """Queue reads the current layer needs now (cache misses). Never blocks on I/O.
+
+        Returns {key: Future[SlotRef]}; the future resolves after `cache.commit(key)`, or raises
+        PrefetchError (read failed, slot aborted), NoSlotError, or CancelledError (shutdown). A key
+        already being read (demand or speculative) shares that read; a speculative one is
+        promoted ahead of all queued speculation. `transient` is passed to `cache.reserve`.
+        """
+        out: dict[ExpertKey, Future] = {}
+        with self._cond:
+            self._check_open()
+            for key in keys:
+                key = (int(key[0]), int(key[1]))
+                if key in out:
+                    continue
+                job = self._jobs.get(key)
+                if job is not None and job.future.cancelled():  # a caller cancelled it queued
+                    (self._spec_q if job.speculative else self._demand_q).remove(job)
+                    self._drop_queued_locked(job)
+                    job = None
+                if job is not None:
+                    if job.speculative:
+                        self._promote_locked(job)
+                    out[key] = job.future
+                    continue
+                job = self._new_job_locked(key, speculative=False, transient=transient)
+                if isinstance(job, Future):  # locate failed or no slot: an already-failed future
+                    out[key] = job
+                    continue
+                self._demand_q.append(job)
+                self.stats.demand_reads += 1
+                self.stats.demand_bytes += job.length
+                out[key] = job.future
+            self._cond.notify_all()
+        return out
+
+    def speculate(self, keys: Iterable[ExpertKey]) -> list[ExpertKey]:
+        """Queue lookahead reads, best guess first; returns the keys actually issued. Never blocks.
+
+        Skips keys resident (`key in cache`, when the cache supports it), already in flight, or
+        refused a slot (reserve answered None). Stops at the first key that would push queued +
+        running speculative bytes past `speculative_fraction * max_inflight_bytes`.
+        """
+        issued: list[ExpertKey] = []
+        with self._cond:
+            self._check_open()
+            contains = getattr(self.cache, "__contains__", None)
+            for key in keys:
+                key = (int(key[0]), int(key[1]))
+                if key in self._jobs or (contains is not None and contains(key)):
+                    self.stats.spec_skipped += 1
+                    continue
+                try:
+                    part, offset, length, sha = self.locate(key)
+                except Exception as e:  # an unknown key is a bad guess, not an error
+                    log.debug("speculate: cannot locate %s: %s", key, e)
+                    self.stats.spec_skipped += 1
+                    continue
+                if self._spec_bytes + length > self.spec_cap_bytes:
+                    self.stats.spec_skipped += 1
+                    break
+                slot = self.cache.reserve(key, speculative=True, transient=False)
+                if slot is None:
+                    self.stats.spec_skipped += 1
+                    continue
+                job = _Job(key, part, offset, length, sha, slot, speculative=True)
+                self._jobs[key] = job
+                self._spec_q.append(job)
+                self._spec_bytes += length
+                self._landed.discard(key)
+                self.stats.spec_issued += 1
+                self.stats.spec_bytes += length
+                issued.append(key)
+            self._cond.notify_all()
+        return issued
+
+    def cancel_stale(self, keep: set[ExpertKey]) -> list[ExpertKey]:
+        """Drop queued speculative reads whose key is not in `keep` (slot aborted, future
+        cancelled); running ones finish and are committed. Speculative reads that already landed
+        and are not in `keep` are settled as wasted. Call after `note_used` for the layer just
+        computed. Returns the cancelled keys."""
+        cancelled: list[Future] = []
+        keys: list[ExpertKey] = []
+        with self._cond:
+            kept: deque[_Job] = deque()
+            for job in self._spec_q:
+                if job.key in keep:
+                    kept.append(job)
+                else:
+                    self._drop_queued_locked(job)
+                    cancelled.append(job.future)
+                    keys.append(job.key)
+            self._spec_q = kept
+            self.stats.spec_cancelled += len(keys)
+            stale = self._landed - keep
+            self.stats.spec_wasted += len(stale)
+            self._landed -= stale
+            self._cond.notify_all()
+        for f in cancelled:
+            f.cancel()
+        return keys
+
+    def note_used(self, keys: Iterable[ExpertKey]) -> int:
+        """Report experts the model consumed from the cache (hits); those that landed through
+        speculation count as used. Returns how many did."""
+        with self._cond:
+            used = self._landed & {(int(k[0]), int(k[1])) for k in keys}
+            self._landed -= used
+            self.stats.spec_used += len(used)
+        return len(used)
+
+    def wait(self, futures: Mapping[ExpertKey, Future], timeout: float | None = None
+             ) -> dict[ExpertKey, object]:
+        """Block until every future is done; returns {key: SlotRef} or raises the first failure
+        (PrefetchError names the key) / TimeoutError. See `completed` for the stall accounting."""
+        return dict(self.completed(futures, timeout))
+
+    def completed(self, futures: Mapping[ExpertKey, Future], timeout: float | None = None
+                  ) -> Iterator[tuple[ExpertKey, object]]:
+        """Yield (key, SlotRef) as reads land, those already done first, so the caller can
+        compute each expert while the rest load. The time blocked before each yield is that read's
+        stall; it goes to `stats.stall_ms` and to `cache.record_read(key, nbytes, stall_ms)`,
+        called once per read. Raises the read's exception when a failed future comes up."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = dict(futures)
+        done_evt = threading.Event()
+        for f in pending.values():
+            f.add_done_callback(lambda _f: done_evt.set())
+        while pending:
+            t0 = time.monotonic()
+            ready = [k for k, f in pending.items() if f.done()]
+            while not ready:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{len(pending)} expert read(s) still pending, e.g. "
+                                       f"{next(iter(pending))}")
+                done_evt.wait(left)
+                done_evt.clear()
+                ready = [k for k, f in pending.items() if f.done()]
+            stall_ms = (time.monotonic() - t0) * 1e3
+            for i, key in enumerate(ready):
+                fut = pending.pop(key)
+                self._record(key, fut, stall_ms if i == 0 else 0.0)
+                yield key, fut.result()  # raises PrefetchError / CancelledError / NoSlotError
+
+    def inflight(self) -> dict[str, int]:
+        """Snapshot: bytes and reads handed to the reader, queued demand / speculative counts."""
+        with self._cond:
+            return {"inflight_bytes": self._inflight_bytes, "inflight_reads": self._inflight_reads,
+                    "queued_demand": len(self._demand_q), "queued_spec": len(self._spec_q),
+                    "spec_bytes": self._spec_bytes}
+
+    def shutdown(self, cancel_pending: bool = True, timeout: float = 5.0) -> None:
+        """Stop taking work and join the dispatcher. With `cancel_pending`, queued reads are
+        dropped (slots aborted, futures cancelled) and this returns without waiting for reads
+        already in the reader: those complete (commit or abort) from their callbacks. Without it,
+        queued reads are still dispatched first. Idempotent; does not close the reader."""
+        cancelled: list[Future] = []
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            if cancel_pending:
+                for q in (self._demand_q, self._spec_q):
+                    for job in q:
+                        self._drop_queued_locked(job)
+                        cancelled.append(job.future)
+                    q.clear()
+            self._cond.notify_all()
+        for f in cancelled:
+            f.cancel()
+        self._dispatcher.join(timeout)
+        if self._dispatcher.is_alive():
+            log.warning("prefetch dispatcher still busy after %.1f s (reader call blocking?)",
+                        timeout)
+        if not cancel_pending:
+            self._wait_idle(timeout)
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Prefetcher is shut down")
+
+    def _new_job_locked(self, key: ExpertKey, *, speculative: bool, transient: bool):
+        """A reserved job, or a failed Future when the key cannot be located or slotted."""
+        try:
+            part, offset, length, sha = self.locate(key)
+        except Exception as e:
+            return _failed(key, PrefetchError(key, f"expert (layer {key[0]}, expert {key[1]}): "
+                                                   f"cannot locate its record: {e}"), e)
+        slot = self.cache.reserve(key, speculative=speculative, transient=transient)
+        if slot is None and not transient:  # a full cache may still lend a one-use slot
+            slot = self.cache.reserve(key, speculative=speculative, transient=True)
+        if slot is None:
+            return _failed(key, NoSlotError(f"expert (layer {key[0]}, expert {key[1]}): the "
+                                            "cache has no slot for a demand read"), None)
+        job = _Job(key, part, offset, length, sha, slot, speculative)
+        self._jobs[key] = job
+        return job
+
+    def _promote_locked(self, job: _Job) -> None:
+        """A speculative read is now needed: count it used and, if queued, move it to demand."""
+        job.speculative = False
+        self._spec_bytes -= job.length
+        self.stats.spec_used += 1
+        if job.state == "queued":
+            self._spec_q.remove(job)
+            self._demand_q.append(job)
+        promote = getattr(self.cache, "promote", None)
+        if promote is not None:
+            promote(job.key)
+
+    def _drop_queued_locked(self, job: _Job) -> None:
+        del self._jobs[job.key]
+        if job.speculative:
+            self._spec_bytes -= job.length
+        self.cache.abort(job.key)
+
+    def _fits_locked(self, job: _Job) -> bool:
+        if self._inflight_reads >= self.threads:
+            return False
+        # Nothing in flight: an oversize record runs alone rather than never.
+        return self._inflight_bytes == 0 or self._inflight_bytes + job.length <= \
+            self.max_inflight_bytes
+
+    def _pick_locked(self) -> list[_Job]:
+        """Jobs to hand to the reader now: demand in order; speculation only when no demand read
+        is waiting (a queued demand read blocks all queued speculation)."""
+        batch: list[_Job] = []
+        for q in (self._demand_q, self._spec_q):
+            while q and self._fits_locked(q[0]):
+                job = q.popleft()
+                if not job.future.set_running_or_notify_cancel():  # the caller cancelled it
+                    self._drop_queued_locked(job)
+                    continue
+                job.state = "running"
+                self._inflight_bytes += job.length
+                self._inflight_reads += 1
+                batch.append(job)
+            if q:
+                break
+        if self._inflight_bytes > self.stats.peak_inflight_bytes:
+            self.stats.peak_inflight_bytes = self._inflight_bytes
+        return batch
+
+    def _dispatch_loop(self) -> None:
+        while True:
+            with self._cond:
+                batch = self._pick_locked()
+                while not batch:
+                    if self._closed and not self._demand_q and not self._spec_q:
+                        return
+                    self._cond.wait()
+                    batch = self._pick_locked()
+            for job in batch:  # outside the lock: a reader may complete a read synchronously
+                try:
+                    buf = self.cache.buffer(job.slot)
+                    if buf.nbytes < job.length:
+                        raise ValueError(f"slot buffer holds {buf.nbytes} B, record needs "
+                                         f"{job.length}")
+                    fut = self.reader.read_into(job.part, job.offset, job.length, buf,
+                                                sha256=job.sha256)
+                except BaseException as e:
+                    self._finish(job, None, e)
+                    continue
+                fut.add_done_callback(lambda f, job=job: self._finish(job, f, None))
+
+    def _finish(self, job: _Job, fut: Future | None, error: BaseException | None) -> None:
+        """Completion (reader thread or dispatcher): commit or abort, free the budget, resolve."""
+        if error is None:
+            try:
+                n = fut.result()
+                if n != job.length:
+                    error = OSError(f"short read: {n} of {job.length} B")
+            except BaseException as e:
+                error = e
+        with self._cond:
+            self._inflight_bytes -= job.length
+            self._inflight_reads -= 1
+            if job.speculative:
+                self._spec_bytes -= job.length
+            if error is None:
+                try:
+                    self.cache.commit(job.key)
+                except BaseException as e:  # resolve the future whatever the cache does
+                    error = e
+            if error is None:
+                if job.speculative:
+                    self._landed.add(job.key)
+            else:
+                try:
+                    self.cache.abort(job.key)
+                except Exception:
+                    log.exception("cache.abort(%s) failed", job.key)
+                self.stats.failed_reads += 1
+            job.state = "done"
+            spec = job.speculative  # fixed from here: the key has left _jobs, no promotion
+            del self._jobs[job.key]
+            self._cond.notify_all()
+        if error is None:
+            job.future.set_result(job.slot)
+            if spec:  # nobody waits on a guess: its bytes are recorded now
+                self._record(job.key, job.future, 0.0, job)
+        else:
+            job.future.set_exception(self._error(job, error))
+
+    def _error(self, job: _Job, cause: BaseException) -> PrefetchError:
+        parts = getattr(self.reader, "parts", None)
+        try:
+            name = parts[job.part][0]
+        except Exception:
+            name = f"part {job.part}"
+        kind = "speculative" if job.speculative else "demand"
+        err = PrefetchError(job.key, f"expert (layer {job.key[0]}, expert {job.key[1]}): "
+                                     f"{kind} read of {name} (part {job.part}) at offset "
+                                     f"{job.offset} length {job.length} failed: "
+                                     f"{type(cause).__name__}: {cause}")
+        err.__cause__ = cause
+        return err
+
+    def _record(self, key: ExpertKey, fut: Future, stall_ms: float, job: _Job | None = None
+                ) -> None:
+        """One cache.record_read per successful read: guesses at landing, demand at wait."""
+        job = job or getattr(fut, "_mtplx_job", None)
+        with self._cond:
+            self.stats.stall_ms += stall_ms
+            if job is None or job.recorded or not fut.done() or fut.cancelled() \
+                    or fut.exception() is not None:
+                return
+            job.recorded = True
+            self.cache.record_read(key, job.length, stall_ms)
+
+    def _wait_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._inflight_reads and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+
+
+def _failed(key: ExpertKey, err: BaseException, cause: BaseException | None) -> Future:
+    if cause is not None:
+        err.__cause__ = cause
+    f: Future = Future()
+    f.set_exception(err)
+    return f
+
