@@ -40,6 +40,11 @@ _STACKED = re.compile(
 _MAX_LISTED = 8  # how many offenders an error message spells out
 
 
+def is_expert_tensor(name: str) -> bool:
+    """Whether `name` is a routed-expert tensor of a layout detect_expert_layout knows."""
+    return bool(_PER_EXPERT.fullmatch(name) or _STACKED.fullmatch(name))
+
+
 @dataclass(frozen=True, slots=True)
 class ProjectionRecord:
     """One expert projection as stored: codec components of a `[rows, cols]` matrix."""

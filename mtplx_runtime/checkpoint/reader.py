@@ -2,6 +2,12 @@
 
     config.json + index (or one model.safetensors) -> shard headers -> expert layout -> residents
 
+A streaming artifact (FORMAT.md "Streaming artifact") is a checkpoint whose routed experts live in
+bank parts named by `expert-manifest.json`: the manifest is loaded (digest and structure checked),
+its resident tensors must be exactly where the safetensors headers put them, and experts are read
+by bank_experts.py. Bank parts, `*.partial` files or build journals without the manifest are an
+unfinished build and are refused.
+
 At open only headers are read: the index is checked against the shard headers, the routed-expert
 layout is detected and checked against the config (layouts.py), and the resident text tensors are
 checked (residents.py). Shards stay open; tensors and experts are read on demand with pread.
@@ -15,14 +21,18 @@ from pathlib import Path
 import numpy as np
 
 from ..formats import Codec
+from .bank_experts import BankExpertLayout
 from .config import ModelConfig, load_json
-from .layouts import ExpertRecord, detect_expert_layout
+from .layouts import ExpertLayout, ExpertRecord, detect_expert_layout, is_expert_tensor
 from .residents import check_residents
 from .safetensors_io import CheckpointError, SafetensorsFile, TensorInfo
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+MANIFEST = "expert-manifest.json"
+# Files a `mtplx build-manifest` run leaves before it writes the manifest (publication marker).
+_BUILD_LEFTOVERS = ("experts-*-layer-*", "*.partial", "*.journal.jsonl", "build-receipt.json")
 
 
 class Checkpoint:
@@ -30,15 +40,27 @@ class Checkpoint:
     close() only when no read is in flight."""
 
     def __init__(self, path: Path, config: ModelConfig, shards: list[SafetensorsFile],
-                 where: dict[str, SafetensorsFile]):
+                 where: dict[str, SafetensorsFile], experts: ExpertLayout | None = None):
         self.path = path
         self.config = config
         self._shards = shards
         self._where = where  # tensor name -> the shard holding it
-        self._experts = detect_expert_layout(config, where, str(path))
-        self.layout: str = self._experts.name  # "mxfp4" | "w3" | "t158" | "bf16"
+        self._experts = experts or detect_expert_layout(config, where, str(path))
+        # "mxfp4" | "w3" | "t158" | "bf16"; "bank-{mode}" for a streaming artifact
+        self.layout: str = self._experts.name
         self.codec: Codec = self._experts.codec
+        # The streaming artifact's manifest (storage.manifest.Manifest); None for a checkpoint.
+        self.manifest = experts.manifest if isinstance(experts, BankExpertLayout) else None
         check_residents(config, where, str(path))
+
+    def record_location(self, layer: int, expert: int) -> tuple[Path, int, int, str | None]:
+        """Streaming artifacts only: (bank part path, absolute offset, length, sha256 or None)
+        of one expert record, for readers that move the bytes themselves."""
+        if not isinstance(self._experts, BankExpertLayout):
+            raise TypeError(f"{self.path}: not a streaming artifact (layout {self.layout}); "
+                            f"only bank records have a location")
+        self._check_key(layer, expert)
+        return self._experts.record_location(layer, expert)
 
     def tensor_names(self) -> list[str]:
         return sorted(self._where)
@@ -57,13 +79,16 @@ class Checkpoint:
 
     def expert(self, layer: int, expert: int) -> ExpertRecord:
         """Routed expert `expert` of MoE layer `layer` (0-based model index). Blocks on I/O."""
+        self._check_key(layer, expert)
+        return self._experts.read(layer, expert)
+
+    def _check_key(self, layer: int, expert: int) -> None:
         cfg = self.config
         if not (0 <= layer < cfg.num_hidden_layers and cfg.is_moe_layer(layer)):
             raise ValueError(f"layer {layer} is not an MoE layer (MoE layers "
                              f"{cfg.first_k_dense_replace}..{cfg.num_hidden_layers - 1})")
         if not 0 <= expert < cfg.num_experts:
             raise ValueError(f"expert {expert} is outside 0..{cfg.num_experts - 1}")
-        return self._experts.read(layer, expert)
 
     def _shard(self, name: str) -> SafetensorsFile:
         try:
@@ -74,6 +99,8 @@ class Checkpoint:
     def close(self) -> None:
         for shard in self._shards:
             shard.close()
+        if isinstance(self._experts, BankExpertLayout):
+            self._experts.close()
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -82,13 +109,16 @@ class Checkpoint:
         self.close()
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Open and validate a checkpoint directory; errors are CheckpointError naming the file."""
+def open_checkpoint(path: str | os.PathLike, *, verify_sha256: bool = False) -> Checkpoint:
+    """Open and validate a checkpoint directory or streaming artifact; errors are CheckpointError
+    naming the file. `verify_sha256`: artifacts only, hash every expert record on read."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory")
+    manifest = _artifact_manifest(root)
     config = ModelConfig.from_file(root / CONFIG)
     shards: list[SafetensorsFile] = []
+    experts = None
     try:
         weight_map = _read_index(root)
         names = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE]
@@ -97,11 +127,54 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
                 raise CheckpointError(f"{root / INDEX}: shard {name!r} is missing from {root}")
             shards.append(SafetensorsFile(root / name))
         where = _locate(shards, weight_map, root)
-        return Checkpoint(root, config, shards, where)
+        if manifest is not None:
+            _check_manifest_residents(manifest, where, root)
+            experts = BankExpertLayout(config, root, manifest, verify_sha256=verify_sha256)
+        return Checkpoint(root, config, shards, where, experts)
     except BaseException:
         for shard in shards:
             shard.close()
+        if experts is not None:
+            experts.close()
         raise
+
+
+def _artifact_manifest(root: Path):
+    """The loaded manifest of a streaming artifact, None for a plain checkpoint; refuses an
+    unfinished artifact (build leftovers without the manifest, which is published last)."""
+    path = root / MANIFEST
+    if path.exists() or path.is_symlink():
+        from ..storage.manifest import load_manifest
+
+        return load_manifest(path)  # ManifestError is a CheckpointError
+    leftovers = sorted({p.name for pattern in _BUILD_LEFTOVERS for p in root.glob(pattern)})
+    if leftovers:
+        shown = ", ".join(leftovers[:4]) + (", ..." if len(leftovers) > 4 else "")
+        raise CheckpointError(f"{root}: unfinished streaming artifact: it holds build output "
+                              f"({shown}) but no {MANIFEST}, which a finished build writes last; "
+                              f"rerun `mtplx build-manifest` to finish it")
+    return None
+
+
+def _check_manifest_residents(manifest, where: dict[str, SafetensorsFile], root: Path) -> None:
+    """Each manifest resident tensor is where the shard headers put it (same shard, absolute
+    extent, dtype, shape); no routed-expert tensor sits beside the bank."""
+    for t in manifest.resident_tensors:
+        holder = where.get(t.tensor)
+        if holder is None or holder.path.name != t.shard:
+            raise CheckpointError(f"{root / MANIFEST}: resident tensor {t.tensor!r} is not in "
+                                  f"{t.shard} according to {INDEX}")
+        info = holder.tensors[t.tensor]
+        if (info.start, info.nbytes, info.dtype, info.shape) != (t.offset, t.length, t.dtype,
+                                                                  tuple(t.shape)):
+            raise CheckpointError(
+                f"{holder.path}: tensor {t.tensor!r} is {info.dtype}{list(info.shape)} at "
+                f"[{info.start}, {info.end}), {MANIFEST} says {t.dtype}{list(t.shape)} at "
+                f"[{t.offset}, {t.offset + t.length})")
+    for name, shard in where.items():
+        if is_expert_tensor(name):
+            raise CheckpointError(f"{shard.path}: routed-expert tensor {name!r} beside the "
+                                  f"bank parts of a streaming artifact")
 
 
 def _read_index(root: Path) -> dict[str, str] | None:

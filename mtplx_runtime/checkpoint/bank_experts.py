@@ -1,0 +1,177 @@
+"""Routed experts of a streaming artifact: records in raw bank parts, located by the manifest.
+
+FORMAT.md "Streaming artifact: banks and manifest v1". The manifest (already digest- and
+structure-checked by `load_manifest`) is checked here against the config: the record layout of
+its codec mode for the config's expert shapes (`storage.bank.record_layout`), every expert of each
+routed layer it holds (descriptor rules 15-20; the pinned K3 descriptor for `kimi-k3-q1t`), and
+each record's segments contiguous from its part's `data_start + sidecar_offset`. Bank parts are
+opened at open time (O_NOFOLLOW, regular file of the manifest's size) and stay open.
+
+    (layer, expert) -> manifest record -> ONE os.pread of the whole record
+        -> [sha256 checked if asked] -> record_parts (pads skipped) -> ExpertRecord
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from pathlib import Path
+
+from ..formats import FormatError
+from ..storage.bank import RecordLayout, record_layout, record_parts
+from ..storage.manifest import Manifest, ManifestError, Record
+from ..storage.manifest_rules import (
+    K3_T158_DESCRIPTOR,
+    descriptor_for,
+    mode_codec,
+    validate_descriptor,
+)
+from .config import ModelConfig
+from .layouts import ExpertLayout, ExpertRecord, ProjectionRecord
+from .safetensors_io import CheckpointError
+
+
+class RecordHashError(CheckpointError):
+    """A record's bytes do not hash to the manifest's `sha256`."""
+
+
+class BankExpertLayout(ExpertLayout):
+    """Experts stored as bank records. `name` is "bank-{mode}"; `codec` the mode's codec (ct-int
+    modes: the dense layout). Reads are positional, so threads may read at once."""
+
+    def __init__(self, cfg: ModelConfig, root: Path, manifest: Manifest, *,
+                 verify_sha256: bool = False):
+        self._cfg, self._root, self._manifest = cfg, root, manifest
+        self.verify_sha256 = verify_sha256
+        where = root / "expert-manifest.json"
+        mode, bits = manifest.quantization["mode"], manifest.quantization["bits"]
+        try:
+            self.codec = mode_codec(mode, bits)
+            self._layout: RecordLayout = record_layout(cfg, mode, bits)
+        except (ManifestError, FormatError) as e:
+            raise CheckpointError(f"{where}: codec mode {mode!r} (bits {bits}) cannot hold the "
+                                  f"config's experts: {e}") from None
+        self.name = f"bank-{mode}"
+        self.mode = mode
+        if manifest.sidecar is None:
+            raise CheckpointError(f"{where}: the manifest has no sidecar object, so it names no "
+                                  f"bank parts to read records from")
+        self._check_descriptor(where)
+        self._records: dict[tuple[int, int], Record] = {}
+        self._check_records(where)
+        self.layers = sorted({r.layer for r in manifest.records})
+        self._fds: list[int] = []
+        try:
+            for p in manifest.sidecar.parts:
+                self._fds.append(_open_part(root / p.file, p.size))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def manifest(self) -> Manifest:
+        return self._manifest
+
+    def _check_descriptor(self, where: Path) -> None:
+        m, cfg = self._manifest, self._cfg
+        layers = sorted({r.layer for r in m.records})
+        try:
+            if m.model_key == K3_T158_DESCRIPTOR.model_key:
+                desc = K3_T158_DESCRIPTOR
+            else:
+                desc = descriptor_for(cfg, m.quantization["mode"], m.quantization["bits"],
+                                      layers=layers)
+            validate_descriptor(m, desc)
+        except ManifestError as e:
+            raise CheckpointError(f"{where}: does not match config.json: {e}") from None
+        want = [(s.component, s.dtype, s.shape, s.length) for s in self._layout.segments]
+        if [(c, dt, tuple(sh), n) for c, dt, sh, n in desc.layout] != want:
+            raise CheckpointError(f"{where}: the record layout of {desc.model_key} does not fit "
+                                  f"the config's expert shapes {cfg.expert_shapes}")
+
+    def _check_records(self, where: Path) -> None:
+        """Segments contiguous from the record start in the record's own part (one read each);
+        for authoritative manifests rule 14 already holds, others are checked here."""
+        parts = self._manifest.sidecar.parts
+        for r in self._manifest.records:
+            if r.sidecar_offset is None:
+                raise CheckpointError(f"{where}: record (layer {r.layer}, expert {r.expert}) has "
+                                      f"no sidecar extent")
+            p = parts[r.part]
+            pos = p.data_start + r.sidecar_offset
+            for s in r.segments:
+                if s.shard != p.file or s.offset != pos:
+                    raise CheckpointError(
+                        f"{where}: record (layer {r.layer}, expert {r.expert}) segment "
+                        f"{s.component} is at {s.shard!r} offset {s.offset}, expected "
+                        f"{p.file!r} offset {pos} (records must be contiguous in one part)")
+                pos += s.length
+            self._records[r.layer, r.expert] = r
+
+    def _record(self, layer: int, expert: int) -> Record:
+        try:
+            return self._records[layer, expert]
+        except KeyError:
+            raise CheckpointError(f"{self._root}: the artifact holds no record for layer {layer} "
+                                  f"(it holds routed layers {self.layers})") from None
+
+    def record_location(self, layer: int, expert: int) -> tuple[Path, int, int, str | None]:
+        """(bank part path, absolute byte offset, length, sha256 or None) of one record."""
+        r = self._record(layer, expert)
+        p = self._manifest.sidecar.parts[r.part]
+        return (self._root / p.file, p.data_start + r.sidecar_offset, r.sidecar_length,
+                r.sha256)
+
+    def read_bytes(self, layer: int, expert: int, *, verify_sha256: bool | None = None) -> bytes:
+        """The record's raw bytes with one positional read; sha256 checked when asked (or when
+        the layout was opened with verify_sha256)."""
+        r = self._record(layer, expert)
+        p = self._manifest.sidecar.parts[r.part]
+        offset = p.data_start + r.sidecar_offset
+        data = os.pread(self._fds[r.part], r.sidecar_length, offset)
+        if len(data) != r.sidecar_length:
+            raise CheckpointError(f"{self._root / p.file}: short read of record (layer {layer}, "
+                                  f"expert {expert}): {len(data)} of {r.sidecar_length} bytes at "
+                                  f"offset {offset}")
+        verify = self.verify_sha256 if verify_sha256 is None else verify_sha256
+        if verify:
+            if r.sha256 is None:
+                raise RecordHashError(f"{self._root}: record (layer {layer}, expert {expert}) has "
+                                      f"no sha256 in the manifest to verify against")
+            got = hashlib.sha256(data).hexdigest()
+            if got != r.sha256:
+                raise RecordHashError(f"{self._root / p.file}: record (layer {layer}, expert "
+                                      f"{expert}) at offset {offset} hashes to {got}, the manifest "
+                                      f"says {r.sha256}")
+        return data
+
+    def read(self, layer: int, expert: int, *, verify_sha256: bool | None = None) -> ExpertRecord:
+        data = self.read_bytes(layer, expert, verify_sha256=verify_sha256)
+        parts = record_parts(self._layout, data)
+        shapes = self._cfg.expert_shapes
+        return ExpertRecord(layer, expert, {
+            proj: ProjectionRecord(self.codec, shapes[proj], comps)
+            for proj, comps in parts.items()})
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+def _open_part(path: Path, size: int) -> int:
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: bank part named by the manifest is missing") from None
+    except OSError as e:
+        why = "is a symlink" if path.is_symlink() else f"cannot be opened: {e}"
+        raise CheckpointError(f"{path}: bank part {why}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        os.close(fd)
+        what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"{st.st_size} bytes"
+        raise CheckpointError(f"{path}: bank part is {what}; the manifest says {size} bytes")
+    return fd
