@@ -135,19 +135,29 @@ class LatentMoE:
                        cfg.moe_renormalize, cfg.routed_scaling_factor,
                        self.forced_ids)  # [T, K] each
         self.last_ids, self.last_weights = ids, w
+        hint = getattr(self.provider, "hint", None)
+        if hint is not None:  # lookahead for later layers goes out before this layer computes
+            hint(self.layer, x, ids)
         r = F.linear(x, self.down_lat)  # [T, R]
         needed = torch.unique(ids).tolist()  # [U] ascending
-        experts = self.provider.experts(self.layer, needed)
+        stream = getattr(self.provider, "stream", None)
+        if stream is not None:  # (id, weights) as reads land: compute overlaps the I/O
+            arrivals = stream(self.layer, needed, tokens=ids.shape[0], uses=ids.numel())
+        else:
+            experts = self.provider.experts(self.layer, needed)
+            arrivals = ((e, experts[e]) for e in needed)
+        ys = {}
+        for e, ew in arrivals:
+            tok, slot = torch.nonzero(ids == e, as_tuple=True)  # [n] each, tok distinct
+            ys[e] = tok, slot, glu_mlp(r[tok], ew.gate, ew.up, ew.down, cfg.activation_situ_beta,
+                                       cfg.activation_situ_linear_beta)  # [n, R]
         # Combine (§4.6 step 3): each bf16 y_e -> fp32, × its fp32 weight, summed in fp32.
-        # Experts run in ascending id and each token's ids are sorted and distinct, so every
-        # token's products land in acc in sorted-id order: the same left-to-right fp32 sum as a
-        # per-token loop (0 + a is exact), whatever the batch.
+        # Experts combine in ascending id (whatever order they arrived in) and each token's ids
+        # are sorted and distinct, so every token's products land in acc in sorted-id order: the
+        # same left-to-right fp32 sum as a per-token loop (0 + a is exact), whatever the batch.
         acc = torch.zeros(r.shape, dtype=torch.float32, device=r.device)  # [T, R]
         for e in needed:
-            tok, slot = torch.nonzero(ids == e, as_tuple=True)  # [n] each, tok distinct
-            ew = experts[e]
-            y = glu_mlp(r[tok], ew.gate, ew.up, ew.down,
-                        cfg.activation_situ_beta, cfg.activation_situ_linear_beta)  # [n, R]
+            tok, slot, y = ys[e]
             acc.index_add_(0, tok, y.float() * w[tok, slot].unsqueeze(-1))
         routed = acc.to(x.dtype)  # [T, R]
         if self.norm is not None:

@@ -1,0 +1,259 @@
+"""StreamingExpertProvider: routed experts read from an artifact's bank through a small cache.
+
+    LatentMoE -> hint(l, x): routers of l+1..l+d on x -> speculate(keys), cancel stale guesses
+              -> stream(l, ids): lookup (pin hits) -> demand(misses) -> yield hits, then misses
+                 as their reads land -> decode slot bytes (mode codec) -> ExpertWeights
+
+The ExpertCache owns the slots, the Prefetcher moves bytes, this module only wires them to the
+model (STYLE.md principle 3). Decoding is the codec's reference NumPy decode followed by the same
+float32 -> model-dtype cast as `ResidentExpertProvider`, so streamed and resident logits are
+bit-identical. Prefill (tokens > 1) reads each needed expert once for all its tokens into
+transient slots, in windows no larger than the transient pool, so it never evicts decode experts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .cache import ExpertCache
+from .lookahead import LookaheadScore, predict, predicted_keys
+from .model.moe import ExpertWeights, LatentMoE
+from .prefetch import Prefetcher
+from .storage.bank import PROJECTIONS, record_layout, record_parts
+from .storage.manifest import load_manifest
+from .storage.reader import from_manifest
+
+__all__ = ["StreamingExpertProvider", "attach", "MANIFEST_NAME"]
+
+MANIFEST_NAME = "expert-manifest.json"
+ExpertKey = tuple[int, int]
+
+
+class StreamingExpertProvider:
+    """An `ExpertProvider` over a built artifact (`artifact_dir` holds the manifest and parts).
+
+    cfg: the ModelConfig (expert shapes, top-k); dtype / device: what the returned weights are.
+    device_bytes / host_bytes / transient_bytes: cache tier budgets (transient None: room for
+    max(top_k, 4) records; 0 disables transient slots and prefill then uses the device tier).
+    policy, scope: ExpertCache replacement ('lru' | 'freq', 'layer' | 'global').
+    lookahead: how many later MoE layers `hint` speculates for (0: off); routers
+    {layer: (w_router, bias, top_k[, norm_weight, eps])}, normally set by `attach`.
+    threads, max_inflight_bytes, direct, verify_sha256: reader and prefetcher settings.
+    timeout_s: longest a forward waits for one batch of reads before TimeoutError.
+    """
+
+    def __init__(self, artifact_dir: str | os.PathLike, cfg, dtype: torch.dtype = torch.float32,
+                 *, device_bytes: int, host_bytes: int = 0, transient_bytes: int | None = None,
+                 policy: str = "lru", scope: str = "layer", lookahead: int = 1,
+                 routers: Mapping[int, tuple] | None = None, threads: int = 4,
+                 max_inflight_bytes: int | None = None, direct: bool | str = "auto",
+                 verify_sha256: bool = False, device: str = "cpu", timeout_s: float = 120.0):
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+        root = Path(artifact_dir)
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.lookahead, self.timeout_s = int(lookahead), float(timeout_s)
+        self.manifest = load_manifest(root / MANIFEST_NAME)
+        q = self.manifest.quantization
+        self.layout = record_layout(cfg, q["mode"], q["bits"])
+        self.codec = self.layout.codec
+        self.stride_bytes = self.layout.logical_bytes
+        self._records = {}
+        for r in self.manifest.records:
+            if r.logical_bytes != self.stride_bytes or r.sidecar_offset is None:
+                raise ValueError(f"{root}: record ({r.layer}, {r.expert}) is "
+                                 f"{r.logical_bytes} B, the {q['mode']} layout needs "
+                                 f"{self.stride_bytes} B in a bank part")
+            self._records[(r.layer, r.expert)] = r
+        layers = sorted({k[0] for k in self._records})
+        if transient_bytes is None:
+            transient_bytes = max(cfg.num_experts_per_token, 4) * self.stride_bytes
+        self.cache = ExpertCache(self.stride_bytes, device_bytes, host_bytes, scope=scope,
+                                 policy=policy, layers=layers, transient_bytes=transient_bytes,
+                                 device="cpu")  # slots are decoded by the NumPy codecs
+        self._transient_slots = self.cache.capacity()["transient"]
+        self.verify_sha256 = verify_sha256
+        self.reader = from_manifest(root, self.manifest, direct=direct, threads=threads,
+                                    verify_sha256=verify_sha256)
+        if max_inflight_bytes is None:
+            span = max(threads, 2 * cfg.num_experts_per_token * max(1, self.lookahead))
+            max_inflight_bytes = span * self.stride_bytes
+        self.prefetcher = Prefetcher(self.reader, self.locate, self.cache,
+                                     max_inflight_bytes=max_inflight_bytes,
+                                     speculative_fraction=0.5, threads=threads)
+        self.routers: dict[int, tuple] = dict(routers or {})
+        self.score = LookaheadScore()
+        self._spec_keys: set[ExpertKey] = set()  # guesses issued and not yet consumed
+        self.stall_ms = 0.0       # time forwards spent blocked on reads (this provider's view)
+        self.prefill_uses = 0     # (token, expert) pairs in multi-token calls
+        self.prefill_unique = 0   # distinct experts read for them
+        self._closed = False
+
+    # ---- the ExpertProvider contract -----------------------------------------------------
+
+    def locate(self, key: ExpertKey) -> tuple[int, int, int, str | None]:
+        """(part, absolute offset, length, sha256 | None) of one record; KeyError if absent."""
+        r = self._records[(int(key[0]), int(key[1]))]
+        start = self.manifest.sidecar.parts[r.part].data_start
+        return r.part, start + r.sidecar_offset, r.sidecar_length, (
+            r.sha256 if self.verify_sha256 else None)
+
+    def experts(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertWeights]:
+        """Weights of experts `ids` (distinct) of `layer`. Blocks until every read has landed."""
+        return dict(self.stream(layer, ids))
+
+    def stream(self, layer: int, ids: Sequence[int], *, tokens: int = 1,
+               uses: int | None = None) -> Iterator[tuple[int, ExpertWeights]]:
+        """Yield (id, ExpertWeights) for each of `ids`: cache hits first, then misses as their
+        reads land, so the caller computes while the rest load. `tokens` > 1 (prefill) reads
+        misses into transient slots and counts `uses` (token-expert pairs) for the dedup factor.
+        A slot is pinned from lookup until its bytes are decoded. Raises PrefetchError (names
+        the expert, file and offset) when a read fails, TimeoutError past `timeout_s`."""
+        if self._closed:
+            raise RuntimeError("StreamingExpertProvider is closed")
+        keys = [(int(layer), int(e)) for e in ids]
+        prefill = tokens > 1
+        transient = prefill and self._transient_slots > 0
+        if prefill:
+            self.prefill_uses += len(keys) if uses is None else int(uses)
+            self.prefill_unique += len(keys)
+        hits, misses = self.cache.lookup(keys, transient=transient)
+        pinned = set(self.cache.pin(list(hits) + misses))  # hits, and misses already loading
+        try:
+            self.prefetcher.note_used(hits)
+            futures = self._join_loading([k for k in misses if k in pinned], transient, hits)
+            absent = [k for k in misses if k not in pinned]
+            window = max(1, self._transient_slots) if transient else max(1, len(absent))
+            chunks = [absent[i:i + window] for i in range(0, len(absent), window)] or [[]]
+            futures.update(self.prefetcher.demand(chunks[0], transient))
+            for key, ref in hits.items():  # decode hits while the misses load
+                yield key[1], self._take(key, ref, pinned)
+            for i in range(len(chunks)):
+                t0 = time.monotonic()
+                for key, ref in self.prefetcher.completed(futures, self.timeout_s):
+                    self.stall_ms += (time.monotonic() - t0) * 1e3
+                    if key not in pinned:
+                        pinned.update(self.cache.pin([key]))
+                    yield key[1], self._take(key, ref, pinned)
+                    t0 = time.monotonic()
+                if i + 1 < len(chunks):
+                    futures = self.prefetcher.demand(chunks[i + 1], transient)
+            self._spec_keys.difference_update(keys)
+        finally:
+            self.cache.unpin(pinned)
+
+    def _join_loading(self, loading: list[ExpertKey], transient: bool, hits: dict) -> dict:
+        """Futures of misses that were loading at lookup (lookahead guesses in flight). One that
+        landed since is moved to `hits` (demand would refuse to reserve it again)."""
+        futures: dict = {}
+        for key in loading:
+            try:
+                futures.update(self.prefetcher.demand([key], transient))
+            except ValueError:  # committed between lookup and demand: it is a hit now
+                hits[key] = self.cache.where(key)
+                self.prefetcher.note_used([key])
+        return futures
+
+    def _take(self, key: ExpertKey, ref, pinned: set) -> ExpertWeights:
+        """Decode the slot's record, then release its pin (the tensors are fresh copies)."""
+        ew = self.decode(self.cache.buffer(ref))
+        self.cache.unpin([key])
+        pinned.discard(key)
+        return ew
+
+    def decode(self, buf) -> ExpertWeights:
+        """Record bytes -> ExpertWeights: the mode codec's reference decode to float32, then the
+        same cast as ResidentExpertProvider (exact: decoded values fit bf16)."""
+        parts = record_parts(self.layout, np.asarray(buf)[: self.stride_bytes])
+        t = {}
+        for p in PROJECTIONS:
+            a = self.codec.decode(parts[p], tuple(self.cfg.expert_shapes[p]))  # [rows, cols]
+            t[p] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(
+                device=self.device, dtype=self.dtype)
+        return ExpertWeights(t["gate"], t["up"], t["down"])
+
+    # ---- lookahead -----------------------------------------------------------------------
+
+    def ahead(self, layer: int) -> list[int]:
+        """The next `lookahead` MoE layers after `layer` that have a router."""
+        return [la for la in sorted(self.routers) if la > layer][: self.lookahead]
+
+    def hint(self, layer: int, hidden: torch.Tensor, actual: torch.Tensor | None = None
+             ) -> list[ExpertKey]:
+        """Speculate the experts of the next `lookahead` MoE layers from `hidden` [T, D] (this
+        layer's normed MoE input) and cancel queued guesses no longer predicted. `actual`
+        [T, K]: this layer's route, scored against earlier guesses. Returns the keys issued."""
+        if actual is not None:
+            self.score.add_actual(layer, actual)
+        # Prefill (T > 1) does not guess: its reads go to transient slots, not the decode set.
+        targets = self.ahead(layer) if self.lookahead and hidden.shape[0] == 1 else []
+        if not targets:
+            return []
+        preds = predict(hidden, [self.routers[la] for la in targets])  # [T, K_j] each
+        self.score.add_predictions(targets, preds)
+        keys = predicted_keys(targets, preds)
+        # Guesses for this layer are about to be demanded: never cancel those.
+        keep = set(keys) | {k for k in self._spec_keys if k[0] == layer}
+        self.prefetcher.cancel_stale(keep)
+        self._spec_keys &= keep
+        issued = self.prefetcher.speculate(keys)
+        self._spec_keys.update(issued)
+        return issued
+
+    # ---- reporting and lifetime ----------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Cache counters per layer and tier, totals, prefetch counters, lookahead scores per
+        depth, stall time and the prefill dedup factor (expert uses / unique experts)."""
+        totals = self.cache.totals()
+        dev = totals["device"]
+        return {
+            "cache": self.cache.stats(),
+            "totals": totals,
+            "hit_rate": dev["hits"] / dev["lookups"] if dev["lookups"] else 0.0,
+            "prefetch": self.prefetcher.stats.as_dict(),
+            "lookahead": self.score.summary(),
+            "stall_ms": self.stall_ms,
+            "prefill_dedup": {"uses": self.prefill_uses, "unique": self.prefill_unique,
+                              "factor": (self.prefill_uses / self.prefill_unique
+                                         if self.prefill_unique else 0.0)},
+        }
+
+    def close(self) -> None:
+        """Cancel queued reads, join the prefetcher, close the reader. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.prefetcher.shutdown(cancel_pending=True, timeout=self.timeout_s)
+        finally:
+            self.reader.close()
+
+    def __enter__(self) -> StreamingExpertProvider:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def attach(model, provider) -> dict[int, object]:
+    """Make every LatentMoE of `model` (a KimiK3) use `provider`; when the provider takes
+    routers (lookahead), give it each MoE layer's (router weight, correction bias, top_k).
+    Returns the previous providers by layer, so a caller can swap them back."""
+    previous: dict[int, object] = {}
+    routers: dict[int, tuple] = {}
+    for layer in model.layers:
+        moe = layer.mlp
+        if isinstance(moe, LatentMoE):
+            previous[moe.layer] = moe.provider
+            moe.provider = provider
+            routers[moe.layer] = (moe.router, moe.bias, model.cfg.num_experts_per_token)
+    if hasattr(provider, "routers"):
+        provider.routers.update(routers)
+    return previous

@@ -1,0 +1,190 @@
+"""StreamingExpertProvider: streamed experts through a cache of a few slots give bit-identical
+logits and greedy tokens to resident experts, for every tiny codec, with lookahead on, off and
+deliberately wrong; counters add up; close leaves no threads; a broken bank part fails loudly."""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from mtplx_runtime.fixtures.tiny import make_tiny
+from mtplx_runtime.model.kimi_k3 import load_model
+from mtplx_runtime.prefetch import PrefetchError
+from mtplx_runtime.storage.builder import build_artifact
+from mtplx_runtime.streaming import StreamingExpertProvider, attach
+
+LAYOUTS = ("mxfp4", "w3", "t158", "bf16")
+PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 5, 120, 77, 11]
+STEPS = 12
+SLOTS_PER_LAYER = 3
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """{codec: (source dir, artifact dir, resident logits, resident greedy tokens)}."""
+    root = tmp_path_factory.mktemp("stream")
+    out = {}
+    for codec in LAYOUTS:
+        src, art = root / codec, root / f"{codec}-art"
+        make_tiny(src, codec)
+        build_artifact(src, art, codec="keep", progress=False)
+        model = load_model(src)
+        out[codec] = (src, art, *run(model))
+    return out
+
+
+def run(model):
+    """Prefill PROMPT then STEPS greedy decode steps: (list of logits tensors, tokens)."""
+    state = model.new_state()
+    logits = [model.prefill(PROMPT, state)]
+    tokens = []
+    for _ in range(STEPS):
+        tok = int(torch.argmax(logits[-1][-1] if logits[-1].dim() == 2 else logits[-1]))
+        tokens.append(tok)
+        logits.append(model.decode(tok, state))
+    return logits, tokens
+
+
+def streamed(src, art, **kw):
+    model = load_model(src)
+    n_moe = len(model.cfg.moe_layers)
+    probe = StreamingExpertProvider(art, model.cfg, model.dtype, device_bytes=1, lookahead=0)
+    stride = probe.stride_bytes
+    probe.close()
+    kw.setdefault("lookahead", 0)
+    provider = StreamingExpertProvider(art, model.cfg, model.dtype,
+                                       device_bytes=SLOTS_PER_LAYER * n_moe * stride, **kw)
+    attach(model, provider)
+    return model, provider
+
+
+def check_same(got, want):
+    (g_logits, g_tokens), (w_logits, w_tokens) = got, want
+    assert g_tokens == w_tokens
+    for g, w in zip(g_logits, w_logits, strict=True):
+        assert torch.equal(g, w)
+
+
+def check_counters(provider):
+    st = provider.stats()
+    for tiers in st["cache"].values():
+        c = tiers["device"]
+        assert c["hits"] + c["misses"] == c["lookups"]
+    dev = st["totals"]["device"]
+    assert dev["lookups"] > 0 and dev["misses"] > 0
+    assert st["prefetch"]["failed_reads"] == 0
+    assert st["stall_ms"] >= 0.0 and st["prefetch"]["stall_ms"] >= 0.0
+    assert dev["bytes_read"] > 0
+    assert st["prefill_dedup"]["factor"] >= 1.0
+    return st
+
+
+@pytest.mark.parametrize("codec", LAYOUTS)
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
+def test_streamed_equals_resident(built, codec, lookahead):
+    src, art, want_logits, want_tokens = built[codec]
+    model, provider = streamed(src, art, lookahead=lookahead)
+    with provider:
+        got = run(model)
+        check_same(got, (want_logits, want_tokens))
+        st = check_counters(provider)
+    if lookahead:
+        assert set(st["lookahead"]) == set(range(1, lookahead + 1))
+        assert st["prefetch"]["spec_issued"] > 0
+    print(f"{codec} lookahead={lookahead}: hit rate {st['hit_rate']:.3f}, "
+          f"dedup {st['prefill_dedup']['factor']:.2f}, lookahead "
+          f"{ {d: round(v['recall'], 3) for d, v in st['lookahead'].items()} }")
+
+
+@pytest.mark.parametrize("codec", ["t158", "mxfp4"])
+def test_wrong_predictor_is_still_exact(built, codec):
+    src, art, want_logits, want_tokens = built[codec]
+    model, provider = streamed(src, art, lookahead=2)
+    rng = random.Random(0)
+    n_exp = model.cfg.num_experts
+
+    def wrong_hint(layer, hidden, actual=None):
+        keys = [(la, rng.randrange(n_exp)) for la in provider.ahead(layer) for _ in range(3)]
+        provider.prefetcher.cancel_stale(set(keys))
+        return provider.prefetcher.speculate(keys)
+
+    provider.hint = wrong_hint
+    with provider:
+        check_same(run(model), (want_logits, want_tokens))
+        st = check_counters(provider)
+    assert st["prefetch"]["spec_issued"] > 0
+
+
+def test_host_tier_and_global_scope_exact(built):
+    src, art, want_logits, want_tokens = built["t158"]
+    model, provider = streamed(src, art, lookahead=1, scope="global",
+                               host_bytes=8 * 49152)
+    with provider:
+        check_same(run(model), (want_logits, want_tokens))
+        check_counters(provider)
+
+
+def test_experts_contract_and_dedup(built):
+    src, art, *_ = built["bf16"]
+    model, provider = streamed(src, art)
+    with provider:
+        resident = load_model(src).layers[1].mlp.provider
+        got = provider.experts(1, [0, 3, 5])
+        want = resident.experts(1, [0, 3, 5])
+        for e in (0, 3, 5):
+            for p in ("gate", "up", "down"):
+                assert torch.equal(getattr(got[e], p), getattr(want[e], p))
+        order = [e for e, _ in provider.stream(1, [0, 3, 5, 7], tokens=4, uses=8)]
+        assert sorted(order) == [0, 3, 5, 7]
+        assert order == [0, 3, 5, 7]  # the three cached experts first, then the read
+        assert provider.cache.where((1, 7)).transient  # a prefill miss takes a transient slot
+        assert provider.stats()["prefill_dedup"] == {"uses": 8, "unique": 4, "factor": 2.0}
+
+
+def test_close_leaves_no_threads(built):
+    src, art, *_ = built["t158"]
+    before = threading.active_count()
+    model, provider = streamed(src, art, lookahead=2)
+    run(model)
+    provider.close()
+    provider.close()  # idempotent
+    deadline = time.monotonic() + 5.0
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() <= before
+    with pytest.raises(RuntimeError, match="closed"):
+        provider.experts(1, [0])
+
+
+def test_truncated_part_fails_the_forward(built, tmp_path):
+    import shutil
+
+    src, art0, *_ = built["t158"]
+    art = tmp_path / "art"
+    shutil.copytree(art0, art)
+    model, provider = streamed(src, art, lookahead=1, timeout_s=10.0)
+    with provider:
+        run(model)  # every part file is open now
+        part = art / provider.manifest.sidecar.parts[-1].file
+        with open(part, "r+b") as f:
+            f.truncate(0)
+        t0 = time.monotonic()
+        with pytest.raises(PrefetchError, match=part.name):
+            model.logits(PROMPT + PROMPT)  # prefill needs nearly every expert of every layer
+        assert time.monotonic() - t0 < 30.0  # a hang would end in TimeoutError at 10 s anyway
+
+
+def test_guess_landing_before_demand_counts_as_hit(built):
+    src, art, *_ = built["t158"]
+    model, provider = streamed(src, art, lookahead=1)
+    with provider:
+        assert provider.prefetcher.speculate([(2, 6)]) == [(2, 6)]
+        deadline = time.monotonic() + 5.0
+        while provider.cache.is_loading((2, 6)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        hits = {}
+        assert provider._join_loading([(2, 6)], False, hits) == {}
+        assert hits[(2, 6)].key == (2, 6) and provider.prefetcher.stats.spec_used == 1
+        assert [e for e, _ in provider.stream(2, [6])] == [6]
