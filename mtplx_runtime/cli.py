@@ -17,6 +17,10 @@ from .formats.base import FormatError
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("mtplx_runtime.demo", "build the tiny K3 fixtures and show what they hold"),
+    "generate": ("mtplx_runtime.generate_cli",
+                 "generate from a prompt (or a one-message chat), streaming text; stats to stderr"),
+    "chat": ("mtplx_runtime.chat_cli",
+             "interactive chat on stdin; the whole conversation is re-prefilled each turn"),
     "make-tiny": ("mtplx_runtime.fixtures.tiny", "write a tiny deterministic K3 checkpoint"),
     "inspect": ("mtplx_runtime.inspect", "summarise a K3 checkpoint: layout, codec, experts"),
     "logits": ("mtplx_runtime.logits", "reference forward of a token list, logits to a .npy file"),

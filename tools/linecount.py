@@ -1,12 +1,13 @@
 """Line budget (house style): every module under ~400 lines of code, the package under a total.
 
-The style aims at ~5k lines for a v1; the mission's eight stages (codecs and reader, reference
-model, streaming store, streamed generation, profiler, kernels, server) were sized at ~8k lines
-of code, so the default total is 8000. Raise it only with a reason in the commit message.
+The style aims at ~5k lines for a v1. The mission's stages (codecs and reader, reference model,
+streaming store, streamed generation, profiler, kernels, server) measured ~8.4k lines of code
+by the streamed-generation stage with three stages to go, so the total is 11000. Raise it only
+with a reason in the commit message.
 
 Counts lines of code: blank lines, comment-only lines and docstrings are free, so the budget
 never argues against explaining. Usage: python tools/linecount.py [--max-module 400]
-[--max-total 8000]. Prints one line per module over 250 lines and a total; exits 1 past a
+[--max-total 11000]. Prints one line per module over 250 lines and a total; exits 1 past a
 budget. Tests run it.
 """
 
@@ -44,7 +45,7 @@ def count(path: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-module", type=int, default=400)
-    p.add_argument("--max-total", type=int, default=8000)
+    p.add_argument("--max-total", type=int, default=11000)
     args = p.parse_args(argv)
     counts = {f.relative_to(ROOT): count(f) for f in sorted((ROOT / "mtplx_runtime").rglob("*.py"))}
     total = sum(counts.values())

@@ -1,0 +1,172 @@
+"""Token generation: chunked prefill, sampling, and `generate_step` as a generator.
+
+    prompt ids -> prefill (chunks of `prefill_chunk`) -> logits -> sample -> yield id
+               -> decode(id) -> logits -> sample -> yield id ... until a stop id or max_tokens
+
+Plain functions over any model with `new_state`, `prefill(ids, state) -> [T, V]` and
+`decode(id, state) -> [V]` (`model.kimi_k3.KimiK3`); where routed experts live (resident or
+streamed) is the provider's business, not this module's. `generate_step` times only the model's
+own work (the consumer's time between yields is excluded) into a `GenerationStats`.
+
+Stop ids are NOT yielded: generation ends when the sampled id is a stop id (K3: `<|end_of_msg|>`
+or `[EOS]`, `Tokenizer.stop_ids`); `stats.stop_reason` is then "stop" and `stats.stop_id` holds
+it. Otherwise it ends with "length" after `max_tokens` ids. No decode forward is run for the last
+yielded id when `max_tokens` ends generation (its logits would never be used).
+
+Shape legend: T tokens, V vocab (163840).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# on_forward(phase, first_position, n_tokens): called after each model forward, while the MoE
+# layers' `last_ids` still hold that forward's route (the route-trace writer hooks in here).
+ForwardHook = Callable[[str, int, int], None]
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """Counters and wall times of one `generate_step` run (model work only, seconds)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0  # ids yielded (stop id excluded)
+    decode_forwards: int = 0  # one-token forwards run
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0  # start of prefill -> first sampled id (model work only)
+    stop_reason: str = ""  # "stop" | "length" | "" while running
+    stop_id: int | None = None
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_forwards / self.decode_s if self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        """One line: tokens, prefill and decode speed, TTFT, why it stopped."""
+        return (f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok; "
+                f"prefill {self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.1f} tok/s, "
+                f"TTFT {1000 * self.ttft_s:.0f} ms; stop: {self.stop_reason or 'running'}")
+
+
+def sample(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0,
+           top_k: int = 0, generator: torch.Generator | None = None) -> int:
+    """One token id from `logits` [V] (any float dtype; filtered and sampled in fp32).
+
+    temperature 0 is greedy argmax (top_k/top_p ignored; the lowest id wins a tie). Otherwise
+    logits / temperature, then top-k (keep the k largest; 0 = all), then top-p (keep the
+    smallest most-probable set whose mass reaches top_p; the best id is always kept), then one
+    draw from `generator` (seed it for reproducible output; it must live on logits' device).
+    """
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
+                         f"{temperature}, {top_p}, {top_k}")
+    x = logits.float().reshape(-1)  # [V] fp32
+    if temperature == 0:
+        return int(torch.argmax(x))
+    x = x / temperature
+    if 0 < top_k < x.numel():
+        keep = torch.topk(x, top_k).indices  # exactly k ids, ties broken by topk
+        masked = torch.full_like(x, float("-inf"))
+        masked[keep] = x[keep]
+        x = masked
+    if top_p < 1:
+        order = torch.argsort(x, descending=True)  # [V]
+        probs = torch.softmax(x[order], dim=-1)  # [V] sorted descending
+        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly ahead of each id
+        drop = order[before >= top_p]  # the first id has 0 ahead of it: always kept
+        x = x.clone()
+        x[drop] = float("-inf")
+    probs = torch.softmax(x, dim=-1)  # [V]
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def prefill(model, state, ids: Sequence[int], chunk: int = 64,
+            on_forward: ForwardHook | None = None) -> torch.Tensor:
+    """Run prompt `ids` through `model` in chunks of `chunk` tokens, continuing `state`.
+
+    Returns the logits [V] of the last prompt token. Chunking bounds the activations and the
+    experts one forward needs (min(E, chunk x K) per layer, `plan.plan_for`); the result equals
+    one whole-prompt forward up to float rounding. Blocks until done.
+    """
+    if chunk < 1:
+        raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError("prefill needs at least one token")
+    last = None
+    for i in range(0, len(ids), chunk):
+        part = ids[i:i + chunk]
+        start = state.tokens
+        last = model.prefill(part, state)[-1]  # [V]
+        if on_forward is not None:
+            on_forward("prefill", start, len(part))
+    return last
+
+
+def generate_step(model, prompt_ids: Iterable[int], *, max_tokens: int,
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                  stop_ids: Iterable[int] = (), prefill_chunk: int = 64, trace=None,
+                  stats: GenerationStats | None = None, state=None
+                  ) -> Iterator[int]:
+    """Yield generated token ids one by one as they are produced.
+
+    Prefills `prompt_ids` (chunks of `prefill_chunk`) into a fresh state (or `state`, which is
+    continued and left holding the sequence), then samples (see `sample`; `seed` seeds one
+    torch.Generator for the whole run) and decodes until a stop id (not yielded) or `max_tokens`
+    ids. `trace`: an object with `on_forward(model, phase, first_position, n_tokens)` (e.g.
+    `trace.RouteTrace`), called after every forward. `stats` (optional) is filled as it runs; the
+    same `GenerationStats` is the generator's return value (`StopIteration.value`).
+    Each step blocks on the model (and on expert I/O when streaming).
+    """
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    stats = GenerationStats() if stats is None else stats
+    prompt = [int(t) for t in prompt_ids]
+    stops = frozenset(int(t) for t in stop_ids)
+    stats.prompt_tokens = len(prompt)
+    state = model.new_state() if state is None else state
+    hook = None if trace is None else (lambda ph, pos, n: trace.on_forward(model, ph, pos, n))
+    if max_tokens == 0:
+        stats.stop_reason = "length"
+        return stats
+
+    t0 = time.perf_counter()
+    logits = prefill(model, state, prompt, prefill_chunk, hook)  # [V]
+    gen = torch.Generator(device=logits.device).manual_seed(int(seed))
+    stats.prefill_s = time.perf_counter() - t0
+    for i in range(max_tokens):
+        tok = sample(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=gen)
+        if i == 0:
+            stats.ttft_s = time.perf_counter() - t0
+        if tok in stops:
+            stats.stop_reason, stats.stop_id = "stop", tok
+            return stats
+        stats.generated_tokens += 1
+        yield tok
+        if i + 1 == max_tokens:
+            break
+        t1 = time.perf_counter()  # the consumer's time between yields is not ours
+        pos = state.tokens
+        logits = model.decode(tok, state)  # [V]
+        stats.decode_forwards += 1
+        stats.decode_s += time.perf_counter() - t1
+        if hook is not None:  # trace writing is not model time
+            hook("decode", pos, 1)
+    stats.stop_reason = "length"
+    return stats
+
+
+def generate(model, prompt_ids: Iterable[int], **kwargs) -> tuple[list[int], GenerationStats]:
+    """All of `generate_step` at once: (generated ids without the stop id, stats)."""
+    stats = GenerationStats()
+    ids = list(generate_step(model, prompt_ids, stats=stats, **kwargs))
+    return ids, stats

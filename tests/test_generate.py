@@ -1,0 +1,298 @@
+"""Generation: sampling, chunked prefill, generate_step, route traces, `generate`/`chat` CLIs.
+
+All on the tiny t158 fixture with resident experts, float32 (exact greedy comparisons).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from mtplx_runtime.cli import SUBCOMMANDS
+from mtplx_runtime.cli import main as cli_main
+from mtplx_runtime.fixtures.tiny import make_tiny
+from mtplx_runtime.generate import GenerationStats, generate, generate_step, prefill, sample
+from mtplx_runtime.model.kimi_k3 import load_model
+from mtplx_runtime.tokenizer import load_tokenizer
+from mtplx_runtime.trace import TRACE_FORMAT, RouteTrace, moe_blocks, read_trace
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gen") / "t158"
+    make_tiny(d, "t158")
+    return d
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return load_model(tiny, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    return load_tokenizer(tiny)
+
+
+PROMPT = "The expert cache reads ahead of the router"
+
+
+def _manual_greedy(model, ids, n, chunk=None, on_forward=None):
+    state = model.new_state()
+    logits = model.prefill(ids, state)[-1] if chunk is None else prefill(model, state, ids,
+                                                                          chunk, on_forward)
+    out = []
+    for _ in range(n):
+        out.append(int(torch.argmax(logits.float())))
+        pos = state.tokens
+        logits = model.decode(out[-1], state)
+        if on_forward is not None:
+            on_forward("decode", pos, 1)
+    return out
+
+
+# ---- sample ------------------------------------------------------------------------------------
+
+def test_sample_greedy_is_argmax():
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
+    assert sample(logits) == 1
+    assert sample(logits.to(torch.bfloat16), temperature=0.0, top_k=1) == 1
+
+
+def test_sample_is_deterministic_with_a_seed():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+
+    def draws(seed):
+        g = torch.Generator().manual_seed(seed)
+        return [sample(logits, temperature=1.0, generator=g) for _ in range(50)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    # probabilities 0.5, 0.25, 0.125, 0.0625, ... (log-spaced logits)
+    logits = torch.tensor([-float(i) * 0.6931471805599453 for i in range(8)])
+    g = torch.Generator().manual_seed(0)
+    seen_k = {sample(logits, temperature=1.0, top_k=2, generator=g) for _ in range(400)}
+    assert seen_k == {0, 1}
+    # top_p 0.7: 0.5 < 0.7 so id 1 is needed; 0.75 >= 0.7 so id 2 is not
+    seen_p = {sample(logits, temperature=1.0, top_p=0.7, generator=g) for _ in range(400)}
+    assert seen_p == {0, 1}
+    seen_p1 = {sample(logits, temperature=1.0, top_p=0.4, generator=g) for _ in range(50)}
+    assert seen_p1 == {0}  # the best id is always kept
+    # top-k then top-p: of ids {0,1,2} renormalised (4/7, 2/7, 1/7), p 0.6 keeps {0, 1}
+    seen_kp = {sample(logits, temperature=1.0, top_k=3, top_p=0.6, generator=g)
+               for _ in range(400)}
+    assert seen_kp == {0, 1}
+    # a high temperature flattens: all 8 ids show up
+    seen_t = {sample(logits, temperature=50.0, generator=g) for _ in range(800)}
+    assert seen_t == set(range(8))
+
+
+def test_sample_rejects_bad_arguments():
+    for kw in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}):
+        with pytest.raises(ValueError):
+            sample(torch.zeros(4), **kw)
+
+
+# ---- generate_step -----------------------------------------------------------------------------
+
+def test_greedy_generate_step_equals_manual_loop(model, tok):
+    ids = tok.encode(PROMPT)
+    stats = GenerationStats()
+    got = list(generate_step(model, ids, max_tokens=10, stats=stats))
+    assert got == _manual_greedy(model, ids, 10)
+    assert stats.generated_tokens == 10 and stats.decode_forwards == 9
+    assert stats.stop_reason == "length" and stats.prompt_tokens == len(ids)
+    assert stats.prefill_tok_s > 0 and stats.decode_tok_s > 0 and stats.ttft_s > 0
+    assert "tok/s" in stats.summary()
+
+
+def test_generator_returns_its_stats():
+    class Fake:  # a model whose logits always favour (last id + 1)
+        def new_state(self):
+            return type("S", (), {"tokens": 0})()
+
+        def prefill(self, ids, state):
+            state.tokens += len(ids)
+            return torch.nn.functional.one_hot(torch.tensor(ids) + 1, 10).float()
+
+        def decode(self, t, state):
+            return self.prefill([t], state)[0]
+
+    g = generate_step(Fake(), [2], max_tokens=5)
+    assert next(g) == 3
+    with pytest.raises(StopIteration) as e:
+        while True:
+            next(g)
+    assert isinstance(e.value.value, GenerationStats) and e.value.value.generated_tokens == 5
+    ids, stats = generate(Fake(), [2], max_tokens=10, stop_ids=[6])
+    assert ids == [3, 4, 5] and stats.stop_reason == "stop" and stats.stop_id == 6
+    assert generate(Fake(), [2], max_tokens=0)[0] == []
+
+
+def test_chunked_prefill_gives_the_same_tokens(model, tok):
+    ids = tok.encode(PROMPT + " and the prefetcher moves bytes")
+    assert len(ids) > 6
+    a = list(generate_step(model, ids, max_tokens=8, prefill_chunk=3))
+    b = list(generate_step(model, ids, max_tokens=8, prefill_chunk=64))
+    assert a == b
+
+
+def test_stop_ids_stop_generation(model, tok):
+    ids = tok.encode(PROMPT)
+    free = list(generate_step(model, ids, max_tokens=8))
+    stop = free[3]
+    first = free.index(stop)
+    stats = GenerationStats()
+    got = list(generate_step(model, ids, max_tokens=8, stop_ids={stop}, stats=stats))
+    assert got == free[:first] and stop not in got
+    assert stats.stop_reason == "stop" and stats.stop_id == stop
+
+
+def test_sampled_generation_is_seeded(model, tok):
+    ids = tok.encode(PROMPT)
+    kw = dict(max_tokens=8, temperature=1.0, top_k=50, top_p=0.9)
+    assert list(generate_step(model, ids, seed=3, **kw)) == \
+        list(generate_step(model, ids, seed=3, **kw))
+
+
+# ---- route trace -------------------------------------------------------------------------------
+
+def test_trace_lists_k_experts_per_moe_layer_per_token(model, tok, tmp_path):
+    ids = tok.encode(PROMPT)
+    path = tmp_path / "routes.jsonl"
+    with RouteTrace(path, model, model_name="tiny", record_bytes=123) as trace:
+        got = list(generate_step(model, ids, max_tokens=5, prefill_chunk=4, trace=trace))
+    # the same computation by hand, capturing last_ids after each forward
+    want = []
+
+    def capture(phase, pos, n):
+        for i in range(n):
+            want.append((pos + i, phase, {b.layer: b.last_ids[i].tolist()
+                                          for b in moe_blocks(model)}))
+
+    assert _manual_greedy(model, ids, 4, chunk=4, on_forward=capture) == got[:4]
+    header, lines = read_trace(path)
+    lines = list(lines)
+    cfg = model.cfg
+    assert header == {"format": TRACE_FORMAT, "model": "tiny", "layers": list(cfg.moe_layers),
+                      "experts": cfg.num_experts, "top_k": cfg.num_experts_per_token,
+                      "record_bytes": 123}
+    assert len(lines) == len(ids) + 4  # no forward for the last generated token
+    assert [ln["t"] for ln in lines] == list(range(len(ids) + 4))
+    assert [ln["phase"] for ln in lines] == ["prefill"] * len(ids) + ["decode"] * 4
+    for ln, (t, phase, routes) in zip(lines, want, strict=True):
+        assert ln["t"] == t and ln["phase"] == phase and "predicted" not in ln
+        assert set(ln["routes"]) == {str(layer) for layer in cfg.moe_layers}
+        for layer, experts in ln["routes"].items():
+            assert len(experts) == cfg.num_experts_per_token == len(set(experts))
+            assert experts == sorted(experts) and experts == routes[int(layer)]
+
+
+def test_trace_records_provider_predictions(model, tmp_path):
+    blocks = moe_blocks(model)
+    saved = blocks[0].provider
+
+    class Guessing:
+        def __init__(self, inner):
+            self.inner = inner
+            self.last_predictions = {blocks[-1].layer: {1: torch.tensor([0, 1])}}
+
+        def experts(self, layer, ids):
+            return self.inner.experts(layer, ids)
+
+    for b in blocks:
+        b.provider = Guessing(saved)
+    try:
+        with RouteTrace(tmp_path / "p.jsonl", model) as trace:
+            list(generate_step(model, [5, 6, 7], max_tokens=2, trace=trace))
+    finally:
+        for b in blocks:
+            b.provider = saved
+    _, lines = read_trace(tmp_path / "p.jsonl")
+    lines = list(lines)
+    assert [ln["phase"] for ln in lines] == ["prefill"] * 3 + ["decode"]
+    assert all("predicted" not in ln for ln in lines[:3])  # guesses are made in decode only
+    assert lines[3]["predicted"] == {str(blocks[-1].layer): {"1": [0, 1]}}
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def cli(monkeypatch):
+    monkeypatch.setitem(SUBCOMMANDS, "generate", ("mtplx_runtime.generate_cli", "generate"))
+    monkeypatch.setitem(SUBCOMMANDS, "chat", ("mtplx_runtime.chat_cli", "chat"))
+    return cli_main
+
+
+def test_cli_generate_streams_text_and_stats(cli, tiny, model, tok, tmp_path, capsys):
+    trace = tmp_path / "cli.jsonl"
+    assert cli(["generate", "--model", str(tiny), "--prompt", PROMPT, "--dtype", "float32",
+                "--max-tokens", "6", "--trace-routes", str(trace)]) == 0
+    out, err = capsys.readouterr()
+    want = _manual_greedy(model, tok.encode(PROMPT), 6)
+    assert out == tok.decode(want) + "\n"
+    assert "generated 6 tok" in err and "decode" in err and "tok/s" in err
+    header, lines = read_trace(trace)
+    assert header["record_bytes"] > 0 and len(list(lines)) == len(tok.encode(PROMPT)) + 5
+
+
+def test_cli_generate_chat_mode(cli, tiny, capsys):
+    assert cli(["generate", "--model", str(tiny), "--prompt", "hello", "--chat",
+                "--max-tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("<think>\n") and "[reply:" in err and "tok/s" in err
+    assert cli(["generate", "--model", str(tiny), "--prompt", "hello", "--chat",
+                "--no-thinking", "--max-tokens", "3"]) == 0
+    assert not capsys.readouterr().out.startswith("<think>")
+
+
+def test_cli_bad_streaming_requests_are_one_line_errors(cli, tiny, capsys):
+    rc = cli(["generate", "--model", str(tiny), "--prompt", "x", "--memory-budget", "1GiB"])
+    assert rc == 2  # a plain checkpoint (or a build without streaming.py)
+    assert "mtplx generate: error:" in capsys.readouterr().err
+    assert cli(["generate", "--model", str(tiny), "--prompt", "x", "--top-p", "0"]) == 2
+
+
+def test_cli_chat_two_turns_then_eof(cli, tiny, monkeypatch, capsys):
+    import mtplx_runtime.chat as chat  # chat_cli imports render_chat inside main
+
+    seen = []
+
+    orig = chat.render_chat
+
+    def spy(tok, messages, **kw):
+        seen.append(json.loads(json.dumps(messages)))
+        return orig(tok, messages, **kw)
+
+    monkeypatch.setattr(chat, "render_chat", spy)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\n\nhow are you\n"))
+    assert cli(["chat", "--model", str(tiny), "--max-tokens", "4", "--dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("mtplx chat: prompt") == 2 and out.count("<think>") >= 2
+    assert [m["role"] for m in seen[0]] == ["user"]
+    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]
+    assert seen[1][2]["content"] == "how are you"
+    monkeypatch.setattr("sys.stdin", io.StringIO("/exit\nnot read\n"))
+    assert cli(["chat", "--model", str(tiny), "--max-tokens", "2"]) == 0
+    assert "mtplx chat: prompt" not in capsys.readouterr().err
+
+
+def test_cli_streamed_generation_matches_resident(cli, tiny, model, tok, tmp_path, capsys):
+    pytest.importorskip("mtplx_runtime.streaming")
+    from mtplx_runtime.storage.builder import build_artifact
+
+    art = tmp_path / "art"
+    build_artifact(tiny, art, codec="keep", progress=False)
+    assert cli(["generate", "--model", str(art), "--prompt", PROMPT, "--dtype", "float32",
+                "--max-tokens", "6", "--memory-budget", "2GiB", "--lookahead", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert out == tok.decode(_manual_greedy(model, tok.encode(PROMPT), 6)) + "\n"
+    assert "cache hit rate" in err
+    rc = cli(["generate", "--model", str(art), "--prompt", "x", "--memory-budget", "1KiB"])
+    assert rc == 2 and "minimum" in capsys.readouterr().err
