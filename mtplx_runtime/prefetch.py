@@ -124,9 +124,12 @@ class Prefetcher:
         Returns {key: Future[SlotRef]}; the future resolves after `cache.commit(key)`, or raises
         PrefetchError (read failed, slot aborted), NoSlotError, or CancelledError (shutdown). A key
         already being read (demand or speculative) shares that read; a speculative one is
-        promoted ahead of all queued speculation. `transient` is passed to `cache.reserve`.
+        promoted ahead of all queued speculation. A key whose read already landed (a lookahead
+        guess committed after the caller's cache lookup) gets a resolved future and counts as a
+        used guess. `transient` is passed to `cache.reserve`.
         """
         out: dict[ExpertKey, Future] = {}
+        landed: list[ExpertKey] = []
         with self._cond:
             self._check_open()
             for key in keys:
@@ -143,6 +146,12 @@ class Prefetcher:
                         self._promote_locked(job)
                     out[key] = job.future
                     continue
+                ref = self._ready_ref(key)
+                if ref is not None:
+                    out[key] = Future()
+                    out[key].set_result(ref)
+                    landed.append(key)
+                    continue
                 job = self._new_job_locked(key, speculative=False, transient=transient)
                 if isinstance(job, Future):  # locate failed or no slot: an already-failed future
                     out[key] = job
@@ -152,7 +161,17 @@ class Prefetcher:
                 self.stats.demand_bytes += job.length
                 out[key] = job.future
             self._cond.notify_all()
+        if landed:
+            self.note_used(landed)
         return out
+
+    def _ready_ref(self, key: ExpertKey):
+        """The cache's ref for `key` when it holds it ready (needs `where`/`is_loading`)."""
+        where = getattr(self.cache, "where", None)
+        if where is None:
+            return None
+        ref = where(key)
+        return None if ref is None or self.cache.is_loading(key) else ref
 
     def speculate(self, keys: Iterable[ExpertKey]) -> list[ExpertKey]:
         """Queue lookahead reads, best guess first; returns the keys actually issued. Never blocks.

@@ -89,6 +89,8 @@ class StreamingExpertProvider:
                                      speculative_fraction=0.5, threads=threads)
         self.routers: dict[int, tuple] = dict(routers or {})
         self.score = LookaheadScore()
+        # layer -> {depth: ids [T, K]}: this forward's guesses, for the route trace.
+        self.last_predictions: dict[int, dict[int, torch.Tensor]] = {}
         self._spec_keys: set[ExpertKey] = set()  # guesses issued and not yet consumed
         self.stall_ms = 0.0       # time forwards spent blocked on reads (this provider's view)
         self.prefill_uses = 0     # (token, expert) pairs in multi-token calls
@@ -127,7 +129,8 @@ class StreamingExpertProvider:
         pinned = set(self.cache.pin(list(hits) + misses))  # hits, and misses already loading
         try:
             self.prefetcher.note_used(hits)
-            futures = self._join_loading([k for k in misses if k in pinned], transient, hits)
+            # Misses that were loading at lookup (lookahead guesses) share those reads.
+            futures = self.prefetcher.demand([k for k in misses if k in pinned], transient)
             absent = [k for k in misses if k not in pinned]
             window = max(1, self._transient_slots) if transient else max(1, len(absent))
             chunks = [absent[i:i + window] for i in range(0, len(absent), window)] or [[]]
@@ -147,18 +150,6 @@ class StreamingExpertProvider:
             self._spec_keys.difference_update(keys)
         finally:
             self.cache.unpin(pinned)
-
-    def _join_loading(self, loading: list[ExpertKey], transient: bool, hits: dict) -> dict:
-        """Futures of misses that were loading at lookup (lookahead guesses in flight). One that
-        landed since is moved to `hits` (demand would refuse to reserve it again)."""
-        futures: dict = {}
-        for key in loading:
-            try:
-                futures.update(self.prefetcher.demand([key], transient))
-            except ValueError:  # committed between lookup and demand: it is a hit now
-                hits[key] = self.cache.where(key)
-                self.prefetcher.note_used([key])
-        return futures
 
     def _take(self, key: ExpertKey, ref, pinned: set) -> ExpertWeights:
         """Decode the slot's record, then release its pin (the tensors are fresh copies)."""
@@ -191,12 +182,16 @@ class StreamingExpertProvider:
         [T, K]: this layer's route, scored against earlier guesses. Returns the keys issued."""
         if actual is not None:
             self.score.add_actual(layer, actual)
+        if self.routers and layer == min(self.routers):
+            self.last_predictions = {}  # a new forward: the trace wants this forward's guesses
         # Prefill (T > 1) does not guess: its reads go to transient slots, not the decode set.
         targets = self.ahead(layer) if self.lookahead and hidden.shape[0] == 1 else []
         if not targets:
             return []
         preds = predict(hidden, [self.routers[la] for la in targets])  # [T, K_j] each
         self.score.add_predictions(targets, preds)
+        for depth, (target, p) in enumerate(zip(targets, preds), 1):
+            self.last_predictions.setdefault(target, {})[depth] = p
         keys = predicted_keys(targets, preds)
         # Guesses for this layer are about to be demanded: never cancel those.
         keep = set(keys) | {k for k in self._spec_keys if k[0] == layer}

@@ -184,7 +184,8 @@ def test_guess_landing_before_demand_counts_as_hit(built):
         deadline = time.monotonic() + 5.0
         while provider.cache.is_loading((2, 6)) and time.monotonic() < deadline:
             time.sleep(0.01)
-        hits = {}
-        assert provider._join_loading([(2, 6)], False, hits) == {}
-        assert hits[(2, 6)].key == (2, 6) and provider.prefetcher.stats.spec_used == 1
+        # The guess committed after a caller's lookup: demand hands back the resident slot.
+        fut = provider.prefetcher.demand([(2, 6)])[(2, 6)]
+        assert fut.done() and fut.result().key == (2, 6)
+        assert provider.prefetcher.stats.spec_used == 1
         assert [e for e, _ in provider.stream(2, [6])] == [6]

@@ -62,7 +62,13 @@ class ExpertWeights:
 
 
 class ExpertProvider(Protocol):
-    """Where routed experts come from. The MoE block asks only for the ids it needs."""
+    """Where routed experts come from. The MoE block asks only for the ids it needs.
+
+    Optional streaming methods, used when present (mtplx_runtime/streaming.py):
+    `hint(layer, hidden [T, D], ids [T, K])` right after routing (lookahead for later layers,
+    scoring of earlier guesses), and `stream(layer, ids, tokens=T, uses=n)` yielding
+    (id, ExpertWeights) as each becomes available, so resident experts compute while misses load.
+    """
 
     def experts(self, layer: int, ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
         """Weights of experts `ids` (distinct) of MoE layer `layer` (0-based). May block on I/O."""
