@@ -16,7 +16,8 @@ from .formats.base import FormatError
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("mtplx_runtime.demo", "build the tiny K3 fixtures and show what they hold"),
+    "demo": ("mtplx_runtime.demo",
+             "stream text from a tiny K3 through a small expert cache and print the cache stats"),
     "generate": ("mtplx_runtime.generate_cli",
                  "generate from a prompt (or a one-message chat), streaming text; stats to stderr"),
     "chat": ("mtplx_runtime.chat_cli",

@@ -1,152 +1,266 @@
-"""`mtplx demo`: the README's main command on the embedded default model.
+"""`mtplx demo`: the README's main command. Streamed generation from a tiny Kimi K3.
 
-For now the default model is the set of tiny K3 fixtures: one per expert codec, built
-deterministically on first run into a cache directory, then read back through the checkpoint
-reader. The table shows what each holds and proves every routed expert decodes exactly to the
-weights it was drawn from. Later stages turn this into streamed generation.
+    first run: make_tiny(t158) -> build_artifact -> cache dir (reused while complete)
+    load_model(artifact) + StreamingExpertProvider (a deliberately small cache) -> text streamed
+    -> stats table: per-tier hits, bytes read per token, stall share, tok/s, the I/O bound
+
+The same prompt is then run with every expert resident (decoded once, kept in memory) and the
+two id sequences are compared. `--codecs` adds the per-codec fixture table (`demo_fixtures`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import shutil
+import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-# (label, make_tiny codec, extra make_tiny arguments, layout description)
-VARIANTS = [
-    ("t158", "t158", {}, "t158 normal: 6 stacked tensors/layer"),
-    ("mxfp4", "mxfp4", {}, "official MXFP4 (ct mxfp4-pack-quantized)"),
-    ("w3-legacy", "w3", {"w3_layout": "legacy"}, "W3A16 g64, 10 codes/int32 (ct 0.17)"),
-    ("w3-dense", "w3", {"w3_layout": "dense"}, "W3A16 g64, 32 codes/3 words (ct>=0.18)"),
-    ("bf16", "bf16", {}, "unquantized BF16 experts"),
-]
-
-# Full-size K3 routed-expert shapes (k3-model.md §3.6), to show what each codec costs at scale.
-K3_SHAPES = {"gate": (3072, 3584), "up": (3072, 3584), "down": (3584, 3072)}
+PROMPT = "The expert cache reads ahead of the router"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cache-dir", default=".mtplx-cache", help="where fixtures are built (reused)")
-    p.add_argument("--seed", type=int, default=0, help="fixture seed")
-    p.add_argument("--rebuild", action="store_true", help="rebuild the fixtures even if present")
-    p.add_argument("--prompt", default="The expert cache reads ahead of the router",
-                   help="prompt for the greedy continuation")
-    p.add_argument("--max-tokens", type=int, default=12, help="tokens to continue greedily")
+    p.add_argument("--cache-dir", default=".mtplx-cache", help="where the tiny model is built")
+    p.add_argument("--prompt", default=PROMPT, help="text to continue")
+    p.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (greedy)")
+    p.add_argument("--slots-per-layer", type=int, default=3,
+                   help="device cache slots per MoE layer (the tiny model has 8 experts)")
+    p.add_argument("--host-slots-per-layer", type=int, default=2,
+                   help="second-tier (host) cache slots per MoE layer (0: no host tier)")
+    p.add_argument("--lookahead", type=int, default=1, help="prefetch this many layers ahead")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
+    p.add_argument("--rebuild", action="store_true", help="rebuild even if already built")
+    p.add_argument("--codecs", action="store_true",
+                   help="also build one tiny fixture per expert codec and show what each holds")
 
 
-def _fixture(root: Path, label: str, codec: str, extra: dict, seed: int, rebuild: bool):
-    from .fixtures.tiny import TinyInfo, make_tiny
+def ensure_artifact(root: Path, seed: int, rebuild: bool) -> tuple[Path, bool]:
+    """(artifact dir, built now?): the tiny t158 checkpoint and its streaming artifact under
+    `root`. A present manifest marks a finished build; the bank part sizes are checked too."""
+    from .demo_fixtures import fixture
+    from .storage.builder import build_artifact
+    from .storage.manifest import load_manifest
 
-    out = root / f"tiny-{label}-seed{seed}"
-    stamp = out / "fixture.json"
-    if rebuild or not stamp.exists():
-        if out.exists():
-            import shutil
+    out = root / f"tiny-t158-seed{seed}-stream"
+    manifest = out / "expert-manifest.json"
+    if not rebuild and manifest.is_file():
+        try:
+            parts = load_manifest(manifest).sidecar.parts
+            if all((out / p.file).stat().st_size == p.size for p in parts):
+                return out, False
+        except (OSError, ValueError, AttributeError):
+            pass
+    shutil.rmtree(out, ignore_errors=True)
+    info, _ = fixture(root, "t158", "t158", {}, seed, rebuild)
+    build_artifact(info.path, out, progress=False)
+    return out, True
 
-            shutil.rmtree(out)
-        return make_tiny(out, codec, seed=seed, **extra), True
-    return TinyInfo.load(out), False
+
+def attach_small_cache(model, artifact: Path, args):
+    """A StreamingExpertProvider with `args` slots per layer, attached to `model`."""
+    from .streaming import StreamingExpertProvider, attach
+
+    n_layers = len(model.cfg.moe_layers)
+    probe = StreamingExpertProvider(artifact, model.cfg, model.dtype, device_bytes=0,
+                                    transient_bytes=0, lookahead=0)
+    stride = probe.stride_bytes
+    probe.close()
+    provider = StreamingExpertProvider(
+        artifact, model.cfg, model.dtype, device_bytes=args.slots_per_layer * n_layers * stride,
+        host_bytes=args.host_slots_per_layer * n_layers * stride, lookahead=args.lookahead)
+    attach(model, provider)
+    return provider
 
 
-def _check(info, ckpt) -> tuple[int, int, float]:
-    """Decode every routed expert through the reader; compare with the drawn weights."""
-    exact = total = 0
-    worst = 0.0
-    for layer in ckpt.config.moe_layers:
-        for e in range(ckpt.config.num_experts):
-            got, want = ckpt.expert(layer, e).decode(), info.expert_weights(layer, e)
-            diff = max(float(np.max(np.abs(got[p] - want[p]))) for p in want)
-            worst = max(worst, diff)
-            exact += diff == 0.0
-            total += 1
-    return exact, total, worst
+def stream_generate(model, tok, prompt_ids: list[int], max_tokens: int, out, provider=None):
+    """Greedy ids from `model`, text written to `out` as produced (special ids as ·). Returns
+    (ids, GenerationStats, provider totals right after prefill or None)."""
+    from .generate import GenerationStats, generate_step
+
+    stats, ids, after_prefill = GenerationStats(), [], None
+    dec = tok.stream_decoder()
+    for t in generate_step(model, prompt_ids, max_tokens=max_tokens, stats=stats):
+        if not ids and provider is not None:
+            after_prefill = _counters(provider)
+        ids.append(t)
+        text = dec.flush() + "\u00b7" if tok.is_special(t) else dec.push(t)
+        out.write("".join(c if c.isprintable() else "\u00b7" for c in text))
+        out.flush()
+    out.write(dec.flush() + "\n")
+    return ids, stats, after_prefill
+
+
+def _counters(provider) -> dict:
+    s = provider.stats()
+    pf = s["prefetch"]
+    return {"tiers": s["totals"], "bytes": pf["demand_bytes"] + pf["spec_bytes"],
+            "stall_ms": s["stall_ms"]}
+
+
+def measure_disk_rate(artifact: Path) -> tuple[int, float]:
+    """(bytes, seconds) of one cold read of every expert record: the page cache is dropped for
+    the bank parts first (posix_fadvise DONTNEED), then the RecordReader reads them all."""
+    from .storage.buffers import aligned_buffer
+    from .storage.manifest import load_manifest
+    from .storage.reader import from_manifest
+
+    man = load_manifest(artifact / "expert-manifest.json")
+    for p in man.sidecar.parts:
+        fd = os.open(artifact / p.file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    stride = max(r.sidecar_length for r in man.records)
+    buf = aligned_buffer(stride * len(man.records))
+    with from_manifest(artifact, man) as reader:
+        t0 = time.perf_counter()
+        futures = [reader.read_record(r, buf[i * stride:(i + 1) * stride])
+                   for i, r in enumerate(man.records)]
+        total = sum(f.result() for f in futures)
+        return total, time.perf_counter() - t0
+
+
+def _rate(hits: int, lookups: int) -> str:
+    return f"{100 * hits / lookups:5.1f}%" if lookups else "    -"
+
+
+def _tier_rows(before: dict, after: dict) -> dict[str, tuple[int, int, int]]:
+    """{row: (lookups, hits, misses)}: device and host over decode; the prefill row counts the
+    prompt's lookups (their misses are read into transient slots, from disk)."""
+    d = {t: {k: after[t][k] - before[t][k] for k in ("lookups", "hits", "misses")}
+         for t in ("device", "host")}
+    pre_hits = before["device"]["hits"] + before["host"]["hits"]
+    return {"device": (d["device"]["lookups"], d["device"]["hits"], d["device"]["misses"]),
+            "host": (d["host"]["lookups"], d["host"]["hits"], d["host"]["misses"]),
+            "transient": (before["device"]["lookups"], pre_hits,
+                          before["device"]["lookups"] - pre_hits)}
+
+
+def print_stats(model, provider, stats, after_prefill, disk, out) -> None:
+    cfg, end = model.cfg, _counters(provider)
+    s = provider.stats()
+    n_dec = max(stats.decode_forwards, 1)
+    per_token = len(cfg.moe_layers) * cfg.num_experts_per_token  # expert records a token uses
+    caps = provider.cache.capacity()
+    p = lambda *a: print(*a, file=out)  # noqa: E731
+    p(f"{'cache tier':<22}{'slots':>6}{'lookups':>9}{'hits':>7}{'misses':>8}{'hit rate':>10}")
+    rows = _tier_rows(after_prefill["tiers"], end["tiers"])
+    for tier, phase in (("device", "decode"), ("host", "decode"), ("transient", "prefill")):
+        n, h, m = rows[tier]
+        p(f"{tier + ' (' + phase + ')':<22}{caps[tier]:>6}{n:>9}{h:>7}{m:>8}{_rate(h, n):>10}")
+    last = "host" if caps["host"] else "device"  # the tier in front of the disk
+    m = rows[last][2] / rows["device"][0] if rows["device"][0] else 0.0
+    dec_bytes = (end["bytes"] - after_prefill["bytes"]) / n_dec
+    pre_bytes = after_prefill["bytes"] / max(stats.prompt_tokens, 1)
+    total_ms = 1000 * (stats.prefill_s + stats.decode_s)
+    dedup = s["prefill_dedup"]["factor"]
+    recall = s["lookahead"].get(1, {}).get("recall")
+    p()
+    p(f"prefill            {stats.prompt_tokens:>4} tok  {stats.prefill_tok_s:8.1f} tok/s   "
+      f"dedup {dedup:.1f}x (expert uses per record read)")
+    p(f"decode             {stats.decode_forwards:>4} tok  {stats.decode_tok_s:8.1f} tok/s   "
+      f"miss rate m = {m:.2f} ({last} tier, decode)")
+    p(f"bytes read / token {dec_bytes:>12,.0f} B decode (guesses included), {pre_bytes:,.0f} B "
+      "per prompt token")
+    p(f"stall share        {end['stall_ms'] / total_ms if total_ms else 0:>8.1%}   "
+      f"({end['stall_ms']:.1f} of {total_ms:.1f} ms waiting for reads)")
+    p("lookahead recall   " + (f"{'-':>8}" if recall is None else f"{recall:>8.1%}")
+      + "   (depth 1: share of the next layer's experts guessed)")
+    nbytes, secs = disk
+    rate = nbytes / secs if secs > 0 else float("inf")
+    bound = rate / (m * per_token * provider.stride_bytes) if m > 0 else float("inf")
+    p(f"disk rate          {rate / 1e6:8.1f} MB/s  (cold read of {nbytes:,} B in "
+      f"{1000 * secs:.1f} ms)")
+    p(f"I/O bound          {bound:8.1f} tok/s <= rate / (m x {per_token} records/token x "
+      f"{provider.stride_bytes:,} B); measured decode {stats.decode_tok_s:.1f} tok/s")
+
+
+EXPLAIN = """\
+The model's routed experts live in bank files on disk; each token's router picks top-{k} of
+{e} experts in each of {n} MoE layers, and a small cache holds the recent ones. device: the
+tier the model computes from; host: the second tier device victims fall to; transient: the
+prompt's experts, read once for all its tokens (prefill) so they never evict decode experts.
+A cache miss waits for a read (stall); lookahead guesses the next layer's experts from this
+layer's hidden state and reads them early. The I/O bound is the fastest decode this disk
+allows at this miss rate (targets.md). The tiny model decodes far below it (Python overhead,
+not reads); full K3 reads 1,472 records of 7.7 MB per token, and there the bound is what limits
+decode. The weights are random, so the text is noise. `mtplx demo --codecs`: the expert codecs."""
 
 
 def main(args: argparse.Namespace) -> int:
-    from .checkpoint import open_checkpoint
-
-    root = Path(args.cache_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    rows, first = [], None
-    t0 = time.perf_counter()
-    for label, codec, extra, layout in VARIANTS:
-        info, built = _fixture(root, label, codec, extra, args.seed, args.rebuild)
-        ckpt = open_checkpoint(info.path)
-        cfg = ckpt.config
-        first = first or cfg
-        shapes = cfg.expert_shapes
-        tiny_bytes = sum(ckpt.codec.projection_bytes(s) for s in shapes.values())
-        weights = sum(r * c for r, c in shapes.values())
-        k3_bytes = sum(ckpt.codec.projection_bytes(s) for s in K3_SHAPES.values())
-        exact, total, worst = _check(info, ckpt)
-        check = (f"exact {exact}/{total}" if exact == total
-                 else f"FAIL {exact}/{total} max|d|={worst:g}")
-        rows.append((label, layout, total, tiny_bytes, 8 * tiny_bytes / weights, k3_bytes, check,
-                     "built" if built else "cached"))
-    elapsed = time.perf_counter() - t0
-
-    cfg = first
-    n_kda = sum(cfg.is_kda_layer(i) for i in range(cfg.num_hidden_layers))
-    g = cfg.expert_shapes["gate"]
-    print(f"mtplx_runtime demo: tiny Kimi K3 fixtures (seed {args.seed}) in {root}/")
-    print(
-        f"tiny model: {cfg.num_hidden_layers} layers ({n_kda} KDA, {cfg.num_hidden_layers - n_kda}"
-        f" MLA), hidden {cfg.hidden_size}, {len(cfg.moe_layers)} MoE layers x {cfg.num_experts}"
-        f" routed experts (top-{cfg.num_experts_per_token}), expert {g[1]} -> {g[0]} -> {g[1]}"
-    )
-    print()
-    head = ("codec", "on-disk layout", "experts", "B/expert", "bits/w", "K3 B/expert",
-            "decode check", "fixture")
-    widths = (10, 42, 8, 9, 7, 12, 14, 6)
-    fmt = lambda r: "  ".join(str(v).ljust(w) if i < 2 or i > 5 else str(v).rjust(w)  # noqa: E731
-                              for i, (v, w) in enumerate(zip(r, widths)))
-    print(fmt(head).rstrip())
-    for label, layout, total, tb, bpw, k3b, check, state in rows:
-        row = (label, layout, total, f"{tb:,}", f"{bpw:.3f}", f"{k3b:,}", check, state)
-        print(fmt(row).rstrip())
-    print()
-    print("B/expert: bytes of one routed expert (gate+up+down) in the tiny model; K3 B/expert: the")
-    print("same codec at full K3 geometry (3584 -> 3072 -> 3584). decode check: every expert read")
-    print("back through the checkpoint reader equals the weights it was drawn from. "
-          f"({elapsed:.1f} s)")
-    print()
-    _continue(root, args)
-    ok = all(r[6].startswith("exact") for r in rows)
-    return 0 if ok else 1
+    if args.max_tokens < 1 or args.slots_per_layer < 1 or args.host_slots_per_layer < 0 \
+            or args.lookahead < 0:
+        print("mtplx demo: error: need --max-tokens >= 1, --slots-per-layer >= 1, "
+              "--host-slots-per-layer >= 0, --lookahead >= 0", file=sys.stderr)
+        return 2
+    with one_compute_thread():
+        return _run(args)
 
 
-def greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy continuation: one prefill, then one-token decode steps on the same state."""
-    state = model.new_state()
-    logits = model.prefill(prompt, state)[-1]
-    out = []
-    for _ in range(max_tokens):
-        out.append(int(logits.argmax()))
-        logits = model.decode(out[-1], state)
-    return out
+@contextlib.contextmanager
+def one_compute_thread():
+    """torch on one intra-op thread while inside: the tiny model has nothing to split, and on a
+    small machine torch's threads otherwise spin against the prefetcher's I/O threads (~5x
+    slower)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
-def _continue(root: Path, args: argparse.Namespace) -> None:
+def _run(args: argparse.Namespace) -> int:
     from .model.kimi_k3 import load_model
     from .tokenizer import load_tokenizer
 
-    dirs = {label: root / f"tiny-{label}-seed{args.seed}" for label, *_ in VARIANTS}
-    tok = load_tokenizer(dirs["t158"])
+    root = Path(args.cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    out = sys.stdout
+    t0 = time.perf_counter()
+    artifact, built = ensure_artifact(root, args.seed, args.rebuild)
+    size = sum(f.stat().st_size for f in artifact.iterdir() if f.suffix in (".bin", ".safetensors"))
+    print(f"mtplx demo: tiny Kimi K3, t158 experts streamed from {artifact}/ "
+          f"({'built' if built else 'reused'} in {time.perf_counter() - t0:.2f} s, "
+          f"{size / 2**20:.1f} MiB)")
+    tok = load_tokenizer(artifact)
+    model = load_model(artifact, dtype="float32")
+    cfg = model.cfg
     prompt = tok.encode(args.prompt)
-    print("greedy continuation, float32 reference model (one prefill, then decode steps; "
-          "\u00b7 = a special id):")
-    print(f"  prompt {args.prompt!r} -> {prompt}")
-    for label, path in dirs.items():
-        model = load_model(path, dtype="float32")
-        t0 = time.perf_counter()
-        ids = greedy(model, prompt, args.max_tokens)
-        tok_s = (len(prompt) + args.max_tokens) / (time.perf_counter() - t0)
-        # Reserved special ids have random embeddings in the tiny model; show them compactly.
-        text = "".join("\u00b7" if tok.is_special(i) else tok.decode([i]) for i in ids)
-        print(f"  {label:<10} {ids}  {text[:40]!r}  "
-              f"({tok_s:.0f} tok/s, experts decoded on first use)")
-    print("The tiny weights are random, so the text is noise; the codecs draw different experts,"
-          " so their\ncontinuations differ (both W3 layouts hold the same codes and agree).")
+    if not prompt:
+        print("mtplx demo: error: the prompt encodes to no tokens", file=sys.stderr)
+        return 2
+    provider = attach_small_cache(model, artifact, args)
+    try:
+        print(f"model: {cfg.num_hidden_layers} layers, {len(cfg.moe_layers)} MoE layers x "
+              f"{cfg.num_experts} experts (top-{cfg.num_experts_per_token}); cache "
+              f"{args.slots_per_layer} device + {args.host_slots_per_layer} host slots per "
+              f"layer, lookahead {args.lookahead}")
+        print(f"prompt: {args.prompt!r} ({len(prompt)} tokens)")
+        out.write("text:   ")
+        ids, stats, after_prefill = stream_generate(model, tok, prompt, args.max_tokens, out,
+                                                    provider)
+        resident, _, _ = stream_generate(load_model(artifact, dtype="float32"), tok, prompt,
+                                         args.max_tokens, open(os.devnull, "w"))
+        same = ids == resident
+        print(f"        {'same' if same else 'DIFFERENT'} {len(ids)} token ids as the resident "
+              "model (every expert decoded once, kept in memory)")
+        print()
+        print_stats(model, provider, stats, after_prefill, measure_disk_rate(artifact), out)
+    finally:
+        provider.close()
+    print()
+    print(EXPLAIN.format(k=cfg.num_experts_per_token, e=cfg.num_experts,
+                         n=len(cfg.moe_layers)))
+    ok = same
+    if args.codecs:
+        from .demo_fixtures import codec_table
 
+        print()
+        ok = codec_table(root, args.seed, args.rebuild, out) and ok
+    return 0 if ok else 1

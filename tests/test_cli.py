@@ -38,20 +38,60 @@ def test_line_budget():
     assert proc.returncode == 0, proc.stdout
 
 
-def test_demo_builds_then_reuses_fixtures(tmp_path, capsys):
-    assert main(["demo", "--cache-dir", str(tmp_path)]) == 0
+STATS_ROWS = ("device (decode)", "host (decode)", "transient (prefill)", "prefill ", "decode ",
+              "bytes read / token", "stall share", "lookahead recall", "disk rate", "I/O bound")
+
+
+def test_demo_builds_then_reuses_the_streaming_artifact(tmp_path, capsys):
+    assert main(["demo", "--cache-dir", str(tmp_path), "--max-tokens", "8"]) == 0
     first = capsys.readouterr().out
-    for label in ("t158", "mxfp4", "w3-legacy", "w3-dense", "bf16"):
-        row = next(line for line in first.splitlines() if line.startswith(label + " "))
-        assert "exact 40/40" in row and row.endswith("built"), row
-    assert "7,741,440" in first and "14,270,464" in first and "13,418,496" in first
-    cont = {line.split()[0]: line.split("]")[0] for line in first.splitlines()
-            if line.startswith("  ") and "tok/s" in line}
-    assert set(cont) == {"t158", "mxfp4", "w3-legacy", "w3-dense", "bf16"}
-    assert cont["w3-legacy"].split("[")[1] == cont["w3-dense"].split("[")[1]
-    assert main(["demo", "--cache-dir", str(tmp_path)]) == 0
+    lines = first.splitlines()
+    assert "(built in " in lines[0] and (tmp_path / "tiny-t158-seed0-stream"
+                                         / "expert-manifest.json").is_file()
+    text = next(line for line in lines if line.startswith("text:   "))
+    assert text[len("text:   "):].strip()
+    assert "same 8 token ids as the resident model" in first
+    for row in STATS_ROWS:
+        assert any(line.startswith(row) for line in lines), row
+    assert len(lines) < 40  # one screen
+    assert main(["demo", "--cache-dir", str(tmp_path), "--max-tokens", "8"]) == 0
     second = capsys.readouterr().out
-    assert second.count("cached") == 5 and "FAIL" not in second
+    assert "(reused in " in second.splitlines()[0]
+    assert next(line for line in second.splitlines() if line.startswith("text:   ")) == text
+
+
+def test_demo_streamed_tokens_equal_the_resident_models(tmp_path):
+    import argparse
+    import io
+
+    from mtplx_runtime import demo
+    from mtplx_runtime.generate import generate
+    from mtplx_runtime.model.kimi_k3 import load_model
+    from mtplx_runtime.tokenizer import load_tokenizer
+
+    artifact, built = demo.ensure_artifact(tmp_path, seed=0, rebuild=False)
+    assert built
+    tok = load_tokenizer(artifact)
+    prompt = tok.encode(demo.PROMPT)
+    model = load_model(artifact, dtype="float32")
+    flags = argparse.Namespace(slots_per_layer=2, host_slots_per_layer=1, lookahead=1)
+    provider = demo.attach_small_cache(model, artifact, flags)
+    with demo.one_compute_thread(), provider:
+        streamed, _, _ = demo.stream_generate(model, tok, prompt, 10, io.StringIO(), provider)
+        assert provider.stats()["totals"]["device"]["misses"] > 0  # it really streamed
+        # the resident reference reads the source checkpoint, not the artifact
+        resident, _ = generate(load_model(tmp_path / "tiny-t158-seed0", dtype="float32"),
+                               prompt, max_tokens=10)
+    assert streamed == resident
+
+
+def test_demo_codec_table(tmp_path, capsys):
+    assert main(["demo", "--cache-dir", str(tmp_path), "--max-tokens", "2", "--codecs"]) == 0
+    out = capsys.readouterr().out
+    for label in ("t158", "mxfp4", "w3-legacy", "w3-dense", "bf16"):
+        row = next(line for line in out.splitlines() if line.startswith(label + " "))
+        assert "exact 40/40" in row, row
+    assert "7,741,440" in out and "14,270,464" in out and "13,418,496" in out
 
 
 def test_inspect_reports_layout_and_sizes(tmp_path, capsys):
