@@ -1,0 +1,79 @@
+"""At run time the process stays inside its memory budget: a streamed generation over a
+K3-geometry slice (real 3584/3072 t158 experts), sized by `plan.make_plan` for a budget far below
+what the decoded experts would take resident, peaks (ru_maxrss of a fresh interpreter) at or
+under the budget."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mtplx_runtime.fixtures.k3_slice import k3_slice_config, make_k3_slice
+from mtplx_runtime.plan import make_plan
+from mtplx_runtime.storage.builder import build_artifact
+
+EXPERTS, TOP_K = 48, 16
+PROMPT = [3, 17, 42, 99]
+MAX_TOKENS = 6
+BF16 = 2
+
+# Runs in a fresh interpreter, so ru_maxrss is this run's peak alone.
+CHILD = textwrap.dedent("""
+    import json, resource, sys
+    from mtplx_runtime.generate import GenerationStats, generate_step
+    from mtplx_runtime.model.kimi_k3 import load_model
+    from mtplx_runtime.plan import make_plan
+    from mtplx_runtime.streaming import StreamingExpertProvider, attach
+
+    art, budget, prompt, max_tokens = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), \\
+        int(sys.argv[4])
+    plan = make_plan(art, memory_budget=budget, dtype="bfloat16", context=256, prefill_chunk=1)
+    model = load_model(art, dtype="bfloat16")
+    provider = StreamingExpertProvider(
+        art, model.cfg, model.dtype, device_bytes=plan.device_slots * plan.record_stride,
+        host_bytes=plan.host_slots * plan.record_stride, lookahead=1)
+    attach(model, provider)
+    stats = GenerationStats()
+    ids = list(generate_step(model, prompt, max_tokens=max_tokens,
+                             prefill_chunk=plan.prefill_chunk, stats=stats))
+    st = provider.stats()
+    provider.close()
+    print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      "ids": ids, "device_slots": plan.device_slots,
+                      "misses": st["totals"]["device"]["misses"],
+                      "lookups": st["totals"]["device"]["lookups"]}))
+""")
+
+
+@pytest.mark.slow
+def test_streamed_run_stays_inside_budget(tmp_path):
+    cfg = k3_slice_config(moe_layers=1, experts=EXPERTS, top_k=TOP_K)
+    src, art = tmp_path / "src", tmp_path / "art"
+    make_k3_slice(src, moe_layers=1, experts=EXPERTS, top_k=TOP_K)
+    build_artifact(src, art, codec="keep", progress=False)
+    floor = make_plan(art, memory_budget="64GiB", dtype="bfloat16", context=256,
+                      prefill_chunk=1)
+    # A cache of one token's worth of records above the minimum: a third of the bank.
+    budget = floor.minimum_budget + TOP_K * floor.record_stride
+    plan = make_plan(art, memory_budget=budget, dtype="bfloat16", context=256, prefill_chunk=1)
+    assert TOP_K <= plan.device_slots < EXPERTS
+    # Resident, the same experts decoded to bf16 alone take more than the whole budget.
+    rows, cols = cfg.expert_shapes["gate"]
+    resident_experts_bytes = EXPERTS * 3 * rows * cols * BF16
+    assert resident_experts_bytes > budget
+
+    out = subprocess.run([sys.executable, "-c", CHILD, str(art), str(budget), json.dumps(PROMPT),
+                          str(MAX_TOKENS)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(res["ids"]) == MAX_TOKENS
+    assert 0 < res["misses"] <= res["lookups"]
+    print(f"peak_rss_bytes={res['peak_rss_bytes']} budget_bytes={budget} "
+          f"plan_minimum_bytes={plan.minimum_budget} device_slots={plan.device_slots} "
+          f"resident_experts_bytes={resident_experts_bytes} misses={res['misses']} "
+          f"lookups={res['lookups']}")
+    assert res["peak_rss_bytes"] <= budget, (
+        f"peak RSS {res['peak_rss_bytes']:,} B exceeds the budget {budget:,} B "
+        f"(plan minimum {plan.minimum_budget:,} B, {plan.device_slots} slots)")

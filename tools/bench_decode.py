@@ -1,0 +1,199 @@
+"""Streamed decode of a K3-geometry slice from a cold disk, against its I/O and compute bounds.
+
+    make_k3_slice (real 3584/3072 t158 experts, small trunk) -> build_artifact (keep)
+      -> raw O_DIRECT sequential read of a bank part (disk rate, cold)
+      -> one expert through the model's path: t158 NumPy decode + torch GLU at T=1 (compute rate)
+      -> per lookahead in (0, 1): evict page cache, load model, attach a StreamingExpertProvider
+         with --slots-per-layer slots per MoE layer, prefill, decode --tokens greedy tokens
+
+One line per configuration: decode tok/s, device-tier hit rate, SSD bytes per decoded token
+(demand + speculative reads), stall share (time forwards blocked on reads / decode time), the
+I/O bound (raw disk rate / bytes per token), the compute bound (1 / (MoE layers x top-k x time
+per expert)), and tok/s as a ratio of the smaller bound. Page cache is evicted with
+posix_fadvise(DONTNEED) on every bank part before each measurement.
+
+    python tools/bench_decode.py [--layers 2] [--experts 896] [--tokens 8]
+                                 [--slots-per-layer 32] [--dir DIR] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mtplx_runtime.fixtures.k3_slice import make_k3_slice
+from mtplx_runtime.generate import GenerationStats, generate_step
+from mtplx_runtime.model.kimi_k3 import load_model
+from mtplx_runtime.model.layers import glu_mlp
+from mtplx_runtime.storage.buffers import aligned_buffer
+from mtplx_runtime.storage.builder import build_artifact
+from mtplx_runtime.storage.manifest import load_manifest
+from mtplx_runtime.streaming import MANIFEST_NAME, StreamingExpertProvider, attach
+
+PROMPT = [3, 17]
+CHUNK = 8 * 2**20
+RAW_READ_BYTES = 2 * 2**30
+
+
+def part_paths(art: Path) -> list[Path]:
+    m = load_manifest(art / MANIFEST_NAME)
+    return [art / p.file for p in m.sidecar.parts]
+
+
+def evict(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_disk_bps(paths: list[Path]) -> float:
+    """Cold sequential O_DIRECT read of (up to RAW_READ_BYTES of) the first bank part."""
+    evict(paths)
+    buf = aligned_buffer(CHUNK)
+    fd = os.open(paths[0], os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    try:
+        size = min(os.fstat(fd).st_size // CHUNK * CHUNK, RAW_READ_BYTES)
+        done, t0 = 0, time.perf_counter()
+        while done < size:
+            n = os.preadv(fd, [memoryview(buf)], done)
+            if n <= 0:
+                break
+            done += n
+        return done / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+
+
+def expert_seconds(art: Path, model, repeats: int = 5) -> float:
+    """Median time of one expert at T=1 through the model's path: read record -> provider.decode
+    (t158 NumPy reference decode, cast to the model dtype) -> glu_mlp."""
+    cfg = model.cfg
+    with StreamingExpertProvider(art, cfg, model.dtype, device_bytes=1, lookahead=0) as prov:
+        buf = aligned_buffer(prov.stride_bytes)
+        layer = cfg.moe_layers[0]
+        part, off, length, _ = prov.locate((layer, 0))
+        prov.reader.read_into(part, off, length, buf).result()
+        r = torch.randn(1, cfg.routed_expert_hidden_size).to(model.dtype)
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            ew = prov.decode(buf)
+            glu_mlp(r, ew.gate, ew.up, ew.down, cfg.activation_situ_beta,
+                    cfg.activation_situ_linear_beta)
+            times.append(time.perf_counter() - t0)
+            del ew
+    return statistics.median(times[1:])
+
+
+def snapshot(provider) -> dict:
+    st = provider.stats()
+    dev, pf = st["totals"]["device"], st["prefetch"]
+    return {"hits": dev["hits"], "lookups": dev["lookups"], "stall_ms": st["stall_ms"],
+            "bytes": pf["demand_bytes"] + pf["spec_bytes"]}
+
+
+def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens: int) -> dict:
+    evict(paths)
+    model = load_model(art, dtype="bfloat16")
+    n_moe = len(model.cfg.moe_layers)
+    with StreamingExpertProvider(art, model.cfg, model.dtype, lookahead=lookahead,
+                                 device_bytes=1) as probe:
+        stride = probe.stride_bytes
+    provider = StreamingExpertProvider(art, model.cfg, model.dtype, lookahead=lookahead,
+                                       device_bytes=slots * n_moe * stride)
+    attach(model, provider)
+    stats, before = GenerationStats(), None
+    try:
+        for _ in generate_step(model, PROMPT, max_tokens=tokens + 1, stats=stats):
+            if before is None:  # prefill done, no decode forward yet
+                before = snapshot(provider)
+        after = snapshot(provider)
+    finally:
+        provider.close()
+    d = {k: after[k] - before[k] for k in after}
+    n = stats.decode_forwards
+    return {"tokens": n, "decode_s": stats.decode_s,
+            "tok_s": n / stats.decode_s,
+            "hit_rate": d["hits"] / d["lookups"] if d["lookups"] else 0.0,
+            "bytes_per_token": d["bytes"] / n,
+            "stall_share": d["stall_ms"] / 1e3 / stats.decode_s}
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=2, help="MoE layers in the slice")
+    ap.add_argument("--experts", type=int, default=896, help="routed experts per layer")
+    ap.add_argument("--tokens", type=int, default=8, help="decode steps timed per config")
+    ap.add_argument("--slots-per-layer", type=int, default=32, help="device-tier cache slots")
+    ap.add_argument("--dir", type=Path, default=None,
+                    help="where the slice and artifact go (default: a temp dir under /work)")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the slice in --dir and reuse an artifact already built there")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    base = a.dir or Path(tempfile.mkdtemp(prefix="bench_decode_",
+                                          dir="/work" if os.path.isdir("/work") else None))
+    src, art = base / "src", base / "art"
+    try:
+        t0 = time.perf_counter()
+        if not (a.keep and (art / MANIFEST_NAME).is_file()):
+            make_k3_slice(src, moe_layers=a.layers, experts=a.experts)
+            build_artifact(src, art, codec="keep", progress=False)
+            if not a.keep:
+                shutil.rmtree(src)
+        build_s = time.perf_counter() - t0
+        paths = part_paths(art)
+        bank = sum(p.stat().st_size for p in paths)
+        print(f"# bench_decode commit={commit()} python={platform.python_version()} "
+              f"torch={torch.__version__} numpy={np.__version__} cpus={os.cpu_count()} "
+              f"threads={torch.get_num_threads()} layers={a.layers} experts={a.experts} top_k=16 "
+              f"bank_bytes={bank} slots_per_layer={a.slots_per_layer} tokens={a.tokens} "
+              f"prompt={len(PROMPT)} dtype=bfloat16 build_s={build_s:.0f}", flush=True)
+        disk = raw_disk_bps(paths)
+        model = load_model(art, dtype="bfloat16")
+        t_exp = expert_seconds(art, model)
+        k = model.cfg.num_experts_per_token
+        del model
+        compute_bound = 1.0 / (a.layers * k * t_exp)
+        print(f"# raw_odirect_seq_gbps={disk / 1e9:.3f} expert_ms={t_exp * 1e3:.1f} "
+              f"(t158 numpy decode + bf16 GLU, T=1) compute_bound_tok_s={compute_bound:.3f}",
+              flush=True)
+        for la in (0, 1):
+            r = run_config(art, paths, la, a.slots_per_layer, a.tokens)
+            io_bound = disk / r["bytes_per_token"] if r["bytes_per_token"] else float("inf")
+            ratio = r["tok_s"] / min(io_bound, compute_bound)
+            print(f"lookahead={la} tok_s={r['tok_s']:.3f} hit_rate={r['hit_rate']:.3f} "
+                  f"bytes_per_token={r['bytes_per_token']:.0f} "
+                  f"stall_share={r['stall_share']:.3f} io_bound_tok_s={io_bound:.3f} "
+                  f"compute_bound_tok_s={compute_bound:.3f} ratio={ratio:.2f}", flush=True)
+    finally:
+        if not a.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
