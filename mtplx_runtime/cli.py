@@ -25,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny": ("mtplx_runtime.fixtures.tiny", "write a tiny deterministic K3 checkpoint"),
     "inspect": ("mtplx_runtime.inspect", "summarise a K3 checkpoint: layout, codec, experts"),
     "logits": ("mtplx_runtime.logits", "reference forward of a token list, logits to a .npy file"),
+    "profile": ("mtplx_runtime.profile.cli",
+                "replay route traces through the cache policies: hit rate vs capacity, Belady"),
     "plan": ("mtplx_runtime.plan_cli",
              "memory plan for a budget: residents, state, cache slots; refuse below the minimum"),
     "recode-w4": ("mtplx_runtime.recode_w4", "recode a W3 checkpoint to W4 losslessly (for vLLM)"),

@@ -1,0 +1,221 @@
+"""Route traces in memory: read ours, import plain per-token lists, generate synthetic ones.
+
+    route-trace JSONL | plain text | .npy | synth:KIND,... -> Trace (routes [N, L, K]) -> replay
+
+A `Trace` holds one row per token per forward, in execution order, for every MoE layer: N lines,
+L layers, K ids (ascending; -1 pads a short row of an imported trace). The plain format (FORMAT.md
+"Plain route lists") lets traces from other engines be profiled; the synthetic generators
+(uniform, Zipf, temporal locality) feed tests and what-if runs. All of them are decode lines.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..trace import TRACE_FORMAT, read_trace
+
+PLAIN_MAGIC = "# mtplx-plain-routes"
+K3_SHAPE = {"layers": 92, "experts": 896, "top_k": 16}
+
+
+@dataclass
+class Trace:
+    """One recorded (or generated) run. routes: int32 [N, L, K]; decode: bool [N] (False for a
+    prefill line); t: int64 [N] positions; predicted: {(layer, depth): (line idx [P], ids
+    [P] lists)} from the recorder's lookahead guesses; record_bytes from the header or None."""
+
+    layers: list[int]
+    experts: int
+    top_k: int
+    routes: np.ndarray
+    decode: np.ndarray
+    t: np.ndarray
+    predicted: dict = field(default_factory=dict)
+    record_bytes: int | None = None
+    model: str = ""
+    name: str = ""
+
+    @property
+    def n_lines(self) -> int:
+        return int(self.routes.shape[0])
+
+    def forwards(self, prefill_chunk: int = 64) -> list[tuple[bool, int, int]]:
+        """(decode?, first line, line count) per forward: a decode line is one forward; a run of
+        prefill lines is cut into chunks of `prefill_chunk` positions from its first `t`, the
+        way `generate.prefill` splits a prompt."""
+        out: list[tuple[bool, int, int]] = []
+        i, n = 0, self.n_lines
+        while i < n:
+            if self.decode[i]:
+                out.append((True, i, 1))
+                i += 1
+                continue
+            t0, j = int(self.t[i]), i
+            chunk = (int(self.t[i]) - t0) // prefill_chunk
+            while j < n and not self.decode[j] and (int(self.t[j]) - t0) // prefill_chunk == chunk:
+                j += 1
+            out.append((False, i, j - i))
+            i = j
+        return out
+
+
+def _dense(rows: list[list[list[int]]], top_k: int) -> np.ndarray:
+    """[N][L][k<=K] nested lists -> int32 [N, L, K], short rows padded with -1."""
+    n, nl = len(rows), (len(rows[0]) if rows else 0)
+    out = np.full((n, nl, top_k), -1, dtype=np.int32)
+    for i, line in enumerate(rows):
+        for j, ids in enumerate(line):
+            out[i, j, :len(ids)] = sorted(ids)
+    return out
+
+
+def read_route_trace(path: str | Path) -> Trace:
+    """Our `mtplx-route-trace-v1` JSONL (FORMAT.md "Route traces"); drops a partial tail."""
+    header, lines = read_trace(path)
+    layers = [int(x) for x in header["layers"]]
+    keys = [str(la) for la in layers]
+    rows, decode, ts, predicted = [], [], [], {}
+    for i, obj in enumerate(lines):
+        r = obj["routes"]
+        rows.append([r[k] for k in keys])
+        decode.append(obj.get("phase") == "decode")
+        ts.append(int(obj["t"]))
+        for la, by_depth in (obj.get("predicted") or {}).items():
+            for d, ids in by_depth.items():
+                idx, got = predicted.setdefault((int(la), int(d)), ([], []))
+                idx.append(i)
+                got.append([int(e) for e in ids])
+    k = int(header["top_k"])
+    return Trace(layers, int(header["experts"]), k, _dense(rows, k), np.array(decode, bool),
+                 np.array(ts, np.int64), {key: (np.array(v[0]), v[1])
+                                          for key, v in predicted.items()},
+                 header.get("record_bytes"), str(header.get("model", "")), str(path))
+
+
+def read_plain(path: str | Path) -> Trace:
+    """The plain import format: one token per line, layers separated by ';', ids by spaces or
+    commas; '#' lines are comments, except `# layers=...` and `# experts=...` settings."""
+    rows, layers, experts = [], None, None
+    with open(path, encoding="utf-8") as fh:
+        for raw in fh:
+            line = raw.strip()
+            if line.startswith("#"):
+                for word in line[1:].split():
+                    name, _, val = word.partition("=")
+                    if name == "layers" and val:
+                        layers = [int(x) for x in val.split(",")]
+                    elif name == "experts" and val:
+                        experts = int(val)
+                continue
+            if not line:
+                continue
+            rows.append([[int(x) for x in part.replace(",", " ").split()]
+                         for part in line.split(";")])
+    if not rows:
+        raise ValueError(f"{path}: no route lines")
+    nl = len(rows[0])
+    if any(len(r) != nl for r in rows):
+        raise ValueError(f"{path}: every line must list the same number of layers ({nl})")
+    for r in rows:
+        for ids in r:
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"{path}: repeated expert id in {ids}")
+    layers = layers or list(range(nl))
+    if len(layers) != nl:
+        raise ValueError(f"{path}: `# layers=` names {len(layers)} layers, lines have {nl}")
+    top_k = max(len(ids) for r in rows for ids in r)
+    routes = _dense(rows, top_k)
+    return _from_array(routes, layers, experts, str(path))
+
+
+def _from_array(routes: np.ndarray, layers=None, experts=None, name="") -> Trace:
+    n, nl, k = routes.shape
+    top = int(routes.max()) + 1 if routes.size else 1
+    if experts is not None and top > experts:
+        raise ValueError(f"{name}: expert id {top - 1} >= experts {experts}")
+    return Trace(list(layers) if layers is not None else list(range(nl)), experts or top, k,
+                 np.sort(routes.astype(np.int32), axis=-1), np.ones(n, bool),
+                 np.arange(n, dtype=np.int64), name=name)
+
+
+def load(source: str) -> Trace:
+    """A trace from a path (our JSONL, a plain text file, an int .npy [N, L, K]) or a
+    `synth:KIND,key=value,...` spec (see `synthetic`)."""
+    if source.startswith("synth:"):
+        kind, *opts = source[6:].split(",")
+        kw = {}
+        for o in opts:
+            name, _, val = o.partition("=")
+            kw[name.strip().replace("-", "_")] = float(val) if "." in val else int(val)
+        return synthetic(kind, **kw)
+    p = Path(source)
+    if p.suffix == ".npy":
+        return _from_array(np.load(p), name=str(p))
+    with open(p, encoding="utf-8") as fh:
+        first = fh.readline()
+    try:
+        head = json.loads(first)
+    except ValueError:
+        head = None
+    if isinstance(head, dict) and head.get("format") == TRACE_FORMAT:
+        return read_route_trace(p)
+    return read_plain(p)
+
+
+# ---- synthetic traces ----------------------------------------------------------------------
+
+def synthetic(kind: str, tokens: int = 1000, layers: int = 92, experts: int = 896,
+              top_k: int = 16, alpha: float = 1.0, locality: float = 0.5,
+              seed: int = 0) -> Trace:
+    """Decode-only trace [tokens, layers, top_k] of distinct ids per row.
+
+    kind 'uniform': every expert equally likely. 'zipf': expert popularity ~ rank**-alpha, the
+    ranking shuffled per layer. 'temporal': Zipf, plus each of the previous token's experts is
+    kept with probability `locality` (so consecutive tokens share about locality * K experts).
+    Rows are drawn without replacement with the Gumbel top-k trick, in float32."""
+    if kind not in ("uniform", "zipf", "temporal"):
+        raise ValueError(f"synthetic kind must be uniform, zipf or temporal, got {kind!r}")
+    if not 0 < top_k <= experts:
+        raise ValueError(f"need 0 < top_k <= experts, got {top_k}, {experts}")
+    rng = np.random.default_rng(seed)
+    logp = np.zeros((layers, experts), np.float32)  # [L, E]
+    if kind != "uniform":
+        ranks = np.argsort(rng.random((layers, experts)), axis=1) + 1
+        logp = (-alpha * np.log(ranks)).astype(np.float32)
+    out = np.empty((tokens, layers, top_k), np.int32)
+    if kind == "temporal":
+        prev = None
+        for i in range(tokens):
+            score = logp - np.log(-np.log(rng.random((layers, experts), np.float32) + 1e-12))
+            if prev is not None:  # keep each previous expert with probability `locality`
+                keep = rng.random(prev.shape) < locality
+                old = np.take_along_axis(score, prev, axis=1)
+                np.put_along_axis(score, prev, np.where(keep, np.inf, old), axis=1)
+            prev = np.argpartition(-score, top_k - 1, axis=1)[:, :top_k]
+            out[i] = prev
+    else:
+        step = max(1, (1 << 22) // (layers * experts))
+        for i in range(0, tokens, step):
+            n = min(step, tokens - i)
+            g = rng.random((n, layers, experts), np.float32)
+            score = logp - np.log(-np.log(g + 1e-12))  # [n, L, E]
+            out[i:i + n] = np.argpartition(-score, top_k - 1, axis=2)[:, :, :top_k]
+    return _from_array(out, list(range(1, layers + 1)), experts,
+                       f"synth:{kind},tokens={tokens}")
+
+
+def write_route_trace(trace: Trace, path: str | Path) -> None:
+    """Write `trace` in our JSONL format (decode lines only carry `predicted`)."""
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps({"format": TRACE_FORMAT, "model": trace.model, "layers":
+                             trace.layers, "experts": trace.experts, "top_k": trace.top_k,
+                             "record_bytes": trace.record_bytes}) + "\n")
+        keys = [str(la) for la in trace.layers]
+        for i in range(trace.n_lines):
+            routes = {k: [int(e) for e in row if e >= 0] for k, row in zip(keys, trace.routes[i])}
+            fh.write(json.dumps({"t": int(trace.t[i]), "phase": "decode" if trace.decode[i]
+                                 else "prefill", "routes": routes}, separators=(",", ":")) + "\n")
