@@ -151,3 +151,36 @@ def test_k3_shaped_10k_tokens_under_a_minute(tmp_path):
     assert 0 < s["results"][0]["belady_share"] <= 1
     for f in s["plots"]:
         assert (tmp_path / f).stat().st_size > 0
+
+
+def test_prefetch_quality_by_hand(tmp_path):
+    """Coverage = share of misses that were guessed; waste = guesses never used per covered miss;
+    recall = share of the used experts that were guessed. Worked out for one layer, depth 1."""
+    import json
+
+    from mtplx_runtime.profile.stats import prefetch_by_depth, prefetch_quality
+    from mtplx_runtime.profile.traces import read_route_trace
+
+    lines = [
+        {"format": "mtplx-route-trace-v1", "model": "hand", "layers": [1, 2], "experts": 8,
+         "top_k": 2, "record_bytes": 4096},
+        {"t": 0, "phase": "prefill", "routes": {"1": [0, 1], "2": [2, 3]}},
+        # decode 0: layer 2 uses {4, 5}; guessed {4, 6} -> hit 4, wasted 6
+        {"t": 1, "phase": "decode", "routes": {"1": [0, 1], "2": [4, 5]},
+         "predicted": {"2": {"1": [4, 6]}}},
+        # decode 1: layer 2 uses {4, 7}; guessed {7, 0} -> hit 7, wasted 0
+        {"t": 2, "phase": "decode", "routes": {"1": [0, 2], "2": [4, 7]},
+         "predicted": {"2": {"1": [0, 7]}}},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    trace = read_route_trace(path)
+    # Misses per layer per decode line, as a replay would report them: layer 2 missed {4, 5}
+    # on the first decode token and {7} on the second (4 was cached by then).
+    missed = [[[], []], [[4, 5], [7]]]
+    (row,) = prefetch_quality(trace, missed)
+    assert (row["layer"], row["depth"], row["misses"]) == (2, 1, 3)
+    assert row["coverage"] == 2 / 3  # 4 and 7 of the misses {4, 5, 7} were guessed
+    assert row["waste"] == 2 / 2  # 6 and 0 never used, per covered miss (4 and 7)
+    assert row["recall"] == 2 / 4  # 4 and 7 of the used {4, 5, 4, 7}
+    assert prefetch_by_depth([row]) == {1: {"coverage": 2 / 3}}
