@@ -27,6 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "logits": ("mtplx_runtime.logits", "reference forward of a token list, logits to a .npy file"),
     "profile": ("mtplx_runtime.profile.cli",
                 "replay route traces through the cache policies: hit rate vs capacity, Belady"),
+    "serve": ("mtplx_runtime.server.cli",
+              "OpenAI-compatible HTTP server for one model (loopback by default)"),
     "plan": ("mtplx_runtime.plan_cli",
              "memory plan for a budget: residents, state, cache slots; refuse below the minimum"),
     "recode-w4": ("mtplx_runtime.recode_w4", "recode a W3 checkpoint to W4 losslessly (for vLLM)"),

@@ -1,0 +1,98 @@
+"""`mtplx serve`: an OpenAI-compatible HTTP server for one model (uvicorn on uvloop).
+
+    --model DIR -> generate_cli.load_runtime -> Engine (one worker thread) -> App (ASGI)
+        -> uvicorn (uvloop, loopback by default, bounded connections)
+
+uvicorn and uvloop come with the `server` extra and are imported only when serving, so this
+module and `--help` work without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+PROG = "mtplx serve"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from ..generate_cli import add_model_args
+
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default loopback; 0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* and /metrics")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients send (default: the model directory's name)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for the engine before new ones get HTTP 429")
+    p.add_argument("--max-connections", type=int, default=128,
+                   help="open connections before new ones get HTTP 503")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body (HTTP 413 above)")
+    add_model_args(p)  # --context bounds prompt + max_tokens; --max-tokens is the default
+
+
+def _uvicorn():
+    try:
+        import uvicorn
+        import uvloop  # noqa: F401  (uvicorn's loop="uvloop" imports it)
+    except ModuleNotFoundError as e:
+        raise RuntimeError(f"serving needs the `server` extra ({e.name} is missing): "
+                           "pip install 'mtplx_runtime[server]'") from None
+    return uvicorn
+
+
+def make_server(app, *, host: str = "127.0.0.1", port: int = 0, max_connections: int = 128):
+    """A uvicorn.Server for `app` on uvloop; run with `.run()` or `.run(sockets=[sock])`
+    (blocks; set `.should_exit = True` from another thread to stop it)."""
+    uvicorn = _uvicorn()
+    config = uvicorn.Config(app, host=host, port=port, loop="uvloop", http="h11",
+                            lifespan="on", limit_concurrency=max_connections,
+                            log_level="warning", access_log=False, server_header=False)
+    return uvicorn.Server(config)
+
+
+def build(args: argparse.Namespace):
+    """(app, engine, runtime) from parsed flags; raises generate_cli.CliError on bad flags."""
+    from ..generate_cli import CliError, load_runtime
+    from .app import App, ServerConfig
+    from .engine import Engine
+
+    for flag, v in (("--max-queue", args.max_queue), ("--max-connections", args.max_connections),
+                    ("--max-body-bytes", args.max_body_bytes)):
+        if v < 1:
+            raise CliError(f"{flag} must be >= 1, got {v}")
+    if args.max_tokens < 1:
+        raise CliError("--max-tokens (the default per request) must be >= 1")
+    rt = load_runtime(args)
+    engine = Engine(rt, max_queue=args.max_queue, top_k=args.top_k,
+                    prefill_chunk=args.prefill_chunk)
+    cfg = ServerConfig(model_id=args.served_model_name or Path(args.model).resolve().name,
+                       api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                       context=args.context, default_max_tokens=args.max_tokens,
+                       thinking=not args.no_thinking)
+    return App(engine, cfg), engine, rt
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..generate_cli import CliError
+
+    try:
+        _uvicorn()
+        app, engine, rt = build(args)
+    except (RuntimeError, CliError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    if args.host not in ("127.0.0.1", "::1", "localhost") and args.api_key is None:
+        print(f"{PROG}: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    print(f"{PROG}: {app.cfg.model_id} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:
+        make_server(app, host=args.host, port=args.port,
+                    max_connections=args.max_connections).run()
+    finally:
+        engine.close()
+        rt.close()
+    return 0

@@ -1,0 +1,171 @@
+"""Request validation for the OpenAI-style endpoints: JSON body -> engine Request fields.
+
+Every problem is an `ApiError` (HTTP 4xx with an OpenAI error body naming the parameter); nothing
+unvalidated reaches the engine. Thinking is on unless the request turns it off with
+`"thinking": false`, `"chat_template_kwargs": {"thinking": false}` or `"reasoning_effort":
+"none"`; `reasoning_effort` low|medium|high|max also sets the K3 thinking effort.
+"""
+
+from __future__ import annotations
+
+from ..chat import THINKING_EFFORTS
+
+MAX_STOPS = 4
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status, message, param, code, type_)
+
+
+def error_body(e: ApiError) -> dict:
+    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def _number(body: dict, name: str, default, low, high, *, integer=False, low_open=False):
+    v = body.get(name)
+    if v is None:
+        return default
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if not ok or isinstance(v, bool):
+        raise _bad(name, f"{name} must be {'an integer' if integer else 'a number'}")
+    if (v <= low if low_open else v < low) or (high is not None and v > high):
+        side = "(" if low_open else "["
+        raise _bad(name, f"{name} must be in {side}{low}, {high if high is not None else 'inf'}]")
+    return v
+
+
+def _common(body, cfg) -> dict:
+    """Fields shared by both endpoints; checks `model`, sampling, stop, n, stream."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise _bad("model", "model must be a string")
+    if model != cfg.model_id:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{cfg.model_id!r}", param="model", code="model_not_found")
+    if _number(body, "n", 1, 1, 1, integer=True) != 1:
+        raise _bad("n", "n must be 1")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not (isinstance(stop, list) and len(stop) <= MAX_STOPS
+            and all(isinstance(s, str) and s for s in stop)):
+        raise _bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOPS}")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("stream", "stream must be a boolean")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise _bad("stream_options", "stream_options must be an object")
+    # max_completion_tokens is the newer OpenAI name for the same cap.
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _number(body, name, cfg.default_max_tokens, 1, cfg.context, integer=True)
+    request = {
+        "max_tokens": max_tokens,
+        "temperature": float(_number(body, "temperature", 0.0, 0, 2)),
+        "top_p": float(_number(body, "top_p", 1.0, 0, 1, low_open=True)),
+        "seed": _number(body, "seed", 0, -(2 ** 63), 2 ** 63 - 1, integer=True),
+        "stop": stop,
+    }
+    return {"stream": stream, "include_usage": bool(opts.get("include_usage")),
+            "request": request}
+
+
+def _check_length(p: dict, cfg, param: str) -> dict:
+    r = p["request"]
+    n = len(r["prompt_ids"])
+    if n == 0:
+        raise _bad(param, "the prompt encodes to no tokens")
+    if n + r["max_tokens"] > cfg.context:
+        raise ApiError(400, f"this model's context is {cfg.context} tokens; the prompt has {n} "
+                            f"and max_tokens asks for {r['max_tokens']}", param=param,
+                       code="context_length_exceeded")
+    return p
+
+
+def _thinking(body: dict, cfg) -> tuple[bool, str | None]:
+    thinking = body.get("thinking")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise _bad("chat_template_kwargs", "chat_template_kwargs must be an object")
+        thinking = kwargs.get("thinking", thinking)
+    if thinking is not None and not isinstance(thinking, bool):
+        raise _bad("thinking", "thinking must be a boolean")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in ("none", *THINKING_EFFORTS):
+            raise _bad("reasoning_effort", f"reasoning_effort must be one of none, "
+                                           f"{', '.join(THINKING_EFFORTS)}")
+        if effort == "none":
+            return False, None
+        return (True if thinking is None else thinking), effort
+    return (cfg.thinking if thinking is None else thinking), None
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "messages must be a non-empty list")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise _bad(f"messages[{i}]", f"messages[{i}] must be an object with a role in "
+                                         f"{', '.join(ROLES)}")
+        c = m.get("content")
+        parts_ok = isinstance(c, list) and all(
+            isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str)
+            for x in c)
+        if not (c is None or isinstance(c, str) or parts_ok):
+            raise _bad(f"messages[{i}].content", "content must be a string or a list of text "
+                                                 "parts")
+    return msgs
+
+
+def chat_params(body, cfg, tok) -> dict:
+    from ..chat import render_chat
+
+    p = _common(body, cfg)
+    msgs = _messages(body)
+    thinking, effort = _thinking(body, cfg)
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _bad("tools", "tools must be a list")
+    try:
+        ids = render_chat(tok, msgs, thinking=thinking, thinking_effort=effort, tools=tools)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise _bad("messages", f"cannot render the chat: {e}") from None
+    p["request"].update(prompt_ids=ids, chat=True, thinking=thinking)
+    return _check_length(p, cfg, "messages")
+
+
+def completion_params(body, cfg, tok) -> dict:
+    p = _common(body, cfg)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt)
+    elif isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tok.vocab_size
+            for t in prompt):
+        ids = list(prompt)
+    else:
+        raise _bad("prompt", "prompt must be a string, a list of token ids, or a list of one "
+                             "of those (batches are not supported)")
+    if body.get("echo"):
+        raise _bad("echo", "echo is not supported")
+    p["request"].update(prompt_ids=ids)
+    return _check_length(p, cfg, "prompt")
