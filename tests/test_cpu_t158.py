@@ -1,0 +1,145 @@
+"""CPU t158 kernels (native/cpu/t158_cpu.c) vs "decode_t158 then matmul" in float64 (spec §1.10)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from mtplx_runtime.formats.t158 import decode_t158
+from mtplx_runtime.kernels import cpu_build, cpu_t158
+
+ok, why = cpu_t158.available()
+pytestmark = pytest.mark.skipif(not ok, reason=why)
+ISAS = [name for name in cpu_t158.ISAS
+        if ok and cpu_t158.ISAS.index(name) <= cpu_t158.ISAS.index(cpu_t158.best_isa())]
+
+
+def _random_t158(rng, rows: int, cols: int):
+    """Random bytes over the full 0..255 range (243..255 and byte 12 digit 4 included)."""
+    groups = cols // 64
+    packed = rng.integers(0, 256, (rows, 13 * groups), dtype=np.uint8)
+    packed[0, :13] = 255  # a byte above 242 in every position, byte 12 included
+    packed[-1, 12::13] = 162  # 2*81: only digit 4 set; decodes as four -1 trits
+    scales = (rng.uniform(0.005, 0.05, (rows, groups)).astype(np.float32)
+              .view(np.uint32) >> 16).astype(np.uint16)
+    return packed, scales
+
+
+def _gate(y: np.ndarray, ref: np.ndarray) -> None:
+    rel = np.sqrt(np.mean((y - ref) ** 2)) / max(np.sqrt(np.mean(ref**2)), 1e-30)
+    assert rel < 1e-6, rel
+    assert np.abs(y - ref).max() <= 1e-5 * max(np.abs(ref).max(), 1e-30) + 1e-30
+
+
+@pytest.fixture
+def restore_isa():
+    yield
+    cpu_t158.set_isa(None)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows,cols", [(1, 64), (7, 128), (33, 640), (257, 3584)])
+def test_gemv_matches_decode_matmul(isa, rows, cols, restore_isa):
+    rng = np.random.default_rng(rows * 1000 + cols)
+    packed, scales = _random_t158(rng, rows, cols)
+    x = rng.standard_normal(cols).astype(np.float32)
+    ref = decode_t158(packed, scales).astype(np.float64) @ x.astype(np.float64)
+    assert cpu_t158.set_isa(isa) == isa
+    for threads in (1, 2, 3, 8, 64):
+        _gate(cpu_t158.gemv(packed, scales, x, threads=threads).astype(np.float64), ref)
+
+
+def test_byte12_digit4_ignored(restore_isa):
+    rng = np.random.default_rng(5)
+    packed, scales = _random_t158(rng, 4, 128)
+    x = rng.standard_normal(128).astype(np.float32)
+    flipped = packed.copy()
+    flipped[:, 12::13] = flipped[:, 12::13] % 81 + 81  # set digit 4 to 1, keep digits 0..3
+    for isa in ISAS:
+        cpu_t158.set_isa(isa)
+        a = cpu_t158.gemv(packed, scales, x, threads=1)
+        b = cpu_t158.gemv(flipped, scales, x, threads=1)
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(decode_t158(packed, scales), decode_t158(flipped, scales))
+
+
+def test_checks_inputs():
+    packed, scales = _random_t158(np.random.default_rng(1), 4, 128)
+    x = np.zeros(128, np.float32)
+    with pytest.raises(TypeError):
+        cpu_t158.gemv(packed, scales, x.astype(np.float64))
+    with pytest.raises(TypeError):
+        cpu_t158.gemv(packed, scales, np.zeros(64, np.float32))
+    with pytest.raises(ValueError):
+        cpu_t158.gemv(np.asfortranarray(packed), scales, x)
+    with pytest.raises(ValueError):
+        cpu_t158.gemv(packed[:, :13], scales, x)
+    with pytest.raises(TypeError):
+        cpu_t158.gemv(packed, scales.view(np.int16), x)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_expert_mlp_matches_torch(isa, restore_isa):
+    rng = np.random.default_rng(11)
+    hidden, inter = 192, 320
+    gate, up = _random_t158(rng, inter, hidden), _random_t158(rng, inter, hidden)
+    down = _random_t158(rng, hidden, inter)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    beta, beta_lin = 4.0, 25.0
+    w = [torch.from_numpy(decode_t158(*p)).double() for p in (gate, up, down)]
+    xt = torch.from_numpy(x).double()
+    g, u = w[0] @ xt, w[1] @ xt
+    h = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
+    ref = (w[2] @ h).numpy()
+    cpu_t158.set_isa(isa)
+    for threads in (1, 2, 5):
+        out = cpu_t158.expert_mlp(gate, up, down, x, beta, beta_lin, threads=threads)
+        rel = np.sqrt(np.mean((out - ref) ** 2)) / np.sqrt(np.mean(ref**2))
+        assert rel < 1e-5, rel  # tanh/sigmoid in fp32 add ~1 ulp per activation
+        assert np.abs(out - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_env_forces_lower_isa(tmp_path):
+    code = ("from mtplx_runtime.kernels import cpu_t158 as k; "
+            "print(k.isa(), k.available()[1])")
+    env = dict(os.environ, MTPLX_CPU_ISA="scalar")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["scalar", "scalar"]
+
+
+def test_build_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPLX_NATIVE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "t158_cpu.c"
+    src.write_bytes((cpu_build.SRC_DIR / "t158_cpu.c").read_bytes())
+    first = cpu_build.build("t158_cpu", src)
+    mtime = first.stat().st_mtime_ns
+    calls = []
+    real_run = subprocess.run
+
+    def spy(cmd, **kw):
+        calls.append(cmd)
+        return real_run(cmd, **kw)
+
+    monkeypatch.setattr(subprocess, "run", spy)
+    assert cpu_build.build("t158_cpu", src) == first and first.stat().st_mtime_ns == mtime
+    assert not [c for c in calls if "-shared" in c]  # only `gcc --version`, no compile
+    src.write_text(src.read_text() + "\n/* changed */\n")
+    second = cpu_build.build("t158_cpu", src)
+    assert second != first and second.is_file()
+    assert [c for c in calls if "-shared" in c]
+    assert not list((tmp_path / "cache").glob("*.tmp"))
+
+
+def test_build_error_names_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPLX_NATIVE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "broken.c"
+    src.write_text("int f( {\n")
+    with pytest.raises(cpu_build.BuildError, match=r"-shared.*broken\.c[\s\S]*error"):
+        cpu_build.build("broken", src)
+    assert not list((tmp_path / "cache").glob("*"))

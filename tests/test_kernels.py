@@ -1,0 +1,198 @@
+"""Kernel API: reference vs LatentMoE bit for bit, backend selection, the CUDA sources' compile
+check (when nvcc is on PATH) and, opt-in on a GPU, cuda vs reference."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from mtplx_runtime import kernels
+from mtplx_runtime.kernels import reference
+from mtplx_runtime.model.moe import ExpertWeights, LatentMoE
+from mtplx_runtime.storage.bank import PROJECTIONS, record_bytes, record_layout
+
+ROOT = Path(__file__).resolve().parent.parent
+R, I, E, K, T = 64, 128, 8, 4, 5  # latent, expert width, experts, top-k, tokens
+SHAPES = {"gate": (I, R), "up": (I, R), "down": (R, I)}
+MODES = [("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4), ("ct-int-asym", 3),
+         ("bf16", None)]
+
+
+def make_bank(mode, bits, seed=0):
+    """(layout, storage [E, slot_bytes] uint8 with expert e in slot E-1-e, float weights)."""
+    layout = record_layout(SimpleNamespace(expert_shapes=SHAPES), mode, bits)
+    rng = np.random.default_rng(seed)
+    store = np.zeros((E, layout.logical_bytes), dtype=np.uint8)
+    for e in range(E):
+        parts = {p: layout.codec.encode(rng.standard_normal(SHAPES[p]).astype(np.float32) * 0.3)
+                 for p in PROJECTIONS}
+        store[E - 1 - e] = np.frombuffer(record_bytes(layout, parts), np.uint8)
+    return layout, store
+
+
+class BankProvider:
+    def __init__(self, layout, store, dtype):
+        self.layout, self.store, self.dtype = layout, store, dtype
+
+    def experts(self, layer, ids):
+        out = {}
+        for e in ids:
+            w = reference.decode_record(self.store[E - 1 - e], self.layout, SHAPES, self.dtype)
+            out[e] = ExpertWeights(w["gate"], w["up"], w["down"])
+        return out
+
+
+def moe_layer(provider, dtype):
+    """A LatentMoE whose latent projections are identities and with no norm or shared experts,
+    so its output is exactly the routed sum (identity GEMMs are exact in any dtype)."""
+    cfg = SimpleNamespace(num_experts_per_token=K, moe_renormalize=True,
+                          routed_scaling_factor=2.5, activation_situ_beta=4.0,
+                          activation_situ_linear_beta=25.0, latent_moe_use_norm=False,
+                          num_shared_experts=0, rms_norm_eps=1e-5)
+    g = torch.Generator().manual_seed(3)
+    weights = {"gate.weight": torch.randn(E, R, generator=g).to(dtype),
+               "gate.e_score_correction_bias": torch.zeros(E),
+               "routed_expert_down_proj.weight": torch.eye(R, dtype=dtype),
+               "routed_expert_up_proj.weight": torch.eye(R, dtype=dtype)}
+    return LatentMoE(cfg, 1, weights, provider)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode,bits", MODES)
+def test_reference_matches_latent_moe_bit_exact(mode, bits, dtype):
+    layout, store = make_bank(mode, bits)
+    moe = moe_layer(BankProvider(layout, store, dtype), dtype)
+    x = torch.randn(T, R, generator=torch.Generator().manual_seed(5)).to(dtype)
+    want = moe.forward(x)
+    ids, w = moe.last_ids, moe.last_weights
+    assert len(torch.unique(ids)) > K  # several experts, some shared between tokens
+    by_id = {e: E - 1 - e for e in range(E)}
+    got = reference.expert_mlp(x, ids, w, by_id, store, layout, SHAPES)
+    assert got.dtype == dtype and torch.equal(got, want)
+    slot_t = (E - 1 - ids).to(torch.int32)  # [T, K] form of the same slots
+    assert torch.equal(reference.expert_mlp(x, ids, w, slot_t, store, layout, SHAPES), want)
+    # teeth: a different combine weight changes the bits
+    assert not torch.equal(reference.expert_mlp(x, ids, w * 1.01, by_id, store, layout, SHAPES),
+                           want)
+
+
+def test_reference_rejects_bad_slots():
+    layout, store = make_bank("t158", None)
+    ids = torch.tensor([[0, 1]])
+    w = torch.ones(1, 2)
+    x = torch.zeros(1, R)
+    with pytest.raises(KeyError, match="no slot"):
+        reference.expert_mlp(x, ids, w, {0: 7}, store, layout, SHAPES)
+    with pytest.raises(ValueError, match="two slots"):
+        reference.expert_mlp(torch.zeros(2, R), torch.tensor([[0, 1], [0, 2]]),
+                             torch.ones(2, 2), torch.tensor([[7, 6], [5, 4]]), store, layout,
+                             SHAPES)
+
+
+def test_select_backend(monkeypatch):
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    assert kernels.select_backend("reference") is reference
+    monkeypatch.setenv(kernels.ENV, "reference")
+    assert kernels.select_backend() is reference
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        kernels.select_backend("tpu")
+    monkeypatch.setenv(kernels.ENV, "tpu")
+    with pytest.raises(ValueError, match="MTPLX_KERNELS"):
+        kernels.select_backend()
+    monkeypatch.delenv(kernels.ENV)
+    auto = kernels.select_backend()
+    assert auto.__name__.rsplit(".", 1)[-1] in kernels.BACKENDS
+    assert hasattr(auto, "expert_mlp")
+
+
+def test_cuda_requested_without_gpu_is_a_clear_error(monkeypatch):
+    from mtplx_runtime.kernels import cuda
+
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda: "cupy is not installed")
+    with pytest.raises(RuntimeError, match="'cuda' requested but unavailable: cupy is not"):
+        kernels.select_backend("cuda")
+    monkeypatch.setenv(kernels.ENV, "cuda")
+    with pytest.raises(RuntimeError, match="cupy is not installed"):
+        kernels.select_backend()
+    monkeypatch.setenv(kernels.ENV, "auto")
+    assert kernels.select_backend() is not cuda  # auto degrades instead
+    with pytest.raises(RuntimeError, match="CUDA kernels unavailable"):
+        cuda.expert_mlp(torch.zeros(1, R), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1),
+                        {0: 0}, None, None, SHAPES)
+
+
+def test_cuda_module_imports_without_cupy():
+    code = ("import sys; sys.modules['cupy'] = None; import mtplx_runtime.kernels.cuda as c; "
+            "r = c.unavailable_reason(); assert r and 'cupy' in r, r; print('ok')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr
+
+
+def test_cuda_offsets_and_modes():
+    from mtplx_runtime.kernels import cuda
+
+    for mode, bits in MODES[:4]:
+        layout, _ = make_bank(mode, bits)
+        cuda.kernel_key(layout)
+        off = cuda.segment_offsets(layout)
+        assert sorted(off) == sorted(f"{p}.{c}" for p in PROJECTIONS for c in ("packed", "scale"))
+    for mode, bits in MODES[4:]:
+        with pytest.raises(NotImplementedError, match="no CUDA kernel"):
+            cuda.kernel_key(make_bank(mode, bits)[0])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_native_sources_compile_without_spills():
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "check_cuda.py")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    assert len(lines) == 2 * len(list((ROOT / "native").glob("*.cu"))) and all(
+        " ok: " in ln for ln in lines)
+
+
+def test_parse_ptxas():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from check_cuda import parse_ptxas
+    finally:
+        sys.path.pop(0)
+    text = ("ptxas info    : Compiling entry function 'k1' for 'sm_80'\n"
+            "ptxas info    : Function properties for k1\n"
+            "    0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+            "ptxas info    : Used 40 registers, used 1 barriers\n")
+    assert parse_ptxas(text) == {"k1": {"registers": 40, "spill_bytes": 12}}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode,bits", MODES[:4])
+def test_cuda_matches_reference(mode, bits, dtype):
+    from mtplx_runtime.cache.slots import SlotTier
+    from mtplx_runtime.kernels import cuda
+
+    if not cuda.available():
+        pytest.skip(cuda.unavailable_reason())
+    import cupy
+
+    layout, store = make_bank(mode, bits)
+    tier = SlotTier("dev", layout.logical_bytes, E * layout.logical_bytes, device="cuda")
+    for s in range(E):
+        tier.view(s)[...] = cupy.asarray(store[s])
+    moe = moe_layer(BankProvider(layout, store, dtype), dtype)
+    x = torch.randn(T, R, generator=torch.Generator().manual_seed(5)).to(dtype)
+    moe.forward(x)
+    ids, w = moe.last_ids, moe.last_weights
+    want = reference.expert_mlp(x, ids, w, {e: E - 1 - e for e in range(E)},
+                                store, layout, SHAPES)
+    got = cuda.expert_mlp(x.cuda(), ids.cuda(), w.cuda(), (E - 1 - ids).cuda(), tier, layout,
+                          SHAPES)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu().float(), want.float(), rtol=tol, atol=tol)
