@@ -69,11 +69,11 @@ def traces(draw):
     return _from_array(np.array(rows, np.int32), list(range(nl)), e)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(traces(), st.sampled_from(["layer", "global"]))
 def test_belady_is_optimal_and_monotone(tr, scope):
-    # MIN is the optimum once a step fits (capacity >= K per quota); smaller, pinning rules.
-    caps = [len(tr.layers) * c for c in range(tr.top_k, tr.experts + 2)]
+    # MIN is replayed key by key without the runtime's step pinning: an upper bound everywhere.
+    caps = [len(tr.layers) * c for c in range(1, tr.experts + 2)]
     res, _ = profile(tr, list(POLICY_NAMES), caps, scope=scope, workers=1)
     by = {(r.policy, r.capacity): r.hits for r in res}
     for c in caps:

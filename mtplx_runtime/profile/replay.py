@@ -67,7 +67,14 @@ def make(name: str, seq: list) -> Policy:
 
 
 def drive(steps: list[list], policy: Policy, capacity: int, want_misses: bool = False):
-    """Hits per step (list of ints) and, with `want_misses`, each step's missed keys."""
+    """Hits per step (list of ints) and, with `want_misses`, each step's missed keys.
+
+    Online policies follow the runtime: a step's keys are looked up together and none of them
+    may be evicted while the step runs. Belady's MIN is replayed without that constraint, key by
+    key (farthest next use, bypass allowed): that is the offline optimum for any policy, so it
+    bounds every constrained one from above at every capacity."""
+    if isinstance(policy, BeladyPolicy):
+        return _drive_min(steps, policy, capacity, want_misses)
     hits, missed = [], []
     for step in steps:
         for k in step:
@@ -92,6 +99,28 @@ def drive(steps: list[list], policy: Policy, capacity: int, want_misses: bool = 
                 continue  # served uncached (the runtime lends it a transient slot)
             policy.remove(victim)
             policy.insert(k)
+    return hits, missed
+
+
+def _drive_min(steps: list[list], policy: BeladyPolicy, capacity: int, want_misses: bool):
+    hits, missed = [], []
+    for step in steps:
+        miss = []
+        for k in step:
+            policy.touch(k)
+            if k in policy:
+                continue
+            miss.append(k)
+            if len(policy) < capacity:
+                policy.insert(k)
+                continue
+            victim = policy.victim()
+            if victim is not None and policy.admit(k, victim):
+                policy.remove(victim)
+                policy.insert(k)
+        hits.append(len(step) - len(miss))
+        if want_misses:
+            missed.append(miss)
     return hits, missed
 
 
