@@ -34,10 +34,9 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from mtplx_runtime.checkpoint import ModelConfig, resident_tensor_specs
-from mtplx_runtime.checkpoint.residents import BACKBONE, LM_HEAD
+from mtplx_runtime.checkpoint import ModelConfig
 from mtplx_runtime.model.kimi_k3 import KimiK3
-from mtplx_runtime.model.load import model_dtype
+from mtplx_runtime.model.load import group_residents, model_dtype
 from mtplx_runtime.model.moe import ExpertWeights
 
 # k3-model.md §1, cut to two layers: 1-based layer 1 is KDA (dense MLP), layer 2 MLA (MoE).
@@ -69,20 +68,8 @@ def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: to
 
 def random_residents(cfg: ModelConfig, dtype: torch.dtype, gen: torch.Generator):
     """(top, layers) in the layout of `model/load.py`: BF16 specs -> `dtype`, F32 stays F32."""
-    top: dict[str, torch.Tensor] = {}
-    layers: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_hidden_layers)]
-    for name, spec in resident_tensor_specs(cfg).items():
-        t = random_tensor(name, spec.shape, dtype if spec.dtype == "BF16" else torch.float32, gen)
-        if name == LM_HEAD:
-            top["lm_head.weight"] = t
-            continue
-        short = name[len(BACKBONE):]
-        if short.startswith("layers."):
-            _, layer, suffix = short.split(".", 2)
-            layers[int(layer)][suffix] = t
-        else:
-            top[short] = t
-    return top, layers
+    return group_residents(cfg, lambda name, spec: random_tensor(
+        name, spec.shape, dtype if spec.dtype == "BF16" else torch.float32, gen))
 
 
 class DictExpertProvider:

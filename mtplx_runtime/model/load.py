@@ -34,13 +34,13 @@ def to_torch(array: np.ndarray, st_dtype: str, dtype: torch.dtype, device: str) 
     raise ValueError(f"resident tensors are BF16 or F32, not {st_dtype}")
 
 
-def load_residents(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu"):
-    """(global tensors by short name, per-layer dicts of tensors by suffix after `layers.{l}.`)."""
-    specs = resident_tensor_specs(ckpt.config)
+def group_residents(cfg, make):
+    """(global tensors by short name, per-layer dicts by suffix after `layers.{l}.`) with
+    `make(name, spec)` giving each resident tensor of `resident_tensor_specs(cfg)`."""
     top: dict[str, torch.Tensor] = {}
-    layers: list[dict[str, torch.Tensor]] = [{} for _ in range(ckpt.config.num_hidden_layers)]
-    for name, spec in specs.items():
-        t = to_torch(ckpt.tensor(name), spec.dtype, dtype, device)
+    layers: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_hidden_layers)]
+    for name, spec in resident_tensor_specs(cfg).items():
+        t = make(name, spec)
         if name == LM_HEAD:
             top["lm_head.weight"] = t
             continue
@@ -50,9 +50,15 @@ def load_residents(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu"):
             layers[int(layer)][suffix] = t
         else:
             top[short] = t
-    if ckpt.config.tie_word_embeddings:
+    if cfg.tie_word_embeddings:
         top["lm_head.weight"] = top["embed_tokens.weight"]
     return top, layers
+
+
+def load_residents(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu"):
+    """The checkpoint's residents grouped by `group_residents`, in the model dtype."""
+    return group_residents(
+        ckpt.config, lambda name, spec: to_torch(ckpt.tensor(name), spec.dtype, dtype, device))
 
 
 def sub(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
