@@ -60,16 +60,17 @@ def ensure_artifact(root: Path, seed: int, rebuild: bool) -> tuple[Path, bool]:
 
 def attach_small_cache(model, artifact: Path, args):
     """A StreamingExpertProvider with `args` slots per layer, attached to `model`."""
+    from .storage.bank import record_layout
     from .streaming import StreamingExpertProvider, attach
 
     n_layers = len(model.cfg.moe_layers)
-    probe = StreamingExpertProvider(artifact, model.cfg, model.dtype, device_bytes=0,
-                                    transient_bytes=0, lookahead=0)
-    stride = probe.stride_bytes
-    probe.close()
+    manifest = model.checkpoint.manifest  # load_model opened the artifact
+    q = manifest.quantization
+    stride = record_layout(model.cfg, q["mode"], q["bits"]).logical_bytes
     provider = StreamingExpertProvider(
         artifact, model.cfg, model.dtype, device_bytes=args.slots_per_layer * n_layers * stride,
-        host_bytes=args.host_slots_per_layer * n_layers * stride, lookahead=args.lookahead)
+        host_bytes=args.host_slots_per_layer * n_layers * stride, lookahead=args.lookahead,
+        manifest=manifest)
     attach(model, provider)
     return provider
 

@@ -101,17 +101,19 @@ def _attach_streaming(args, model):
         raise CliError(f"{args.model} is not a streaming artifact (no {MANIFEST_NAME}); build "
                        "one with `mtplx build-manifest`, or drop --memory-budget")
     budget = args.memory_budget or _mem_available_bytes()
+    # load_model opened the artifact: reuse its manifest instead of parsing it twice more.
+    manifest = getattr(model.checkpoint, "manifest", None)
     try:
         plan = make_plan(args.model, memory_budget=budget, host_budget=args.host_budget,
                          context=args.context, dtype=args.dtype,
-                         prefill_chunk=args.prefill_chunk)
+                         prefill_chunk=args.prefill_chunk, manifest=manifest)
     except PlanError as e:
         raise CliError(str(e)) from None
     provider = streaming.StreamingExpertProvider(
         args.model, model.cfg, model.dtype,
         device_bytes=plan.device_slots * plan.record_stride,
         host_bytes=plan.host_slots * plan.record_stride,
-        policy=args.cache_policy, lookahead=args.lookahead)
+        policy=args.cache_policy, lookahead=args.lookahead, manifest=manifest)
     streaming.attach(model, provider)
     return provider, plan
 

@@ -94,8 +94,9 @@ def facts_from_config(cfg: ModelConfig, mode: str = "t158", bits: int | None = N
                       tuple(cfg.moe_layers), residents, "config")
 
 
-def facts_from_dir(model_dir: str | Path) -> ModelFacts:
-    """A streaming artifact (its manifest and config.json) or, failing that, a plain checkpoint."""
+def facts_from_dir(model_dir: str | Path, manifest=None) -> ModelFacts:
+    """A streaming artifact (its manifest and config.json) or, failing that, a plain checkpoint.
+    `manifest`: the artifact's manifest when the caller has it loaded already."""
     root = Path(model_dir)
     if not (root / MANIFEST_NAME).is_file():
         from .checkpoint import open_checkpoint
@@ -107,7 +108,7 @@ def facts_from_dir(model_dir: str | Path) -> ModelFacts:
         return ModelFacts(facts.cfg, facts.mode, facts.record_bytes, facts.routed_layers,
                           facts.residents, "checkpoint")
     cfg = ModelConfig.from_file(root / "config.json")
-    m = load_manifest(root / MANIFEST_NAME)
+    m = manifest if manifest is not None else load_manifest(root / MANIFEST_NAME)
     sizes = {r.logical_bytes for r in m.records}
     if len(sizes) != 1:
         raise PlanError(f"{root}: records of {len(sizes)} sizes; the plan needs one record size")
@@ -311,9 +312,11 @@ def _minimum_budget(need: int, frac: float) -> int:
     return b
 
 
-def make_plan(model_dir: str | Path, *, memory_budget: int | str, **kwargs) -> MemoryPlan:
-    """`plan_for(facts_from_dir(model_dir), ...)`: the plan for an artifact or checkpoint."""
-    return plan_for(facts_from_dir(model_dir), memory_budget=memory_budget, **kwargs)
+def make_plan(model_dir: str | Path, *, memory_budget: int | str, manifest=None,
+              **kwargs) -> MemoryPlan:
+    """`plan_for(facts_from_dir(model_dir, manifest), ...)`: the plan for an artifact or
+    checkpoint."""
+    return plan_for(facts_from_dir(model_dir, manifest), memory_budget=memory_budget, **kwargs)
 
 
 def format_plan(plan: MemoryPlan) -> str:

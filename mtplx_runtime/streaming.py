@@ -53,13 +53,15 @@ class StreamingExpertProvider:
                  policy: str = "lru", scope: str = "layer", lookahead: int = 1,
                  routers: Mapping[int, tuple] | None = None, threads: int = 4,
                  max_inflight_bytes: int | None = None, direct: bool | str = "auto",
-                 verify_sha256: bool = False, device: str = "cpu", timeout_s: float = 120.0):
+                 verify_sha256: bool = False, device: str = "cpu", timeout_s: float = 120.0,
+                 manifest=None):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
         root = Path(artifact_dir)
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.lookahead, self.timeout_s = int(lookahead), float(timeout_s)
-        self.manifest = load_manifest(root / MANIFEST_NAME)
+        # A caller that already loaded the manifest passes it: at K3 size it is ~117 MB of JSON.
+        self.manifest = manifest if manifest is not None else load_manifest(root / MANIFEST_NAME)
         q = self.manifest.quantization
         self.layout = record_layout(cfg, q["mode"], q["bits"])
         self.codec = self.layout.codec

@@ -206,6 +206,14 @@ class ModelConfig:
         self._check_index(layer)
         return layer >= self.first_k_dense_replace
 
+    def check_expert_key(self, layer: int, expert: int) -> None:
+        """ValueError unless `layer` is an MoE layer and `expert` one of its experts."""
+        if not (0 <= layer < self.num_hidden_layers and self.is_moe_layer(layer)):
+            raise ValueError(f"layer {layer} is not an MoE layer (MoE layers "
+                             f"{self.first_k_dense_replace}..{self.num_hidden_layers - 1})")
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is outside 0..{self.num_experts - 1}")
+
     @property
     def moe_layers(self) -> list[int]:
         return list(range(self.first_k_dense_replace, self.num_hidden_layers))

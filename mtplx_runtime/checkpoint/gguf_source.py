@@ -321,20 +321,20 @@ class GGUFSource:
 
     def expert_tensor(self, layer: int, proj: str) -> tuple[Path, GGUFTensor]:
         """The merged Q2_K tensor of one layer and projection, and the file holding it."""
-        self._check_key(layer, 0)
+        self.config.check_expert_key(layer, 0)
         t = self._experts[layer, proj]
         return self._where[t.name].path, t
 
     def expert_extent(self, layer: int, expert: int, proj: str) -> tuple[Path, int, int]:
         """(file, absolute offset, length) of one expert projection's Q2_K bytes (§6.2)."""
-        self._check_key(layer, expert)
+        self.config.check_expert_key(layer, expert)
         t = self._experts[layer, proj]
         size = t.nbytes // self.config.num_experts
         return self._where[t.name].path, t.start + expert * size, size
 
     def expert(self, layer: int, expert: int) -> ExpertRecord:
         """Routed expert `expert` of MoE layer `layer` (0-based): one pread per projection."""
-        self._check_key(layer, expert)
+        self.config.check_expert_key(layer, expert)
         projections = {}
         for proj in PROJECTIONS:
             t = self._experts[layer, proj]
@@ -363,14 +363,6 @@ class GGUFSource:
             return self._residents[name]
         except KeyError:
             raise KeyError(f"{self.path}: no resident tensor {name!r}") from None
-
-    def _check_key(self, layer: int, expert: int) -> None:
-        cfg = self.config
-        if not (0 <= layer < cfg.num_hidden_layers and cfg.is_moe_layer(layer)):
-            raise ValueError(f"layer {layer} is not an MoE layer (MoE layers "
-                             f"{cfg.first_k_dense_replace}..{cfg.num_hidden_layers - 1})")
-        if not 0 <= expert < cfg.num_experts:
-            raise ValueError(f"expert {expert} is outside 0..{cfg.num_experts - 1}")
 
     def close(self) -> None:
         for f in self._files:

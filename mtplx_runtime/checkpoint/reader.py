@@ -59,7 +59,7 @@ class Checkpoint:
         if not isinstance(self._experts, BankExpertLayout):
             raise TypeError(f"{self.path}: not a streaming artifact (layout {self.layout}); "
                             f"only bank records have a location")
-        self._check_key(layer, expert)
+        self.config.check_expert_key(layer, expert)
         return self._experts.record_location(layer, expert)
 
     def tensor_names(self) -> list[str]:
@@ -79,16 +79,8 @@ class Checkpoint:
 
     def expert(self, layer: int, expert: int) -> ExpertRecord:
         """Routed expert `expert` of MoE layer `layer` (0-based model index). Blocks on I/O."""
-        self._check_key(layer, expert)
+        self.config.check_expert_key(layer, expert)
         return self._experts.read(layer, expert)
-
-    def _check_key(self, layer: int, expert: int) -> None:
-        cfg = self.config
-        if not (0 <= layer < cfg.num_hidden_layers and cfg.is_moe_layer(layer)):
-            raise ValueError(f"layer {layer} is not an MoE layer (MoE layers "
-                             f"{cfg.first_k_dense_replace}..{cfg.num_hidden_layers - 1})")
-        if not 0 <= expert < cfg.num_experts:
-            raise ValueError(f"expert {expert} is outside 0..{cfg.num_experts - 1}")
 
     def _shard(self, name: str) -> SafetensorsFile:
         try:

@@ -85,6 +85,7 @@ class KimiK3:
     def __init__(self, cfg: ModelConfig, top: dict[str, torch.Tensor],
                  layers: list[DecoderLayer], dtype: torch.dtype):
         self.cfg, self.top, self.layers, self.dtype = cfg, top, layers, dtype
+        self.checkpoint = None  # the open Checkpoint when built by load_model (its manifest etc.)
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, top: dict[str, torch.Tensor],
@@ -139,4 +140,6 @@ def load_model(path, device: str = "cpu", dtype: str = "float32") -> KimiK3:
     ckpt = open_checkpoint(path)
     top, layers = load_residents(ckpt, torch_dtype, device)
     provider = ResidentExpertProvider(ckpt, torch_dtype, device)
-    return KimiK3.from_weights(ckpt.config, top, layers, provider, torch_dtype)
+    model = KimiK3.from_weights(ckpt.config, top, layers, provider, torch_dtype)
+    model.checkpoint = ckpt
+    return model
