@@ -1,4 +1,6 @@
-"""CPU t158 kernels (native/cpu/t158_cpu.c) vs "decode_t158 then matmul" in float64 (spec §1.10)."""
+"""CPU t158 kernels (native/cpu/t158_cpu.c through cpu_native) vs "decode_t158 then matmul" in
+float64 (spec §1.10), and the native build cache (cpu_build). The other codecs and the n-token
+API for every codec: tests/test_cpu_kernels.py."""
 
 from __future__ import annotations
 
@@ -11,12 +13,16 @@ import pytest
 import torch
 
 from mtplx_runtime.formats.t158 import decode_t158
-from mtplx_runtime.kernels import cpu_build, cpu_t158
+from mtplx_runtime.kernels import cpu_build, cpu_native
 
-ok, why = cpu_t158.available()
+ok, why = cpu_native.available()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
-ISAS = [name for name in cpu_t158.ISAS
-        if ok and cpu_t158.ISAS.index(name) <= cpu_t158.ISAS.index(cpu_t158.best_isa())]
+ISAS = [name for name in cpu_native.ISAS
+        if ok and cpu_native.ISAS.index(name) <= cpu_native.ISAS.index(cpu_native.best_isa())]
+
+
+def gemv(packed, scales, x, threads=None):
+    return cpu_native.gemm(cpu_native.t158(packed, scales), x[None], threads=threads)[0]
 
 
 def _random_t158(rng, rows: int, cols: int):
@@ -39,7 +45,7 @@ def _gate(y: np.ndarray, ref: np.ndarray) -> None:
 @pytest.fixture
 def restore_isa():
     yield
-    cpu_t158.set_isa(None)
+    cpu_native.set_isa(None)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -49,9 +55,9 @@ def test_gemv_matches_decode_matmul(isa, rows, cols, restore_isa):
     packed, scales = _random_t158(rng, rows, cols)
     x = rng.standard_normal(cols).astype(np.float32)
     ref = decode_t158(packed, scales).astype(np.float64) @ x.astype(np.float64)
-    assert cpu_t158.set_isa(isa) == isa
+    assert cpu_native.set_isa(isa) == isa
     for threads in (1, 2, 3, 8, 64):
-        _gate(cpu_t158.gemv(packed, scales, x, threads=threads).astype(np.float64), ref)
+        _gate(gemv(packed, scales, x, threads=threads).astype(np.float64), ref)
 
 
 def test_byte12_digit4_ignored(restore_isa):
@@ -61,9 +67,9 @@ def test_byte12_digit4_ignored(restore_isa):
     flipped = packed.copy()
     flipped[:, 12::13] = flipped[:, 12::13] % 81 + 81  # set digit 4 to 1, keep digits 0..3
     for isa in ISAS:
-        cpu_t158.set_isa(isa)
-        a = cpu_t158.gemv(packed, scales, x, threads=1)
-        b = cpu_t158.gemv(flipped, scales, x, threads=1)
+        cpu_native.set_isa(isa)
+        a = gemv(packed, scales, x, threads=1)
+        b = gemv(flipped, scales, x, threads=1)
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(decode_t158(packed, scales), decode_t158(flipped, scales))
 
@@ -71,16 +77,16 @@ def test_byte12_digit4_ignored(restore_isa):
 def test_checks_inputs():
     packed, scales = _random_t158(np.random.default_rng(1), 4, 128)
     x = np.zeros(128, np.float32)
-    with pytest.raises(TypeError):
-        cpu_t158.gemv(packed, scales, x.astype(np.float64))
-    with pytest.raises(TypeError):
-        cpu_t158.gemv(packed, scales, np.zeros(64, np.float32))
-    with pytest.raises(ValueError):
-        cpu_t158.gemv(np.asfortranarray(packed), scales, x)
-    with pytest.raises(ValueError):
-        cpu_t158.gemv(packed[:, :13], scales, x)
-    with pytest.raises(TypeError):
-        cpu_t158.gemv(packed, scales.view(np.int16), x)
+    with pytest.raises(TypeError, match="float32"):
+        gemv(packed, scales, x.astype(np.float64))
+    with pytest.raises(TypeError, match=r"float32 \[n >= 1, 128\]"):
+        gemv(packed, scales, np.zeros(64, np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        gemv(np.asfortranarray(packed), scales, x)
+    with pytest.raises(ValueError, match="does not match"):
+        gemv(packed[:, :13].copy(), scales, x)
+    with pytest.raises(TypeError, match="uint16"):
+        gemv(packed, scales.view(np.int16), x)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -96,16 +102,18 @@ def test_expert_mlp_matches_torch(isa, restore_isa):
     g, u = w[0] @ xt, w[1] @ xt
     h = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
     ref = (w[2] @ h).numpy()
-    cpu_t158.set_isa(isa)
+    cpu_native.set_isa(isa)
     for threads in (1, 2, 5):
-        out = cpu_t158.expert_mlp(gate, up, down, x, beta, beta_lin, threads=threads)
+        out = cpu_native.expert(cpu_native.t158(*gate), cpu_native.t158(*up),
+                                cpu_native.t158(*down), x[None], beta, beta_lin,
+                                threads=threads)[0]
         rel = np.sqrt(np.mean((out - ref) ** 2)) / np.sqrt(np.mean(ref**2))
         assert rel < 1e-5, rel  # tanh/sigmoid in fp32 add ~1 ulp per activation
         assert np.abs(out - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
 def test_env_forces_lower_isa(tmp_path):
-    code = ("from mtplx_runtime.kernels import cpu_t158 as k; "
+    code = ("from mtplx_runtime.kernels import cpu_native as k; "
             "print(k.isa(), k.available()[1])")
     env = dict(os.environ, MTPLX_CPU_ISA="scalar")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -143,3 +151,14 @@ def test_build_error_names_command(tmp_path, monkeypatch):
     with pytest.raises(cpu_build.BuildError, match=r"-shared.*broken\.c[\s\S]*error"):
         cpu_build.build("broken", src)
     assert not list((tmp_path / "cache").glob("*"))
+
+
+def test_header_edit_changes_library_key(tmp_path, monkeypatch):
+    """The codec sources include native/cpu/*.h, so a header edit must build a new library."""
+    for f in cpu_build.SRC_DIR.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(cpu_build, "SRC_DIR", tmp_path)
+    before = cpu_build.library_path("mxfp4_cpu")
+    header = tmp_path / "expert_common.h"
+    header.write_text(header.read_text() + "\n/* changed */\n")
+    assert cpu_build.library_path("mxfp4_cpu") != before

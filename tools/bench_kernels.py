@@ -1,97 +1,116 @@
-"""Per-expert time of the CPU t158 kernels at K3 geometry, one line per configuration.
+"""CPU expert kernels per codec at K3 geometry: time per layer, GB/s and % of memory bandwidth.
 
-K3 expert (spec §3): gate/up t158 [3072, 3584], down [3584, 3072], T = 1, top-16 experts per
-token. Compares (a) the reference path the runtime uses today (NumPy `decode_t158` of all three
-projections, then float32 matmuls and SiTU-GLU) with (b) `cpu_t158.expert_mlp` per ISA path and
-thread count. Bandwidth is packed + scale bytes (7,741,440 per expert) over time, against this
-machine's memory bandwidth measured in the same run by a large NumPy copy (read + write bytes).
+One layer = 16 experts of R 3584 -> I 3072 -> R 3584 (spec §3) stored as bank records, and T
+tokens that all route to those 16 experts, so every expert runs once over all T tokens (the
+prefill shape; T = 1 is decode). For each codec (t158, mxfp4, ct-int 3-bit, ct-int 4-bit) and
+T = 1, 8, 64 it times `cpu.expert_mlp` (the native multi-token kernels behind the backend API)
+and reports GB/s over the layer's packed record bytes and the share of this machine's memory
+bandwidth, measured in the same run by a large NumPy copy (read + write bytes). The reference
+path (`reference.expert_mlp`: NumPy codec decode, then torch matmuls) is timed at T = 1 on
+fewer experts and scaled to 16 (its cost is the decode, so it barely depends on T); the line
+says how many experts it timed.
 
-    python tools/bench_kernels.py [--experts 16] [--repeat 3] [--threads 1,2]
+    python tools/bench_kernels.py [--quick] [--repeat 3] [--threads N] [--ref-experts 2]
+
+--quick: a smoke run (smaller geometry, 2 experts, T = 1 and 8) that finishes in seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from types import SimpleNamespace
 
 import numpy as np
+import torch
 
-from mtplx_runtime.formats.t158 import decode_t158
-from mtplx_runtime.kernels import cpu_t158
+from mtplx_runtime import checkpoint  # noqa: F401  (first: storage.bank alone hits an import cycle)
+from mtplx_runtime.kernels import cpu, cpu_native, reference
+from mtplx_runtime.storage.bank import record_layout
 
-HIDDEN, INTER, BETA, BETA_LIN = 3584, 3072, 4.0, 25.0
-
-
-def expert(rng):
-    def proj(rows, cols):
-        packed = rng.integers(0, 243, (rows, 13 * cols // 64), dtype=np.uint8)
-        packed[:, 12::13] %= 81
-        scales = (rng.uniform(0.005, 0.05, (rows, cols // 64)).astype(np.float32)
-                  .view(np.uint32) >> 16).astype(np.uint16)
-        return packed, scales
-    return proj(INTER, HIDDEN), proj(INTER, HIDDEN), proj(HIDDEN, INTER)
+CODECS = (("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4))
 
 
-def reference(gate, up, down, x):
-    g, u = decode_t158(*gate) @ x, decode_t158(*up) @ x
-    h = BETA * np.tanh(g / BETA) / (1 + np.exp(-g)) * (BETA_LIN * np.tanh(u / BETA_LIN))
-    return decode_t158(*down) @ h.astype(np.float32)
+def make_store(mode, bits, shapes, experts, rng):
+    """(layout, uint8 [experts, record bytes]) of random codes with sane scales."""
+    layout = record_layout(SimpleNamespace(expert_shapes=shapes), mode, bits)
+    store = np.zeros((experts, layout.logical_bytes), np.uint8)
+    for s in layout.segments:
+        if s.proj is None:
+            continue
+        seg = store[:, s.offset:s.offset + s.length]
+        if s.part in ("scales", "weight_scale") and mode != "mxfp4":  # bf16 scale bits
+            seg.view(np.uint16)[...] = 0x3C23  # ~0.01
+        elif s.part == "weight_scale":  # E8M0 around 2^-7, never the invalid 0xFF
+            seg[...] = rng.integers(115, 125, seg.shape, dtype=np.uint8)
+        else:  # every code value is valid in every codec (t158 decodes 243..255 too)
+            seg[...] = rng.integers(0, 256, seg.shape, dtype=np.uint8)
+    return layout, store
 
 
-def per_expert(fn, experts, x, repeat):
-    """Best-of-`repeat` mean seconds per expert over all experts (each visited once per pass)."""
+def best_time(fn, repeat):
+    """Best of `repeat` timed calls after one untimed warm-up (thread pool start, page faults)."""
+    fn()
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
-        for e in experts:
-            fn(*e, x)
-        best = min(best, (time.perf_counter() - t0) / len(experts))
+        fn()
+        best = min(best, time.perf_counter() - t0)
     return best
 
 
-def memory_bandwidth(nbytes=1 << 30, repeat=5):
+def memory_bandwidth(nbytes, repeat=5):
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best  # bytes read + bytes written
+    return 2 * nbytes / best_time(lambda: np.copyto(dst, src), repeat)  # read + write
+
+
+def layer_call(backend, layout, store, shapes, T, experts, rng):
+    R = shapes["down"][0]
+    x = torch.from_numpy(rng.standard_normal((T, R)).astype(np.float32))
+    ids = torch.arange(experts).repeat(T, 1)  # [T, experts]: every token uses every expert
+    w = torch.full((T, experts), 1.0 / experts)
+    slots = {e: e for e in range(experts)}
+    return lambda: backend.expert_mlp(x, ids, w, slots, store, layout, shapes)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="smoke run: small geometry, seconds")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", default="")
+    ap.add_argument("--threads", type=int, default=0, help="kernel threads (0: all cores)")
+    ap.add_argument("--ref-experts", type=int, default=2, help="experts the reference times")
     args = ap.parse_args(argv)
-    ok, why = cpu_t158.available()
+    ok, why = cpu_native.available()
     if not ok:
         raise SystemExit(why)
+    if args.quick:
+        R, I, experts, tokens, repeat, bw_bytes = 512, 384, 2, (1, 8), 1, 64 << 20
+    else:
+        R, I, experts, tokens, repeat, bw_bytes = 3584, 3072, 16, (1, 8, 64), args.repeat, 1 << 30
+    ref_experts = min(args.ref_experts, experts)
+    shapes = {"gate": (I, R), "up": (I, R), "down": (R, I)}
+    if args.threads:
+        os.environ["MTPLX_CPU_THREADS"] = str(args.threads)  # read by cpu_native per call
     rng = np.random.default_rng(0)
-    experts = [expert(rng) for _ in range(args.experts)]
-    nbytes = sum(p.nbytes + s.nbytes for p, s in experts[0])
-    x = rng.standard_normal(HIDDEN).astype(np.float32)
-    bw = memory_bandwidth()
-    print(f"machine: memory bandwidth (numpy copy, read+write) {bw / 1e9:.2f} GB/s; "
-          f"best ISA {cpu_t158.best_isa()}; {cpu_t158.default_threads()} threads; "
-          f"{nbytes} packed bytes per expert, {args.experts} experts")
-    ref_t = per_expert(reference, experts[: max(1, args.experts // 4)], x, 1)
-    print(f"reference  numpy decode+matmul  threads=-  {ref_t * 1e3:8.2f} ms/expert  "
-          f"{nbytes / ref_t / 1e9:6.2f} GB/s  {nbytes / ref_t / bw:6.1%} of mem bw  speedup 1.00x")
-    threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted(
-        {1, cpu_t158.default_threads()})
-    for isa in cpu_t158.ISAS[: cpu_t158.ISAS.index(cpu_t158.best_isa()) + 1]:
-        cpu_t158.set_isa(isa)
-        for t in threads:
-            def run(gate, up, down, x, t=t):
-                return cpu_t158.expert_mlp(gate, up, down, x, BETA, BETA_LIN, threads=t)
-            sec = per_expert(run, experts, x, args.repeat)
-            print(f"cpu_t158   {isa:<20s}  threads={t}  {sec * 1e3:8.2f} ms/expert  "
-                  f"{nbytes / sec / 1e9:6.2f} GB/s  {nbytes / sec / bw:6.1%} of mem bw  "
-                  f"speedup {ref_t / sec:.2f}x")
-    cpu_t158.set_isa(None)
+    bw = memory_bandwidth(bw_bytes)
+    print(f"machine: memory bandwidth (numpy copy, read+write) {bw / 1e9:.2f} GB/s; ISA "
+          f"{cpu_native.isa()}; {cpu_native.default_threads()} threads; layer = {experts} "
+          f"experts {R}->{I}->{R}; reference timed at T=1 on {ref_experts} experts, x"
+          f"{experts / ref_experts:g}")
+    for mode, bits in CODECS:
+        layout, store = make_store(mode, bits, shapes, experts, rng)
+        name = mode + (f"-{bits}" if bits else "")
+        nbytes = store.nbytes  # packed record bytes of the layer
+        ref = best_time(layer_call(reference, layout, store[:ref_experts], shapes, 1,
+                                   ref_experts, rng), 1) * experts / ref_experts
+        for T in tokens:
+            sec = best_time(layer_call(cpu, layout, store, shapes, T, experts, rng), repeat)
+            print(f"{name:<9s} T={T:<3d} cpu {sec * 1e3:9.2f} ms/layer {nbytes / sec / 1e9:7.2f} "
+                  f"GB/s {nbytes / sec / bw:7.1%} of mem bw | reference(T=1) "
+                  f"{ref * 1e3:9.1f} ms/layer  speedup {ref / sec:7.1f}x")
+        del store
 
 
 if __name__ == "__main__":

@@ -3,54 +3,76 @@
 
 Shape legend: T tokens, K experts per token, R latent width (3584), I expert width (3072).
 
-t158 records run through `cpu_t158.expert_mlp` (fused trit decode, gate/up GEMVs, SiTU-GLU in
-fp32, down GEMV) one token at a time: decode (T = 1) is the hot path, a prefill chunk loops over
-its tokens. Each expert's output is rounded to the model dtype and combined exactly as the
-reference does (fp32, ascending expert id). Modes without a native kernel yet (mxfp4, ct-int,
-bf16) go through the reference path, so selecting this backend never fails on a codec.
-Against `reference` the results differ by fp32 summation order inside each dot product.
+Native modes: t158, mxfp4, ct-int and ct-int-asym (3 or 4 bits, the dense layout banks hold),
+through `cpu_native.expert`. Each needed expert runs once over all the tokens that chose it (one
+multi-token call: its weights are read from memory once per layer, which is what prefill needs;
+decode is the n = 1 case). The kernel mirrors the model dtype: in a bf16 model gate·x, up·x, the
+SiTU-GLU output and down·h are rounded to bf16 as the reference's bf16 GEMMs round them; in an
+fp32 model nothing is rounded. The products are combined exactly as the reference does (fp32,
+times the routing weight, index_add_ in ascending expert id).
+
+bf16 banks (and a model dtype other than float32/bfloat16) go through `reference.expert_mlp`:
+a bf16 weight needs no decode, so there is no packed format for a CPU kernel to work on.
+Against `reference` the results differ only by fp32 summation order inside each dot product
+(and, in a bf16 model, by the rare bf16 rounding that order flips).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
 from ..model.layers import SITU_BETA, SITU_LINEAR_BETA
-from . import cpu_t158, reference
+from . import cpu_native, reference
 
-NATIVE_MODES = frozenset({"t158"})
+NATIVE_MODES = frozenset({"t158", "mxfp4", "ct-int", "ct-int-asym"})
+_MODEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def unavailable_reason() -> str | None:
-    ok, why = cpu_t158.available()
+    ok, why = cpu_native.available()
     return None if ok else why
 
 
 def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots, storage,
                layout, shapes: Mapping, *, beta: float = SITU_BETA,
-               beta_lin: float = SITU_LINEAR_BETA) -> torch.Tensor:
-    """See `reference.expert_mlp` (same arguments and result). Blocks; x must be on the CPU."""
-    if layout.mode not in NATIVE_MODES:
+               beta_lin: float = SITU_LINEAR_BETA,
+               acc: torch.Tensor | None = None) -> torch.Tensor:
+    """See `reference.expert_mlp` (same arguments, `acc` included, and result). Blocks; x must
+    be on the CPU."""
+    if layout.mode not in NATIVE_MODES or x.dtype not in _MODEL_DTYPES:
         return reference.expert_mlp(x, ids, weights, slots, storage, layout, shapes,
-                                    beta=beta, beta_lin=beta_lin)
+                                    beta=beta, beta_lin=beta_lin, acc=acc)
     if x.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(f"x {list(x.shape)}, ids {list(ids.shape)}, weights "
                          f"{list(weights.shape)}: want [T, R], [T, K], [T, K]")
-    from ..storage.bank import record_parts
-
+    if x.device.type != "cpu":
+        raise ValueError(f"the cpu backend needs x on the CPU, got {x.device}")
+    reference.check_acc(acc, x)
     by_id = reference.expert_slots(ids, slots)
-    xs = x.float().numpy()  # [T, R] fp32: the kernel computes in fp32
-    acc = torch.zeros(x.shape, dtype=torch.float32)  # [T, R]
-    for e in torch.unique(ids).tolist():  # ascending: the reference combine order
-        parts = record_parts(layout, np.asarray(reference.record_view(storage, by_id[e])))
-        proj = {p: (parts[p]["packed"], parts[p]["scales"]) for p in ("gate", "up", "down")}
+    needed = [e for e in torch.unique(ids).tolist() if e >= 0]  # ascending; -1: empty pick
+    missing = [e for e in needed if e not in by_id]
+    if missing:
+        raise KeyError(f"no slot given for experts {missing}")
+    xs = x.float().contiguous().numpy()  # [T, R] fp32 (exact for bf16 x): the kernels' input
+    out = torch.zeros(x.shape, dtype=torch.float32) if acc is None else acc  # [T, R]
+    # The combine runs in NumPy on out's memory: the same fp32 multiply and add per element as
+    # the reference's index_add_, without waking torch's intra-op thread pool for a [n, R] add
+    # between two native calls (measured: tens of ms per expert on a loaded 2-core host).
+    out_np = out.numpy() if out.is_contiguous() else None
+    wts = weights.float().numpy() if out_np is not None else None
+    for e in needed:
+        m = cpu_native.record_matrices(layout, reference.record_view(storage, by_id[e]))
+        if (m["gate"].rows, m["gate"].cols) != tuple(shapes["gate"]):
+            raise ValueError(f"record shapes {m['gate'].rows}x{m['gate'].cols} do not match "
+                             f"shapes {shapes['gate']}")
         tok, k = torch.nonzero(ids == e, as_tuple=True)  # [n] each, tok distinct
-        y = np.stack([cpu_t158.expert_mlp(proj["gate"], proj["up"], proj["down"],
-                                          np.ascontiguousarray(xs[t]), beta, beta_lin)
-                      for t in tok.tolist()])  # [n, R]
-        y = torch.from_numpy(y).to(x.dtype)  # y_e in the model dtype, as LatentMoE has it
-        acc.index_add_(0, tok, y.float() * weights[tok, k].unsqueeze(-1))
-    return acc.to(x.dtype)
+        y = cpu_native.expert(m["gate"], m["up"], m["down"], xs[tok.numpy()],
+                              beta, beta_lin, round_model=x.dtype == torch.bfloat16)  # [n, R]
+        if out_np is not None:  # tok distinct: out[tok] += is one add per element
+            tk, kk = tok.numpy(), k.numpy()
+            out_np[tk] += y * wts[tk, kk][:, None]
+        else:
+            out.index_add_(0, tok, torch.from_numpy(y) * weights[tok, k].unsqueeze(-1))
+    return out if acc is not None else out.to(x.dtype)

@@ -1,8 +1,10 @@
 """Build the CPU kernel sources under `native/cpu/` into shared libraries on first use.
 
 The library lands in `$MTPLX_NATIVE_DIR` (default `~/.cache/mtplx/native/`) under a name keyed by
-the source bytes, the compile flags and the compiler's version line, so an edited source or a
-new compiler builds a fresh library and an unchanged one is reused without running the compiler.
+the source bytes, the bytes of every header in `native/cpu/` (the sources include the shared
+driver `expert_common.h`), the compile flags and the compiler's version line, so an edited source
+or header or a new compiler builds a fresh library and an unchanged one is reused without running
+the compiler.
 The compiler writes to a temporary file in the same directory that is renamed into place, so
 concurrent builders never see a half-written library. One portable build serves every CPU: the
 ISA variants carry per-function target attributes and are picked at run time inside the C code.
@@ -18,7 +20,10 @@ import tempfile
 from pathlib import Path
 
 SRC_DIR = Path(__file__).resolve().parents[2] / "native" / "cpu"
-FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-fno-strict-aliasing")
+# -ffp-contract=off: a*b + c stays two roundings as written; the kernels promise bit-identical
+# results across ISA-independent code (e.g. codec dequant) and fused ops would break that.
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-fno-strict-aliasing",
+         "-ffp-contract=off")
 LIBS = ("-lpthread", "-lm")
 
 
@@ -51,7 +56,9 @@ def library_path(name: str, src: Path | None = None) -> Path:
     src = src or SRC_DIR / f"{name}.c"
     cc = compiler()
     h = hashlib.sha256()
-    for part in (src.read_bytes(), " ".join(FLAGS + LIBS).encode(), compiler_version(cc).encode()):
+    headers = [p.read_bytes() for p in sorted(SRC_DIR.glob("*.h"))]
+    for part in (src.read_bytes(), *headers, " ".join(FLAGS + LIBS).encode(),
+                 compiler_version(cc).encode()):
         h.update(part)
         h.update(b"\0")
     return cache_dir() / f"{name}-{h.hexdigest()[:16]}.so"
@@ -68,7 +75,7 @@ def build(name: str, src: Path | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
-    cmd = [compiler(), *FLAGS, "-o", tmp, str(src), *LIBS]
+    cmd = [compiler(), *FLAGS, f"-I{SRC_DIR}", "-o", tmp, str(src), *LIBS]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:

@@ -28,7 +28,8 @@ def record_view(storage, slot: int):
 
 def expert_slots(ids: torch.Tensor, slots) -> dict[int, int]:
     """`slots` as {expert id: slot}. Accepts that mapping itself, or a [T, K] integer tensor /
-    array aligned with `ids` (every occurrence of an id must name the same slot)."""
+    array aligned with `ids` (every occurrence of an id must name the same slot; entries of
+    empty picks, id < 0, are ignored)."""
     if isinstance(slots, Mapping):
         return {int(e): int(s) for e, s in slots.items()}
     s = torch.as_tensor(np.asarray(slots) if not torch.is_tensor(slots) else slots.cpu())
@@ -36,6 +37,8 @@ def expert_slots(ids: torch.Tensor, slots) -> dict[int, int]:
         raise ValueError(f"slots {list(s.shape)} must match ids {list(ids.shape)}")
     out: dict[int, int] = {}
     for e, sl in zip(ids.cpu().reshape(-1).tolist(), s.reshape(-1).tolist()):
+        if e < 0:  # an empty pick has no slot
+            continue
         if out.setdefault(int(e), int(sl)) != int(sl):
             raise ValueError(f"expert {e} is mapped to two slots ({out[e]} and {sl})")
     return out
@@ -54,13 +57,25 @@ def decode_record(buf, layout, shapes: Mapping, dtype: torch.dtype,
             ).to(device=device, dtype=dtype) for p in PROJECTIONS}
 
 
+def check_acc(acc: torch.Tensor | None, x: torch.Tensor) -> None:
+    """`acc` must be None or an fp32 [T, R] tensor on x's device (it is added into in place)."""
+    if acc is not None and (not torch.is_tensor(acc) or acc.dtype != torch.float32
+                            or acc.shape != x.shape or acc.device != x.device):
+        raise ValueError(f"acc must be a float32 tensor {list(x.shape)} on {x.device}, got "
+                         f"{getattr(acc, 'dtype', type(acc).__name__)} "
+                         f"{list(getattr(acc, 'shape', []))}")
+
+
 def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots, storage,
                layout, shapes: Mapping, *, beta: float = SITU_BETA,
-               beta_lin: float = SITU_LINEAR_BETA) -> torch.Tensor:
+               beta_lin: float = SITU_LINEAR_BETA,
+               acc: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts of one layer for T tokens: sum_k weights[t, k] * W_down SiTU-GLU(x_t).
 
     x: [T, R] latent activations in the model dtype (float32 or bfloat16; the math runs in it).
-    ids: [T, K] int64, sorted ascending and distinct per token (`model.moe.route`).
+    ids: [T, K] int64, sorted ascending and distinct per token (`model.moe.route`); an id of -1
+      is an empty pick, skipped (how a caller runs one window of experts: picks of the others
+      become -1).
     weights: [T, K] float32 aligned with ids.
     slots: {expert id: slot index} covering every id, or a [T, K] slot-index tensor aligned
       with ids.
@@ -69,13 +84,19 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots,
     layout: the RecordLayout of the bank mode (`storage.bank.record_layout`); its codec decodes.
     shapes: {"gate", "up": (I, R), "down": (R, I)} (`ModelConfig.expert_shapes`).
     beta, beta_lin: the SiTU-GLU constants (`cfg.activation_situ_beta`, `..._linear_beta`).
-    Returns [T, R] in x.dtype on x.device. Blocks (host decode).
+    acc: None, or an fp32 [T, R] running sum: the routed products are added into it in
+      ascending expert id and it is returned as is (fp32, not cast). Successive calls over
+      windows of experts in ascending id order (the other picks -1) sum in the same fp32 order
+      as one call, bit for bit, when each window holds every (token, k) occurrence of its
+      experts (the torch GEMM of one expert depends on how many tokens it gets).
+    Returns [T, R] in x.dtype on x.device (acc itself when given). Blocks (host decode).
     """
     if x.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(f"x {list(x.shape)}, ids {list(ids.shape)}, weights "
                          f"{list(weights.shape)}: want [T, R], [T, K], [T, K]")
+    check_acc(acc, x)
     by_id = expert_slots(ids, slots)
-    needed = torch.unique(ids).tolist()  # [U] ascending
+    needed = [e for e in torch.unique(ids).tolist() if e >= 0]  # [U] ascending
     missing = [e for e in needed if e not in by_id]
     if missing:
         raise KeyError(f"no slot given for experts {missing}")
@@ -86,8 +107,8 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots,
         ys[e] = tok, k, glu_mlp(x[tok], w["gate"], w["up"], w["down"], beta, beta_lin)  # [n, R]
     # Combine exactly as LatentMoE: each y_e -> fp32, times its fp32 weight, added in ascending
     # expert id (index_add_ of distinct tokens = per-token left-to-right fp32 sum).
-    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, R]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if acc is None else acc
     for e in needed:
         tok, k, y = ys[e]
-        acc.index_add_(0, tok, y.float() * weights[tok, k].unsqueeze(-1))
-    return acc.to(x.dtype)
+        out.index_add_(0, tok, y.float() * weights[tok, k].unsqueeze(-1))
+    return out if acc is not None else out.to(x.dtype)

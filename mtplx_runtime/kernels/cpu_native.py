@@ -1,0 +1,258 @@
+"""The native CPU expert kernels (`native/cpu/*.c`, built by `cpu_build`) through ctypes: one
+loader for every codec library and the two entry points they share.
+
+    m = ctint(packed, scale, zero, bits=3)      # or t158(...), mxfp4(...), record_matrices(...)
+    Y = gemm(m, X)                              # Y[n, rows] = X[n, cols] · Wᵀ
+    out = expert(gate, up, down, X, beta, beta_lin, round_model=False)   # [n, R]
+
+Each codec is one library (t158_cpu, mxfp4_cpu, ctint_cpu) exporting the same C ABI
+(native/cpu/expert_common.h). The weights stay packed: a call reads each matrix once for all n
+token rows of X. `isa()` names the SIMD path ("avx512", "avx2" or "scalar"), the best this CPU
+supports unless `MTPLX_CPU_ISA` or `set_isa` asks for a lower one; the choice applies to every
+codec. Arrays are checked for dtype, C-contiguity and shape before any call (TypeError for a wrong
+type or dtype, ValueError for layout and shape), because the C code trusts its pointers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import cpu_build
+
+ISAS = ("scalar", "avx2", "avx512")
+LIBRARIES = {"t158": "t158_cpu", "mxfp4": "mxfp4_cpu", "ct-int": "ctint_cpu"}
+LAYOUTS = ("dense", "legacy")
+BLOCK = 64  # the C driver decodes 64 columns at a time: cols must be a multiple
+_ERRORS = {-1: "bad shape or parameter", -2: "out of memory",
+           -3: "weight_scale holds E8M0 0xFF (NaN), which the mxfp4 decoder rejects"}
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL] = {}
+_errors: dict[str, str] = {}
+_vp, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+def _forced_isa() -> int:
+    forced = os.environ.get("MTPLX_CPU_ISA", "").strip().lower()
+    if forced and forced not in ISAS:
+        raise ValueError(f"MTPLX_CPU_ISA={forced!r}; expected one of {', '.join(ISAS)}")
+    return ISAS.index(forced) if forced else -1
+
+
+def _load(codec: str) -> ctypes.CDLL:
+    """The library of `codec`, built on first use; a failure is remembered and re-raised."""
+    name = LIBRARIES[codec]
+    with _lock:
+        if codec in _libs:
+            return _libs[codec]
+        if codec in _errors:
+            raise RuntimeError(_errors[codec])
+        try:
+            lib = ctypes.CDLL(str(cpu_build.build(name)))
+        except (cpu_build.BuildError, OSError) as exc:
+            _errors[codec] = f"{codec} CPU kernel unavailable: {exc}"
+            raise RuntimeError(_errors[codec]) from exc
+        lib.mtplx_cpu_gemm.argtypes = [_vp, _vp, _vp, _i, _i, _i, _i, _vp, _i, _vp, _i]
+        lib.mtplx_cpu_expert.argtypes = [_vp, _i, _i, _i, _i, _vp, _i, _vp, _f, _f, _i, _i]
+        lib.mtplx_cpu_set_isa.argtypes = [_i]
+        # A new library follows the ISA already chosen for the others.
+        current = next(iter(_libs.values())).mtplx_cpu_get_isa() if _libs else _forced_isa()
+        lib.mtplx_cpu_set_isa(current)
+        _libs[codec] = lib
+        return lib
+
+
+def available() -> tuple[bool, str]:
+    """(True, path in use) when every codec library loads, else (False, the first reason)."""
+    try:
+        for codec in LIBRARIES:
+            _load(codec)
+    except RuntimeError as exc:
+        return False, str(exc)
+    return True, isa()
+
+
+def isa() -> str:
+    """The path in use: "avx512", "avx2" or "scalar"."""
+    return ISAS[_load("t158").mtplx_cpu_get_isa()]
+
+
+def best_isa() -> str:
+    """The best path this CPU supports."""
+    return ISAS[_load("t158").mtplx_cpu_best_isa()]
+
+
+def set_isa(name: str | None) -> str:
+    """Use `name` (clamped to what the CPU supports; None = best) for every codec; returns the
+    path now in use."""
+    want = -1 if name is None else ISAS.index(name)
+    for codec in LIBRARIES:
+        got = _load(codec).mtplx_cpu_set_isa(want)
+    return ISAS[got]
+
+
+def default_threads() -> int:
+    """$MTPLX_CPU_THREADS if set, else the CPUs this process may run on."""
+    env = os.environ.get("MTPLX_CPU_THREADS", "").strip()
+    if env:
+        return max(1, int(env))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One packed matrix [rows, cols] as its codec stores it; build it with `t158`, `mxfp4`,
+    `ctint` or `record_matrices`, which check the arrays."""
+
+    codec: str
+    rows: int
+    cols: int
+    packed: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray | None = None
+    bits: int = 0
+    layout: str = "dense"
+
+    def pointers(self) -> tuple[int, int, int | None]:
+        return (self.packed.ctypes.data, self.scale.ctypes.data,
+                None if self.zero is None else self.zero.ctypes.data)
+
+
+def _array(a, dtype, what: str) -> np.ndarray:
+    if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != 2:
+        raise TypeError(f"{what}: expected a 2-D {np.dtype(dtype)} ndarray, got "
+                        f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{what}: array must be C-contiguous")
+    return a
+
+
+def _cols(groups: int, per_group: int, what: str) -> int:
+    cols = groups * per_group
+    if cols == 0 or cols % BLOCK:
+        raise ValueError(f"{what}: {cols} columns; the CPU kernels need a positive multiple of "
+                         f"{BLOCK}")
+    return cols
+
+
+def t158(packed: np.ndarray, scales: np.ndarray) -> Matrix:
+    """t158: packed uint8 [rows, 13G], scales uint16 (bf16 bits) [rows, G]; cols = 64G."""
+    _array(packed, np.uint8, "t158 packed")
+    rows, groups = _array(scales, np.uint16, "t158 scales").shape
+    if packed.shape != (rows, 13 * groups):
+        raise ValueError(f"t158: packed {packed.shape} does not match scales {scales.shape}")
+    return Matrix("t158", rows, _cols(groups, 64, "t158"), packed, scales)
+
+
+def mxfp4(packed: np.ndarray, scale: np.ndarray) -> Matrix:
+    """mxfp4: weight_packed uint8 [rows, cols/2], weight_scale uint8 (E8M0) [rows, cols/32]."""
+    _array(packed, np.uint8, "mxfp4 weight_packed")
+    rows, groups = _array(scale, np.uint8, "mxfp4 weight_scale").shape
+    if packed.shape != (rows, 16 * groups):
+        raise ValueError(f"mxfp4: weight_packed {packed.shape} does not match weight_scale "
+                         f"{scale.shape}")
+    return Matrix("mxfp4", rows, _cols(groups, 32, "mxfp4"), packed, scale)
+
+
+def ctint(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray | None = None, *, bits: int,
+          layout: str = "dense") -> Matrix:
+    """ct-int, group 64: weight_packed int32 [rows, W], weight_scale uint16 (bf16 bits)
+    [rows, G], weight_zero_point int32 [Wz, G] or None (symmetric). bits 3 or 4; layout
+    "dense" or "legacy" (3-bit ct 0.17 packing; banks always hold dense)."""
+    from ..formats.ctint import packed_width
+
+    if bits not in (3, 4) or layout not in LAYOUTS:
+        raise ValueError(f"ct-int: bits {bits!r} / layout {layout!r}; the CPU kernels take bits "
+                         f"3 or 4 and a layout in {LAYOUTS}")
+    _array(packed, np.int32, "ct-int weight_packed")
+    rows, groups = _array(scale, np.uint16, "ct-int weight_scale").shape
+    cols = _cols(groups, 64, "ct-int")
+    if packed.shape != (rows, packed_width(cols, bits, layout)):
+        raise ValueError(f"ct-int: weight_packed {packed.shape} does not hold {rows} rows of "
+                         f"{cols} {bits}-bit codes in the {layout} layout")
+    if zero is not None and _array(zero, np.int32, "ct-int weight_zero_point").shape != (
+            packed_width(rows, bits, layout), groups):
+        raise ValueError(f"ct-int: weight_zero_point {zero.shape} does not fit {rows} rows and "
+                         f"{groups} groups")
+    return Matrix("ct-int", rows, cols, packed, scale, zero, bits, layout)
+
+
+def record_matrices(layout, buf) -> dict[str, Matrix]:
+    """{"gate", "up", "down": Matrix} viewing one bank record's bytes in place (no copy).
+
+    `layout` is the record's `storage.bank.RecordLayout`; `buf` its bytes (uint8 array or
+    buffer). Modes: t158, mxfp4, ct-int, ct-int-asym (dense layout, as banks store it)."""
+    from ..checkpoint.safetensors_io import ST_DTYPES
+
+    raw = np.ascontiguousarray(np.asarray(buf, dtype=np.uint8).reshape(-1))
+    if raw.size < layout.logical_bytes:
+        raise ValueError(f"record holds {raw.size} bytes, its layout {layout.logical_bytes}")
+    parts: dict[str, dict[str, np.ndarray]] = {}
+    for s in layout.segments:
+        if s.proj is not None:
+            seg = raw[s.offset:s.offset + s.length]
+            parts.setdefault(s.proj, {})[s.part] = seg.view(ST_DTYPES[s.dtype]).reshape(s.shape)
+    out = {}
+    for proj, p in parts.items():
+        if layout.mode == "t158":
+            out[proj] = t158(p["packed"], p["scales"])
+        elif layout.mode == "mxfp4":
+            out[proj] = mxfp4(p["weight_packed"], p["weight_scale"])
+        elif layout.mode in ("ct-int", "ct-int-asym"):
+            out[proj] = ctint(p["weight_packed"], p["weight_scale"], p.get("weight_zero_point"),
+                              bits=layout.bits)
+        else:
+            raise ValueError(f"no CPU kernel for bank mode {layout.mode!r}")
+    return out
+
+
+def _tokens(X, cols: int, what: str) -> np.ndarray:
+    if not isinstance(X, np.ndarray) or X.dtype != np.float32 or X.ndim != 2 \
+            or X.shape[1] != cols or X.shape[0] == 0:
+        raise TypeError(f"{what}: expected float32 [n >= 1, {cols}], got "
+                        f"{getattr(X, 'dtype', type(X).__name__)} {getattr(X, 'shape', '')}")
+    if not X.flags.c_contiguous:
+        raise ValueError(f"{what}: array must be C-contiguous")
+    return X
+
+
+def _raise(rc: int, fn: str) -> None:
+    if rc:
+        raise (ValueError if rc in (-1, -3) else RuntimeError)(
+            f"{fn} failed: {_ERRORS.get(rc, f'code {rc}')}")
+
+
+def gemm(m: Matrix, X: np.ndarray, threads: int | None = None) -> np.ndarray:
+    """Y[n, rows] = X[n, cols] · Wᵀ in fp32 (X float32 [n, cols]); the weights are read once."""
+    _tokens(X, m.cols, "X")
+    Y = np.empty((X.shape[0], m.rows), np.float32)
+    rc = _load(m.codec).mtplx_cpu_gemm(
+        *m.pointers(), m.rows, m.cols, m.bits, LAYOUTS.index(m.layout), X.ctypes.data,
+        X.shape[0], Y.ctypes.data, threads or default_threads())
+    _raise(rc, f"{m.codec} gemm")
+    return Y
+
+
+def expert(gate: Matrix, up: Matrix, down: Matrix, X: np.ndarray, beta: float, beta_lin: float,
+           *, round_model: bool = False, threads: int | None = None) -> np.ndarray:
+    """One SiTU-GLU expert for every token row of X float32 [n, R]: down · SiTU-GLU(gate x,
+    up x) -> float32 [n, R]. round_model=True rounds as a bf16 model does (gate/up outputs, the
+    activation and the output to bf16); False is an fp32 model."""
+    I, R = gate.rows, gate.cols
+    if not (up.rows, up.cols) == (I, R) == (down.cols, down.rows):
+        raise ValueError(f"expert shapes disagree: gate [{I},{R}] up [{up.rows},{up.cols}] "
+                         f"down [{down.rows},{down.cols}]")
+    if len({(m.codec, m.bits, m.layout) for m in (gate, up, down)}) != 1:
+        raise ValueError("gate, up and down must share one codec, bit width and layout")
+    _tokens(X, R, "X")
+    out = np.empty((X.shape[0], R), np.float32)
+    mats = (ctypes.c_void_p * 9)(*(p for m in (gate, up, down) for p in m.pointers()))
+    rc = _load(gate.codec).mtplx_cpu_expert(
+        mats, R, I, gate.bits, LAYOUTS.index(gate.layout), X.ctypes.data, X.shape[0],
+        out.ctypes.data, beta, beta_lin, int(round_model), threads or default_threads())
+    _raise(rc, f"{gate.codec} expert")
+    return out

@@ -1,0 +1,174 @@
+/* compressed-tensors int CPU kernels on the packed words (FORMAT.md "compressed-tensors int",
+ * spec/w3-and-io.md), symmetric and asymmetric, 3 and 4 bits, group 64.
+ *
+ * weight_packed i32 [rows, W]: unsigned codes u = q + 2^(b-1) LSB-first. layout 0 "dense":
+ * one bit stream per row (4-bit: 8 codes a word; 3-bit: 32 codes in 3 words, codes straddle
+ * words), W = cols*b/32. layout 1 "legacy" (3-bit, ct 0.17): 10 codes a word at bits 3(i%10),
+ * W = ceil(cols/10); for 4 bits both layouts are the same packing. weight_scale bf16 [rows, G];
+ * weight_zero_point i32 [Wz, G] (asymmetric only) packs the zero point of row r for group g as
+ * code r of column g, in the same layout.
+ *
+ * Dequant, exactly formats/ctint.py `dequantize`: w = bf16_rne(fp32(q - zp) * fp32(scale)).
+ * Per (row, group) the kernel builds that value for each of the 2^b codes and looks codes up in
+ * it, so its weights equal the NumPy decode bit for bit. Paths: scalar; avx2 and avx512 decode
+ * the dense layout with permutes; the legacy layout decodes with scalar code on every path
+ * (checkpoint conversion only) but still multiplies with the path's SIMD dot.
+ */
+#include "lut_decode.h"
+
+/* Code idx of a packed stream whose consecutive words are `stride` words apart (1 along a
+ * weight row, G down a zero-point column). */
+static inline unsigned code_at(const uint8_t *words, size_t stride, long idx, int bits,
+                               int legacy) {
+    long w = legacy ? idx / 10 : (idx * bits) >> 5;
+    int o = legacy ? 3 * (int)(idx % 10) : (int)((idx * bits) & 31);
+    uint32_t v = load_u32(words + 4 * (size_t)w * stride) >> o;
+    if (o + bits > 32) v |= load_u32(words + 4 * ((size_t)w + 1) * stride) << (32 - o);
+    return v & ((1u << bits) - 1);
+}
+
+/* The group's zero code (code offset + zero point: code u decodes from u - zero) and scale. */
+static inline void group_params(const mat_t *m, int r, int b, int *zero, float *s) {
+    int off = 1 << (m->bits - 1);
+    *zero = m->zero ? (int)code_at(m->zero + 4 * (size_t)b, m->cols / BLOCK, r, m->bits,
+                                   m->layout)
+                    : off; /* symmetric: zero point 0 */
+    uint16_t sbits;
+    memcpy(&sbits, m->scale + (size_t)r * m->scale_row_bytes + 2 * (size_t)b, 2);
+    *s = bf16f(sbits);
+}
+
+/* lut[u] for u < 2^bits: the decoded weight of code u in group b of row r. */
+static inline void group_lut(const mat_t *m, int r, int b, float *lut) {
+    int zero;
+    float s;
+    group_params(m, r, b, &zero, &s);
+    for (int u = 0; u < 1 << m->bits; u++) lut[u] = rne_bf16_codec((float)(u - zero) * s);
+}
+
+/* The same 16 (or, for 3 bits, first 8) values with vector ops: the same fp32 product and the
+ * same integer rounding, hence the same bits. */
+__attribute__((target("avx2,fma"))) static inline __m256 lut8_avx2(int first, int zero, float s) {
+    __m256i u = _mm256_castps_si256(_mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                            _mm256_set1_epi32(zero - first))),
+        _mm256_set1_ps(s)));
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+__attribute__((target(AVX512_TARGET))) static inline __m512 lut16_avx512(int zero, float s) {
+    __m512i u = _mm512_castps_si512(_mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_sub_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(zero))),
+        _mm512_set1_ps(s)));
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline const uint8_t *block_bytes(const mat_t *m, int r, int b) {
+    return m->packed + (size_t)r * m->row_bytes + (size_t)b * BLOCK * m->bits / 8;
+}
+
+static void decode_scalar(const mat_t *m, int r, int b, float *w) {
+    float lut[16];
+    group_lut(m, r, b, lut);
+    const uint8_t *p = block_bytes(m, r, b);
+    if (m->bits == 4) {
+        nib32_scalar(p, lut, w);
+        nib32_scalar(p + 16, lut, w + 32);
+    } else {
+        bits3_scalar(p, lut, w);
+    }
+}
+
+static void decode_legacy(const mat_t *m, int r, int b, float *w) {
+    float lut[8];
+    group_lut(m, r, b, lut);
+    const uint8_t *row = m->packed + (size_t)r * m->row_bytes;
+    for (int i = 0; i < BLOCK; i++) w[i] = lut[code_at(row, 1, (long)b * BLOCK + i, 3, 1)];
+}
+
+__attribute__((target("avx2,fma"))) static void decode_avx2(const mat_t *m, int r, int b,
+                                                            float *w) {
+    int zero;
+    float s;
+    group_params(m, r, b, &zero, &s);
+    const uint8_t *p = block_bytes(m, r, b);
+    __m256 lo = lut8_avx2(0, zero, s);
+    if (m->bits == 4) {
+        __m256 hi = lut8_avx2(8, zero, s);
+        nib32_avx2(p, lo, hi, w);
+        nib32_avx2(p + 16, lo, hi, w + 32);
+    } else {
+        bits3_avx2(p, lo, w);
+    }
+}
+
+__attribute__((target(AVX512_TARGET))) static void decode_avx512(const mat_t *m, int r, int b,
+                                                                 float *w) {
+    int zero;
+    float s;
+    group_params(m, r, b, &zero, &s);
+    const uint8_t *p = block_bytes(m, r, b);
+    __m512 t = lut16_avx512(zero, s); /* 3 bits: codes 0..7 only read lanes 0..7 */
+    if (m->bits == 4) {
+        nib32_avx512(p, t, w);
+        nib32_avx512(p + 16, t, w + 32);
+    } else {
+        bits3_avx512(p, t, w);
+    }
+}
+
+static void rows_scalar(const mat_t *m, const float *X, int ldx, int n, float *Y, int ldy,
+                        int r0, int r1, float *w) {
+    rows_tpl_scalar(decode_scalar, m, X, ldx, n, Y, ldy, r0, r1, w);
+}
+
+static void rows_legacy_scalar(const mat_t *m, const float *X, int ldx, int n, float *Y,
+                               int ldy, int r0, int r1, float *w) {
+    rows_tpl_scalar(decode_legacy, m, X, ldx, n, Y, ldy, r0, r1, w);
+}
+
+__attribute__((target("avx2,fma"))) static void rows_avx2(const mat_t *m, const float *X,
+                                                          int ldx, int n, float *Y, int ldy,
+                                                          int r0, int r1, float *w) {
+    rows_tpl_avx2(decode_avx2, m, X, ldx, n, Y, ldy, r0, r1, w);
+}
+
+__attribute__((target("avx2,fma"))) static void
+rows_legacy_avx2(const mat_t *m, const float *X, int ldx, int n, float *Y, int ldy, int r0, int r1,
+                 float *w) {
+    rows_tpl_avx2(decode_legacy, m, X, ldx, n, Y, ldy, r0, r1, w);
+}
+
+__attribute__((target(AVX512_TARGET))) static void rows_avx512(const mat_t *m, const float *X,
+                                                               int ldx, int n, float *Y, int ldy,
+                                                               int r0, int r1, float *w) {
+    rows_tpl_avx512(decode_avx512, m, X, ldx, n, Y, ldy, r0, r1, w);
+}
+
+__attribute__((target(AVX512_TARGET))) static void rows_legacy_avx512(const mat_t *m,
+                                                                      const float *X, int ldx,
+                                                                      int n, float *Y, int ldy,
+                                                                      int r0, int r1, float *w) {
+    rows_tpl_avx512(decode_legacy, m, X, ldx, n, Y, ldy, r0, r1, w);
+}
+
+static int codec_prepare(mat_t *m) {
+    if ((m->bits != 3 && m->bits != 4) || (m->layout != 0 && m->layout != 1)) return -1;
+    if (m->bits == 4) m->layout = 0; /* 4-bit packing is the same in both layouts */
+    size_t words = m->layout ? ((size_t)m->cols + 9) / 10 : (size_t)m->cols * m->bits / 32;
+    m->row_bytes = 4 * words;
+    m->scale_row_bytes = 2 * ((size_t)m->cols / BLOCK);
+    return 0;
+}
+
+static rows_fn codec_rows(const mat_t *m, int isa) {
+    if (m->layout)
+        return isa >= 2 ? rows_legacy_avx512 : isa == 1 ? rows_legacy_avx2 : rows_legacy_scalar;
+    return isa >= 2 ? rows_avx512 : isa == 1 ? rows_avx2 : rows_scalar;
+}

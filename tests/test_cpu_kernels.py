@@ -1,0 +1,251 @@
+"""Native CPU expert kernels for every codec (cpu_native, native/cpu/*.c) and the `cpu` backend.
+
+Every codec configuration runs on every ISA path this CPU has:
+* decode exactness: gemm with X = identity returns the NumPy codec's decoded matrix bit for bit
+  (each output is one weight times 1 plus zeros; n = cols > 64 also crosses the driver's
+  64-token pass boundary);
+* gemm vs float64 "codec decode, then matmul": |err| <= 1e-5 · Σ|w·x| per output (fp32
+  accumulation over <= 192 terms is far inside it; one wrong weight is ~1/cols of the sum);
+* n tokens == n one-token calls, for any thread count, bit for bit.
+`cpu.expert_mlp` vs `reference.expert_mlp` on random banks: fp32 model to relative RMS 1e-5;
+bf16 model bit-identical except rare 1-ulp bf16 flips (fp32 summation order can move a value
+across a bf16 rounding boundary; at most 2% of outputs may differ and only by one ulp).
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from mtplx_runtime.formats.ctint import CtIntCodec
+from mtplx_runtime.formats.mxfp4 import decode_mxfp4
+from mtplx_runtime.formats.t158 import decode_t158
+from mtplx_runtime.kernels import cpu, cpu_native, reference
+from mtplx_runtime.storage.bank import PROJECTIONS, record_bytes, record_layout
+
+ROOT = Path(__file__).resolve().parent.parent
+ok, why = cpu_native.available()
+pytestmark = pytest.mark.skipif(not ok, reason=why)
+ISAS = [name for name in cpu_native.ISAS
+        if ok and cpu_native.ISAS.index(name) <= cpu_native.ISAS.index(cpu_native.best_isa())]
+R, I, E, K, T = 128, 192, 8, 4, 5
+SHAPES = {"gate": (I, R), "up": (I, R), "down": (R, I)}
+BANK_MODES = [("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4),
+              ("ct-int-asym", 3), ("ct-int-asym", 4)]
+
+
+def _bf16_bits(rng, shape, lo=0.005, hi=0.05):
+    return (rng.uniform(lo, hi, shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _t158(rng, rows, cols):
+    packed = rng.integers(0, 256, (rows, 13 * cols // 64), dtype=np.uint8)  # 243..255 too
+    scales = _bf16_bits(rng, (rows, cols // 64))
+    return cpu_native.t158(packed, scales), decode_t158(packed, scales)
+
+
+def _mxfp4(rng, rows, cols):
+    packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)  # every nibble, -0 too
+    scale = rng.integers(112, 132, (rows, cols // 32), dtype=np.uint8)
+    scale[0, 0] = 0  # E8M0 0: the subnormal 2^-127
+    return cpu_native.mxfp4(packed, scale), decode_mxfp4(packed, scale)
+
+
+def _ctint(bits, layout, symmetric):
+    def make(rng, rows, cols):
+        codec = CtIntCodec(num_bits=bits, layout=layout, symmetric=symmetric)
+        lo, hi = -(1 << bits - 1), (1 << bits - 1) - 1
+        q = rng.integers(lo, hi + 1, (rows, cols))
+        zp = None if symmetric else rng.integers(lo, hi + 1, (rows, cols // 64))
+        parts = codec.encode_codes(q, _bf16_bits(rng, (rows, cols // 64), 0.01, 3.0), zp)
+        m = cpu_native.ctint(parts["weight_packed"], parts["weight_scale"],
+                             parts.get("weight_zero_point"), bits=bits, layout=layout)
+        return m, codec.decode(parts, (rows, cols))
+    return make
+
+
+CODECS = {"t158": _t158, "mxfp4": _mxfp4,
+          "ct-int3": _ctint(3, "dense", True), "ct-int4": _ctint(4, "dense", True),
+          "ct-int-asym3": _ctint(3, "dense", False), "ct-int-asym4": _ctint(4, "dense", False),
+          "ct-int3-legacy": _ctint(3, "legacy", True),
+          "ct-int-asym3-legacy": _ctint(3, "legacy", False)}
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    assert cpu_native.set_isa(request.param) == request.param
+    yield request.param
+    cpu_native.set_isa(None)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_gemm_decodes_exactly_and_matches_float64(codec, isa):
+    rng = np.random.default_rng(len(codec))
+    m, W = CODECS[codec](rng, 70, 192)  # odd row count: the last row pair is a single row
+    Y = cpu_native.gemm(m, np.eye(192, dtype=np.float32), threads=3)  # [192 tokens, 70]
+    np.testing.assert_array_equal(Y.T, W)
+    X = rng.standard_normal((3, 192)).astype(np.float32)
+    ref = X.astype(np.float64) @ W.T.astype(np.float64)
+    bound = 1e-5 * (np.abs(X).astype(np.float64) @ np.abs(W.T).astype(np.float64))
+    assert (np.abs(cpu_native.gemm(m, X) - ref) <= bound).all()
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_tokens_and_threads_do_not_change_bits(codec, isa):
+    rng = np.random.default_rng(7)
+    m, _ = CODECS[codec](rng, 64, 128)
+    X = rng.standard_normal((5, 128)).astype(np.float32)
+    want = np.stack([cpu_native.gemm(m, X[t:t + 1], threads=1)[0] for t in range(5)])
+    for threads in (1, 2, 3, 64):
+        np.testing.assert_array_equal(cpu_native.gemm(m, X, threads=threads), want)
+
+
+def _torch_expert(W, x, beta, beta_lin):
+    g, u = x @ W[0].T, x @ W[1].T
+    h = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
+    return h @ W[2].T
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_expert_matches_float64(codec, isa):
+    rng = np.random.default_rng(3)
+    (g, wg), (u, wu), (d, wd) = (CODECS[codec](rng, *s) for s in ((I, R), (I, R), (R, I)))
+    X = rng.standard_normal((4, R)).astype(np.float32) * 0.5
+    ref = _torch_expert([torch.from_numpy(w).double() for w in (wg, wu, wd)],
+                        torch.from_numpy(X).double(), 4.0, 25.0).numpy()
+    out = cpu_native.expert(g, u, d, X, 4.0, 25.0, threads=2)
+    rel = np.sqrt(np.mean((out - ref) ** 2)) / np.sqrt(np.mean(ref**2))
+    assert rel < 1e-5, rel  # tanh/sigmoid in fp32 add ~1 ulp per activation
+    one = np.stack([cpu_native.expert(g, u, d, X[t:t + 1], 4.0, 25.0)[0] for t in range(4)])
+    np.testing.assert_array_equal(out, one)
+    # round_model: every output is a bf16 value
+    rounded = cpu_native.expert(g, u, d, X, 4.0, 25.0, round_model=True)
+    assert not (rounded.view(np.uint32) & 0xFFFF).any()
+
+
+@functools.cache
+def make_bank(mode, bits, seed=0):
+    """(layout, storage [E, record bytes] uint8 with expert e in slot E-1-e); read-only."""
+    layout = record_layout(SimpleNamespace(expert_shapes=SHAPES), mode, bits)
+    rng = np.random.default_rng(seed)
+    store = np.zeros((E, layout.logical_bytes), dtype=np.uint8)
+    for e in range(E):
+        parts = {p: layout.codec.encode(rng.standard_normal(SHAPES[p]).astype(np.float32) * 0.3)
+                 for p in PROJECTIONS}
+        store[E - 1 - e] = np.frombuffer(record_bytes(layout, parts), np.uint8)
+    store.flags.writeable = False
+    return layout, store
+
+
+def _routing(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K].sort().values for _ in range(T)])
+    weights = torch.rand(T, K, generator=g)
+    return ids, weights, {e: E - 1 - e for e in range(E)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode,bits", BANK_MODES)
+def test_cpu_expert_mlp_matches_reference(mode, bits, dtype):
+    layout, store = make_bank(mode, bits)
+    ids, w, slots = _routing()
+    x = torch.randn(T, R, generator=torch.Generator().manual_seed(5)).to(dtype)
+    want = reference.expert_mlp(x, ids, w, slots, store, layout, SHAPES)
+    got = cpu.expert_mlp(x, ids, w, slots, store, layout, SHAPES)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 1e-5, rel
+    else:  # rare 1-ulp bf16 flips only
+        bits_got, bits_want = got.view(torch.int16).int(), want.view(torch.int16).int()
+        diff = (bits_got - bits_want).abs()
+        assert diff.max() <= 1 and (diff > 0).float().mean() <= 0.02
+    for t in range(T):  # the T = 1 path gives the T = 5 rows bit for bit
+        one = cpu.expert_mlp(x[t:t + 1], ids[t:t + 1], w[t:t + 1], slots, store, layout, SHAPES)
+        assert torch.equal(one[0], got[t])
+
+
+@pytest.mark.parametrize("backend", [reference, cpu], ids=["reference", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_acc_windows_equal_one_call(backend, dtype):
+    """Windows of experts in ascending id order, the other picks set to -1 (empty), summed
+    through `acc`: bit-identical to one call (each window holds all tokens of its experts)."""
+    layout, store = make_bank("ct-int", 4)
+    ids, w, slots = _routing(2)
+    x = torch.randn(T, R, generator=torch.Generator().manual_seed(6)).to(dtype)
+    whole = backend.expert_mlp(x, ids, w, slots, store, layout, SHAPES)
+    acc = torch.zeros(T, R)
+    for lo, hi in ((0, 3), (3, 4), (4, E)):
+        mine = (ids >= lo) & (ids < hi)
+        got = backend.expert_mlp(x, torch.where(mine, ids, -1), w, slots, store, layout, SHAPES,
+                                 acc=acc)
+        assert got is acc and got.dtype == torch.float32
+    assert torch.equal(acc.to(dtype), whole)
+    slot_t = torch.where(ids >= 0, E - 1 - ids, 0)  # the [T, K] slot form skips -1 picks too
+    empty = torch.where(ids < 4, ids, -1)
+    assert torch.equal(backend.expert_mlp(x, empty, w, slot_t, store, layout, SHAPES),
+                       backend.expert_mlp(x, empty, w, slots, store, layout, SHAPES))
+    with pytest.raises(ValueError, match="acc must be a float32"):
+        backend.expert_mlp(x, ids, w, slots, store, layout, SHAPES, acc=torch.zeros(T, R + 1))
+    with pytest.raises(ValueError, match="acc must be a float32"):
+        backend.expert_mlp(x, ids, w, slots, store, layout, SHAPES,
+                           acc=torch.zeros(T, R, dtype=torch.float64))
+
+
+def test_bf16_bank_falls_back_to_reference():
+    layout, store = make_bank("bf16", None)
+    ids, w, slots = _routing()
+    x = torch.randn(T, R)
+    assert torch.equal(cpu.expert_mlp(x, ids, w, slots, store, layout, SHAPES),
+                       reference.expert_mlp(x, ids, w, slots, store, layout, SHAPES))
+
+
+def test_bad_inputs_give_clear_errors():
+    rng = np.random.default_rng(0)
+    m, _ = _ctint(3, "dense", False)(rng, 64, 128)
+    X = np.zeros((2, 128), np.float32)
+    with pytest.raises(TypeError, match=r"float32 \[n >= 1, 128\]"):
+        cpu_native.gemm(m, X.astype(np.float64))
+    with pytest.raises(TypeError, match=r"float32 \[n >= 1, 128\]"):
+        cpu_native.gemm(m, np.zeros((2, 64), np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cpu_native.gemm(m, np.zeros((128, 2), np.float32).T)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cpu_native.ctint(np.asfortranarray(m.packed), m.scale, m.zero, bits=3)
+    with pytest.raises(TypeError, match="int32"):
+        cpu_native.ctint(m.packed.view(np.uint32), m.scale, m.zero, bits=3)
+    with pytest.raises(ValueError, match="4-bit codes in the dense layout"):
+        cpu_native.ctint(m.packed, m.scale, m.zero, bits=4)
+    with pytest.raises(ValueError, match="weight_zero_point"):
+        cpu_native.ctint(m.packed, m.scale, m.zero[:1].copy(), bits=3)
+    with pytest.raises(ValueError, match="bits 3 or 4"):
+        cpu_native.ctint(m.packed, m.scale, bits=2)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cpu_native.mxfp4(np.zeros((4, 16), np.uint8), np.zeros((4, 1), np.uint8))
+    bad = np.full((4, 2), 0xFF, np.uint8)
+    with pytest.raises(ValueError, match="E8M0 0xFF"):
+        cpu_native.gemm(cpu_native.mxfp4(np.zeros((4, 32), np.uint8), bad),
+                        np.zeros((1, 64), np.float32))
+    g, _ = _ctint(4, "dense", True)(rng, 64, 128)
+    with pytest.raises(ValueError, match="expert shapes disagree"):
+        cpu_native.expert(g, g, g, X, 4.0, 25.0)
+    layout, store = make_bank("t158", None)
+    ids, w, slots = _routing()
+    with pytest.raises(KeyError, match="no slot"):
+        cpu.expert_mlp(torch.zeros(T, R), ids, w, {0: 7}, store, layout, SHAPES)
+    with pytest.raises(ValueError, match="want"):
+        cpu.expert_mlp(torch.zeros(T, R), ids, w[:, :2], slots, store, layout, SHAPES)
+
+
+def test_bench_quick_runs():
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_kernels.py"), "--quick"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "memory bandwidth" in p.stdout and "GB/s" in p.stdout
