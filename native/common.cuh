@@ -1,6 +1,7 @@
-// Shared device code of the routed-expert GEMV kernels (t158_gemv.cu, ctint_gemv.cu,
-// mxfp4_gemv.cu). Header-only, no system includes, so NVRTC (cupy RawModule) and nvcc both
-// compile it with just `-I native`.
+// Shared device code of the routed-expert kernels (t158_gemv.cu, ctint_gemv.cu, mxfp4_gemv.cu):
+// helpers, the codec contract and the decode GEMV templates. The grouped (prefill) templates and
+// the MTPLX_KERNELS entry-point macro are in grouped.cuh. Header-only, no system includes, so
+// NVRTC (cupy RawModule) and nvcc both compile it with just `-I native`.
 //
 // Shape legend: T tokens, K experts per token (top-16), R latent (3584), I expert width (3072).
 // A record is one expert in a cache slot: gate, up, down components at 4 KiB-aligned offsets
@@ -9,8 +10,16 @@
 // Pipeline per token:  x [R] --(gate, up rows of each of K slots)--> h [K, I] (SiTU-GLU)
 //                      --(down rows)--> y [K, R] --(fp32, ascending k)--> out [R]
 // Codec contract (a struct with static members):
+//   GROUP                                   columns per scale group (64 or 32)
 //   packed_row_bytes(cols), scale_row_bytes(cols)   bytes of one row of each component
-//   dot(packed_row, scale_row, cols, xs, lane)       this lane's share of row . xs (fp32)
+//   group(packed_row, scale_row, g, f)      calls f(j, w) for j = 0..GROUP-1 (compile-time
+//                                           unrolled), w = Ŵ[64g + j] exactly as the codec's
+//                                           reference decodes it (fp32, bf16-representable)
+//
+// Shared-memory layout of activations (both paths): column c of a staged vector lives at
+// c + c / GROUP, i.e. one pad word after every group. Lane L reads group L, so lane addresses
+// are (GROUP + 1) * L + j: with GROUP + 1 odd, the 32 lanes hit 32 different banks (unpadded,
+// GROUP * L + j puts all 32 lanes in one bank: a 32-way conflict on every load).
 #pragma once
 
 #define MTPLX_WARPS 8  // warps per block: one output row per warp
@@ -41,8 +50,24 @@ __device__ __forceinline__ float situ_glu(float g, float u, float beta, float be
   return beta * tanhf(g / beta) * sig * (beta_lin * tanhf(u / beta_lin));
 }
 
-// h[t, k, i] = situ_glu(gate_i . x_t, up_i . x_t) for the expert in slots[t, k].
-// grid (ceil(I / WARPS), K, T), block 32 * WARPS, dynamic shared R floats.
+// Padded shared-memory index of column c (see the layout note above).
+template <class C>
+__device__ __forceinline__ int padded(int c) { return c + c / C::GROUP; }
+
+// This lane's share of row . xs (xs padded): lane L sums groups L, L + 32, ...
+template <class C>
+__device__ float lane_dot(const u8* packed, const u8* scale, int cols, const float* xs, int lane) {
+  float acc = 0.0f;
+  for (int g = lane; g < cols / C::GROUP; g += 32) {
+    const float* xg = xs + (C::GROUP + 1) * g;  // = padded(GROUP * g)
+    C::group(packed, scale, g, [&](int j, float w) { acc += w * xg[j]; });
+  }
+  return acc;
+}
+
+// Decode GEMV, kernel 1: h[t, k, i] = situ_glu(gate_i . x_t, up_i . x_t) for the expert in
+// slots[t, k]. grid (ceil(I / WARPS), K, T), block 32 * WARPS, dynamic shared
+// padded(R) = R + R / GROUP floats.
 // round_model: 1 rounds gate/up outputs and h to bf16 as a bf16 model does.
 template <class C>
 __device__ void gate_up(const u8* __restrict__ base, long long slot_bytes,
@@ -51,18 +76,19 @@ __device__ void gate_up(const u8* __restrict__ base, long long slot_bytes,
                         long long gate_packed, long long gate_scale,
                         long long up_packed, long long up_scale,
                         float beta, float beta_lin, int round_model) {
-  extern __shared__ float xs[];  // [R]
+  extern __shared__ float xs[];  // [padded(R)]
   const int t = blockIdx.z, k = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int c = threadIdx.x; c < R; c += blockDim.x) xs[c] = x[(long long)t * R + c];
+  for (int c = threadIdx.x; c < R; c += blockDim.x) xs[padded<C>(c)] = x[(long long)t * R + c];
   __syncthreads();
   const int row = blockIdx.x * MTPLX_WARPS + warp;
-  if (row >= I) return;  // after the only barrier
-  const u8* rec = base + (long long)slots[t * K + k] * slot_bytes;
+  const int slot = slots[t * K + k];
+  if (row >= I || slot < 0) return;  // after the only barrier; slot -1: an empty pick
+  const u8* rec = base + (long long)slot * slot_bytes;
   const long long pr = (long long)row * C::packed_row_bytes(R);
   const long long sr = (long long)row * C::scale_row_bytes(R);
-  float g = warp_sum(C::dot(rec + gate_packed + pr, rec + gate_scale + sr, R, xs, lane));
-  float u = warp_sum(C::dot(rec + up_packed + pr, rec + up_scale + sr, R, xs, lane));
+  float g = warp_sum(lane_dot<C>(rec + gate_packed + pr, rec + gate_scale + sr, R, xs, lane));
+  float u = warp_sum(lane_dot<C>(rec + up_packed + pr, rec + up_scale + sr, R, xs, lane));
   if (lane == 0) {
     if (round_model) { g = round_bf16(g); u = round_bf16(u); }
     float v = situ_glu(g, u, beta, beta_lin);
@@ -70,49 +96,37 @@ __device__ void gate_up(const u8* __restrict__ base, long long slot_bytes,
   }
 }
 
-// out[t, r] = sum over k ascending of weights[t, k] * (down_r . h[t, k]) in fp32.
-// Multiply then add, never fused, in ascending k (= ascending expert id): the combine order of
-// model/moe.py LatentMoE. grid (ceil(R / WARPS), T), block 32 * WARPS, dynamic shared I floats.
+// Decode GEMV, kernel 2: out[t, r] = acc0[t, r] (0 when acc0 is null) plus, over k ascending,
+// weights[t, k] * (down_r . h[t, k]) in fp32. Multiply then add, never fused, in ascending k
+// (= ascending expert id): the combine order of model/moe.py LatentMoE. out may alias acc0 (each
+// element is read and written by the same warp). grid (ceil(R / WARPS), T), block 32 * WARPS,
+// dynamic shared padded(I) floats.
 template <class C>
 __device__ void down_combine(const u8* __restrict__ base, long long slot_bytes,
                              const int* __restrict__ slots, const float* __restrict__ h,
-                             const float* __restrict__ weights, float* __restrict__ out,
+                             const float* __restrict__ weights, const float* acc0, float* out,
                              int K, int I, int R, long long down_packed, long long down_scale,
                              int round_model) {
-  extern __shared__ float hs[];  // [I]
+  extern __shared__ float hs[];  // [padded(I)]
   const int t = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row = blockIdx.x * MTPLX_WARPS + warp;
   const long long pr = (long long)row * C::packed_row_bytes(I);
   const long long sr = (long long)row * C::scale_row_bytes(I);
-  float acc = 0.0f;
+  float acc = (acc0 != nullptr && row < R) ? acc0[(long long)t * R + row] : 0.0f;
   for (int k = 0; k < K; ++k) {
+    const int slot = slots[t * K + k];
+    if (slot < 0) continue;  // an empty pick adds nothing; uniform over the block (same t, k)
     __syncthreads();  // previous k's hs fully consumed
-    for (int c = threadIdx.x; c < I; c += blockDim.x) hs[c] = h[((long long)t * K + k) * I + c];
+    for (int c = threadIdx.x; c < I; c += blockDim.x)
+      hs[padded<C>(c)] = h[((long long)t * K + k) * I + c];
     __syncthreads();
     if (row < R) {  // no early return: every warp must reach the barriers
-      const u8* rec = base + (long long)slots[t * K + k] * slot_bytes;
-      float y = warp_sum(C::dot(rec + down_packed + pr, rec + down_scale + sr, I, hs, lane));
+      const u8* rec = base + (long long)slot * slot_bytes;
+      float y = warp_sum(lane_dot<C>(rec + down_packed + pr, rec + down_scale + sr, I, hs, lane));
       if (round_model) y = round_bf16(y);
       acc = __fadd_rn(acc, __fmul_rn(y, weights[t * K + k]));
     }
   }
   if (row < R && lane == 0) out[(long long)t * R + row] = acc;
 }
-
-// One codec's pair of extern "C" entry points, named PREFIX_gate_up and PREFIX_down_combine.
-#define MTPLX_KERNELS(PREFIX, CODEC)                                                          \
-  extern "C" __global__ void __launch_bounds__(32 * MTPLX_WARPS) PREFIX##_gate_up(            \
-      const u8* base, long long slot_bytes, const int* slots, const float* x, float* h,       \
-      int K, int I, int R, long long gp, long long gs, long long upk, long long us,            \
-      float beta, float beta_lin, int round_model) {                                          \
-    gate_up<CODEC>(base, slot_bytes, slots, x, h, K, I, R, gp, gs, upk, us, beta, beta_lin,   \
-                   round_model);                                                              \
-  }                                                                                           \
-  extern "C" __global__ void __launch_bounds__(32 * MTPLX_WARPS) PREFIX##_down_combine(       \
-      const u8* base, long long slot_bytes, const int* slots, const float* h,                 \
-      const float* weights, float* out, int K, int I, int R, long long dp, long long ds,      \
-      int round_model) {                                                                      \
-    down_combine<CODEC>(base, slot_bytes, slots, h, weights, out, K, I, R, dp, ds,            \
-                        round_model);                                                         \
-  }

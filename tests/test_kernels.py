@@ -183,7 +183,8 @@ def test_cuda_matches_reference(mode, bits, dtype):
     import cupy
 
     layout, store = make_bank(mode, bits)
-    tier = SlotTier("dev", layout.logical_bytes, E * layout.logical_bytes, device="cuda")
+    slot_bytes = -(-layout.logical_bytes // 4096) * 4096  # slots are 4 KiB-aligned
+    tier = SlotTier("dev", layout.logical_bytes, E * slot_bytes, device="cuda")
     for s in range(E):
         tier.view(s)[...] = cupy.asarray(store[s])
     moe = moe_layer(BankProvider(layout, store, dtype), dtype)
@@ -201,9 +202,9 @@ def test_cuda_matches_reference(mode, bits, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode,bits", [("t158", None), ("mxfp4", None)])
 def test_cpu_matches_reference(mode, bits, dtype):
-    """t158 runs the native kernel: fp32 sums in another order than the reference, so relative
-    RMS below 1e-5 (fp32) or within bf16 rounding of each expert output (bf16). mxfp4 has no
-    native kernel yet and must come back bit-identical through the reference path."""
+    """Native modes: fp32 sums in another order than the reference, so relative RMS below 1e-5
+    (fp32) or within bf16 rounding of each expert output (bf16). bf16 banks have no packed
+    format to compute on and must come back bit-identical through the reference path."""
     from mtplx_runtime.kernels import cpu
 
     if cpu.unavailable_reason():

@@ -1,8 +1,10 @@
 """Compile-check every `native/*.cu` with nvcc for sm_80 and sm_90 (no GPU needed).
 
 Each file is compiled to a cubin with `-Xptxas -v`; the per-kernel register and spill counts are
-parsed from ptxas' report. Prints one line per file and arch; exits 1 on a compile error or any
-spill (a spill in a decode GEMV is a performance bug worth stopping for).
+parsed from ptxas' report. Every codec a file instantiates (`MTPLX_KERNELS(prefix, ...)`) must
+yield its decode GEMV, grouped GEMM and combine entry points. Prints one line per file and arch;
+exits 1 on a compile error, a missing entry point or any spill (a spill in these kernels is a
+performance bug worth stopping for).
 
     python tools/check_cuda.py [--nvcc PATH] [--arch sm_80 --arch sm_90]
 """
@@ -22,6 +24,16 @@ ARCHS = ("sm_80", "sm_90")
 _FUNC = re.compile(r"Compiling entry function '(\w+)'|Function properties for (\w+)")
 _REGS = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_CODEC = re.compile(r"^MTPLX_KERNELS\((\w+),", re.M)
+# entry points per codec (native/grouped.cuh; mtplx_runtime/kernels/cuda.py SUFFIXES, COMBINE)
+SUFFIXES = ("gate_up", "down_combine", "gate_up_grouped", "down_grouped")
+COMBINE = "mtplx_combine"
+
+
+def expected_kernels(src: Path) -> set[str]:
+    """Entry points a .cu file must define: four per MTPLX_KERNELS codec, plus the combine."""
+    prefixes = _CODEC.findall(src.read_text())
+    return {f"{p}_{s}" for p in prefixes for s in SUFFIXES} | ({COMBINE} if prefixes else set())
 
 
 def parse_ptxas(text: str) -> dict[str, dict[str, int]]:
@@ -49,6 +61,9 @@ def check(nvcc: str, src: Path, arch: str, tmp: Path) -> tuple[bool, str]:
     kernels = parse_ptxas(text)
     if not kernels:
         return False, f"{src.name} {arch} FAIL: no kernels reported by ptxas"
+    missing = sorted(expected_kernels(src) - set(kernels))
+    if missing:
+        return False, f"{src.name} {arch} FAIL: missing entry points {', '.join(missing)}"
     spills = {k: v["spill_bytes"] for k, v in kernels.items() if v["spill_bytes"]}
     desc = ", ".join(f"{k} {v['registers']} regs {v['spill_bytes']} B spill"
                      for k, v in sorted(kernels.items()))

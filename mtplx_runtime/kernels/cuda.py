@@ -3,14 +3,17 @@
 Importing this module never touches cupy; every entry point checks shapes, dtypes, devices and
 alignment before a launch, and raises one clear RuntimeError when cupy or a GPU is missing.
 
-    x [T, R] -> {codec}_gate_up: h [T, K, I] -> {codec}_down_combine: out [T, R] fp32
+    decode (T < GROUPED_MIN_T):   x [T, R] -> {codec}_gate_up: h [T, K, I]
+                                  -> {codec}_down_combine: out [T, R] fp32
+    grouped (T >= GROUPED_MIN_T): cuda_grouped.py (pairs sorted by slot, each weight decoded
+                                  once per tile of pairs; native/grouped.cuh)
 
-Shape legend: T tokens, R latent (3584), I expert width (3072), K top-k (16). Decode GEMV only:
-a prefill chunk runs as T independent GEMVs (grouped GEMM: TODO, native/README.md).
+Shape legend: T tokens, R latent (3584), I expert width (3072), K top-k (16).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -18,13 +21,23 @@ import numpy as np
 import torch
 
 from ..model.layers import SITU_BETA, SITU_LINEAR_BETA
-from .reference import expert_slots
+from .reference import check_acc, expert_slots
 
 NATIVE = Path(__file__).resolve().parents[2] / "native"
 WARPS = 8  # MTPLX_WARPS in native/common.cuh: one output row per warp
-# bank mode (and bits) -> (source file, kernel prefix)
-KERNELS = {("t158", None): ("t158_gemv.cu", "t158"), ("mxfp4", None): ("mxfp4_gemv.cu", "mxfp4"),
-           ("ct-int", 3): ("ctint_gemv.cu", "ctint3"), ("ct-int", 4): ("ctint_gemv.cu", "ctint4")}
+# Smallest T that takes the grouped path. Below it the decode GEMV should win: the grouped path
+# pays a sort and one host sync (the tile count) and saves work only when tokens share experts,
+# which at K3 (896 experts, top-16) is rare for a handful of tokens. Untuned: tools/gpu_check.py
+# times both paths at T = 8 and 64 so the number can be moved with data.
+GROUPED_MIN_T = 8
+# bank mode (and bits) -> (source file, kernel prefix, columns per scale group = the codec's GROUP)
+KERNELS = {("t158", None): ("t158_gemv.cu", "t158", 64),
+           ("mxfp4", None): ("mxfp4_gemv.cu", "mxfp4", 32),
+           ("ct-int", 3): ("ctint_gemv.cu", "ctint3", 64),
+           ("ct-int", 4): ("ctint_gemv.cu", "ctint4", 64)}
+# entry points per codec prefix (native/grouped.cuh MTPLX_KERNELS), plus one per module
+SUFFIXES = ("gate_up", "down_combine", "gate_up_grouped", "down_grouped")
+COMBINE = "mtplx_combine"
 COMPONENTS = {"t158": ("packed", "scales"), "mxfp4": ("weight_packed", "weight_scale"),
               "ct-int": ("weight_packed", "weight_scale")}
 
@@ -93,16 +106,33 @@ def _slot_base(storage, max_slot: int) -> tuple[int, int]:
     return base, stride
 
 
-def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots, storage,
-               layout, shapes, *, beta: float = SITU_BETA,
-               beta_lin: float = SITU_LINEAR_BETA) -> torch.Tensor:
-    """Same contract as `reference.expert_mlp`, on the GPU. x, ids, weights: CUDA tensors;
-    storage: a device SlotTier (`view(slot)` cupy, `slot_bytes`). fp32 accumulation; products
-    are rounded to bf16 where a bf16 model rounds, so results match the reference to fp32-sum
-    reordering, not bit for bit. Enqueued on torch's current stream; does not block."""
-    require()
-    import cupy
+@dataclass
+class Launch:
+    """Checked, device-resident arguments shared by the decode and grouped paths."""
 
+    mod: object  # cupy RawModule of the codec's source
+    prefix: str  # kernel name prefix
+    group: int  # columns per scale group (the shared-memory padding)
+    T: int
+    K: int
+    I: int  # noqa: E741 (the legend's name)
+    R: int
+    slot_t: torch.Tensor  # [T, K] int32
+    base: int  # device address of slot 0
+    stride: int  # slot_bytes
+    off: dict  # segment_offsets(layout)
+    x: torch.Tensor  # [T, R] fp32
+    w: torch.Tensor  # [T, K] fp32
+    out: torch.Tensor  # [T, R] fp32: acc itself, or a fresh buffer
+    acc0: int  # device address of the initial sums (acc), 0 for none
+    rnd: np.int32  # 1: round to bf16 where a bf16 model rounds
+
+    def smem(self, cols: int) -> int:
+        """Dynamic shared bytes of one padded fp32 vector of `cols` (common.cuh padded())."""
+        return 4 * (cols + cols // self.group)
+
+
+def _prepare(x, ids, weights, slots, storage, layout, shapes, acc) -> Launch:
     key = kernel_key(layout)
     T, R = x.shape
     I = tuple(shapes["gate"])[0]  # noqa: E741 (the legend's name)
@@ -111,35 +141,90 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots,
     assert x.is_cuda and x.dtype in (torch.float32, torch.bfloat16), (x.device, x.dtype)
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32, (ids.dtype, weights.dtype)
     assert ids.dim() == 2 and ids.shape == weights.shape and ids.shape[0] == T
+    check_acc(acc, x)
+    assert acc is None or acc.is_contiguous(), "acc must be contiguous (written in place)"
     K = ids.shape[1]
-    if torch.is_tensor(slots) and slots.shape == ids.shape:
-        slot_t = slots.to(device=x.device, dtype=torch.int32).contiguous()  # [T, K]
-    else:
-        by_id = expert_slots(ids, slots)
-        ids_h = ids.cpu().numpy()
-        slot_t = torch.from_numpy(np.vectorize(by_id.__getitem__, otypes=[np.int32])(ids_h)
-                                  ).to(x.device)  # [T, K]
+    by_id = expert_slots(ids, slots)  # checks slots; empty picks (id < 0) have none
+    missing = sorted({e for e in ids.unique().tolist() if e >= 0} - set(by_id))
+    if missing:
+        raise KeyError(f"no slot given for experts {missing}")
+    # [T, K] slot per pick, -1 for an empty pick: the kernels skip those.
+    slot_t = torch.tensor([[by_id[e] if e >= 0 else -1 for e in row] for row in ids.tolist()],
+                          dtype=torch.int32).reshape(ids.shape).to(x.device)
     base, stride = _slot_base(storage, int(slot_t.max().item()) if slot_t.numel() else 0)
-    off = segment_offsets(layout)
-    xf = x.float().contiguous()  # [T, R] exact: bf16 -> fp32
-    w = weights.to(device=x.device).contiguous()  # [T, K]
-    h = torch.empty((T, K, I), dtype=torch.float32, device=x.device)  # [T, K, I]
-    out = torch.empty((T, R), dtype=torch.float32, device=x.device)  # [T, R]
-    source, prefix = KERNELS[key]
-    mod = _module(source)
-    rnd = np.int32(x.dtype == torch.bfloat16)
+    source, prefix, group = KERNELS[key]
+    if acc is not None:
+        out = acc
+    else:  # every element is written by the kernels, unless there is nothing to launch
+        out = (torch.empty if T and K else torch.zeros)((T, R), dtype=torch.float32,
+                                                         device=x.device)
+    return Launch(_module(source), prefix, group, T, K, I, R, slot_t, base, stride,
+                  segment_offsets(layout), x.float().contiguous(),  # bf16 -> fp32 is exact
+                  weights.to(device=x.device).contiguous(), out,
+                  acc.data_ptr() if acc is not None else 0, np.int32(x.dtype == torch.bfloat16))
+
+
+def _decode(L: Launch, beta: float, beta_lin: float) -> None:
+    """Two launches: gate_up per (row block, k, t), then down_combine per (row block, t)."""
     i32, i64, f32 = np.int32, np.int64, np.float32
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream):
-        mod.get_function(f"{prefix}_gate_up")(
-            (-(-I // WARPS), K, T), (32 * WARPS,),
-            (i64(base), i64(stride), slot_t.data_ptr(), xf.data_ptr(), h.data_ptr(),
-             i32(K), i32(I), i32(R), i64(off["gate.packed"]), i64(off["gate.scale"]),
-             i64(off["up.packed"]), i64(off["up.scale"]), f32(beta), f32(beta_lin), rnd),
-            shared_mem=4 * R)
-        mod.get_function(f"{prefix}_down_combine")(
-            (-(-R // WARPS), T), (32 * WARPS,),
-            (i64(base), i64(stride), slot_t.data_ptr(), h.data_ptr(), w.data_ptr(),
-             out.data_ptr(), i32(K), i32(I), i32(R), i64(off["down.packed"]),
-             i64(off["down.scale"]), rnd),
-            shared_mem=4 * I)
-    return out.to(x.dtype)
+    h = torch.empty((L.T, L.K, L.I), dtype=torch.float32, device=L.x.device)  # [T, K, I]
+    L.mod.get_function(f"{L.prefix}_gate_up")(
+        (-(-L.I // WARPS), L.K, L.T), (32 * WARPS,),
+        (i64(L.base), i64(L.stride), L.slot_t.data_ptr(), L.x.data_ptr(), h.data_ptr(),
+         i32(L.K), i32(L.I), i32(L.R), i64(L.off["gate.packed"]), i64(L.off["gate.scale"]),
+         i64(L.off["up.packed"]), i64(L.off["up.scale"]), f32(beta), f32(beta_lin), L.rnd),
+        shared_mem=L.smem(L.R))
+    L.mod.get_function(f"{L.prefix}_down_combine")(
+        (-(-L.R // WARPS), L.T), (32 * WARPS,),
+        (i64(L.base), i64(L.stride), L.slot_t.data_ptr(), h.data_ptr(), L.w.data_ptr(),
+         i64(L.acc0), L.out.data_ptr(), i32(L.K), i32(L.I), i32(L.R),
+         i64(L.off["down.packed"]), i64(L.off["down.scale"]), L.rnd),
+        shared_mem=L.smem(L.I))
+
+
+def _run(grouped: bool | None, x, ids, weights, slots, storage, layout, shapes, beta, beta_lin,
+         acc):
+    require()
+    import cupy
+
+    from . import cuda_grouped
+
+    L = _prepare(x, ids, weights, slots, storage, layout, shapes, acc)
+    if L.T and L.K:  # else there is nothing to add: out is acc, or zeros
+        if grouped is None:
+            grouped = L.T >= GROUPED_MIN_T
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream):
+            if grouped:
+                cuda_grouped.launch(L, beta, beta_lin)
+            else:
+                _decode(L, beta, beta_lin)
+    return L.out if acc is not None else L.out.to(x.dtype)
+
+
+def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots, storage,
+               layout, shapes, *, beta: float = SITU_BETA, beta_lin: float = SITU_LINEAR_BETA,
+               acc: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `reference.expert_mlp`, on the GPU. x, ids, weights: CUDA tensors;
+    storage: a device SlotTier (`view(slot)` cupy, `slot_bytes`). fp32 accumulation; products
+    are rounded to bf16 where a bf16 model rounds, so results match the reference to fp32-sum
+    reordering, not bit for bit. T < GROUPED_MIN_T runs the decode GEMV, larger T the grouped
+    GEMM (cuda_grouped.py).
+
+    acc: optional fp32 [T, R] on x's device. When given, each token's sum starts from acc (not
+    0), the routed products are added in ascending k, the result is written into acc and acc is
+    returned (fp32, un-cast). When None, returns a fresh [T, R] tensor in x.dtype.
+    Enqueued on torch's current stream; blocks only for the slot lookup and, on the grouped
+    path, the tile count."""
+    return _run(None, x, ids, weights, slots, storage, layout, shapes, beta, beta_lin, acc)
+
+
+def decode_mlp(x, ids, weights, slots, storage, layout, shapes, *, beta: float = SITU_BETA,
+               beta_lin: float = SITU_LINEAR_BETA, acc: torch.Tensor | None = None):
+    """`expert_mlp` forced onto the decode GEMV for any T (tests, gpu_check timings)."""
+    return _run(False, x, ids, weights, slots, storage, layout, shapes, beta, beta_lin, acc)
+
+
+def grouped_mlp(x, ids, weights, slots, storage, layout, shapes, *, beta: float = SITU_BETA,
+                beta_lin: float = SITU_LINEAR_BETA, acc: torch.Tensor | None = None):
+    """`expert_mlp` forced onto the grouped GEMM for any T (tests, gpu_check timings)."""
+    return _run(True, x, ids, weights, slots, storage, layout, shapes, beta, beta_lin, acc)
