@@ -30,6 +30,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-slots-per-layer", type=int, default=2,
                    help="second-tier (host) cache slots per MoE layer (0: no host tier)")
     p.add_argument("--lookahead", type=int, default=1, help="prefetch this many layers ahead")
+    p.add_argument("--kernels", default=None, choices=("auto", "reference", "cpu", "cuda"),
+                   help="routed-expert kernels (default: $MTPLX_KERNELS, else auto)")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
     p.add_argument("--rebuild", action="store_true", help="rebuild even if already built")
     p.add_argument("--codecs", action="store_true",
@@ -70,7 +72,7 @@ def attach_small_cache(model, artifact: Path, args):
     provider = StreamingExpertProvider(
         artifact, model.cfg, model.dtype, device_bytes=args.slots_per_layer * n_layers * stride,
         host_bytes=args.host_slots_per_layer * n_layers * stride, lookahead=args.lookahead,
-        manifest=manifest)
+        manifest=manifest, kernels=args.kernels)
     attach(model, provider)
     return provider
 
@@ -236,12 +238,17 @@ def _run(args: argparse.Namespace) -> int:
     if not prompt:
         print("mtplx demo: error: the prompt encodes to no tokens", file=sys.stderr)
         return 2
-    provider = attach_small_cache(model, artifact, args)
+    try:
+        provider = attach_small_cache(model, artifact, args)
+    except (ValueError, RuntimeError) as e:  # an unavailable --kernels backend
+        print(f"mtplx demo: error: {e}", file=sys.stderr)
+        return 2
     try:
         print(f"model: {cfg.num_hidden_layers} layers, {len(cfg.moe_layers)} MoE layers x "
               f"{cfg.num_experts} experts (top-{cfg.num_experts_per_token}); cache "
               f"{args.slots_per_layer} device + {args.host_slots_per_layer} host slots per "
-              f"layer, lookahead {args.lookahead}")
+              f"layer, lookahead {args.lookahead}, kernels "
+              f"{provider.kernels.__name__.rsplit('.', 1)[-1]}")
         print(f"prompt: {args.prompt!r} ({len(prompt)} tokens)")
         out.write("text:   ")
         ids, stats, after_prefill = stream_generate(model, tok, prompt, args.max_tokens, out,

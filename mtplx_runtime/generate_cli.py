@@ -47,6 +47,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="expert cache replacement policy (streaming)")
     p.add_argument("--lookahead", type=int, default=1,
                    help="prefetch experts this many layers ahead (streaming; 0 = off)")
+    p.add_argument("--kernels", default=None, choices=("auto", "reference", "cpu", "cuda"),
+                   help="routed-expert kernels for streamed experts (default: $MTPLX_KERNELS, "
+                        "else auto: cuda with a GPU, else the native cpu kernels)")
     p.add_argument("--trace-routes", default=None, metavar="FILE",
                    help="write the route of every token (mtplx-route-trace-v1 JSON lines)")
 
@@ -85,7 +88,7 @@ def _mem_available_bytes() -> int:
     raise CliError("cannot read MemAvailable; give --memory-budget")
 
 
-def _attach_streaming(args, model):
+def _attach_streaming(args, model, kernels):
     """(provider, plan): the streaming provider sized by the memory plan, attached to model."""
     try:
         from . import streaming
@@ -113,9 +116,20 @@ def _attach_streaming(args, model):
         args.model, model.cfg, model.dtype,
         device_bytes=plan.device_slots * plan.record_stride,
         host_bytes=plan.host_slots * plan.record_stride,
-        policy=args.cache_policy, lookahead=args.lookahead, manifest=manifest)
+        policy=args.cache_policy, lookahead=args.lookahead, manifest=manifest,
+        kernels=kernels)
     streaming.attach(model, provider)
     return provider, plan
+
+
+def _kernels(name: str | None):
+    """The kernel backend module for --kernels (select_backend's errors as CliError)."""
+    from .kernels import select_backend
+
+    try:
+        return select_backend(name)
+    except (ValueError, RuntimeError) as e:
+        raise CliError(str(e)) from None
 
 
 def _record_bytes(model_dir: str) -> int | None:
@@ -142,10 +156,18 @@ def load_runtime(args) -> Runtime:
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise CliError("--temperature must be >= 0 and --top-p in (0, 1]")
     tok = load_tokenizer(args.model)
-    model = load_model(args.model, dtype=args.dtype)
+    streamed = args.memory_budget is not None or (Path(args.model) / MANIFEST_NAME).is_file()
+    if not streamed and args.kernels not in (None, "auto", "reference"):
+        raise CliError(f"--kernels {args.kernels} runs on streamed experts: give a streaming "
+                       "artifact (mtplx build-manifest) or drop --kernels")
+    kernels = _kernels(args.kernels) if streamed else None
+    # With the CUDA kernels the resident tensors (attention, router, shared experts...) live on
+    # the GPU too, next to the expert slots; every other backend runs the model on the CPU.
+    on_gpu = kernels is not None and kernels.__name__.endswith(".cuda")
+    model = load_model(args.model, dtype=args.dtype, device="cuda" if on_gpu else "cpu")
     rt = Runtime(tok, model)
-    if args.memory_budget is not None or (Path(args.model) / MANIFEST_NAME).is_file():
-        rt.provider, rt.plan = _attach_streaming(args, model)
+    if streamed:
+        rt.provider, rt.plan = _attach_streaming(args, model, kernels)
     if args.trace_routes:
         from .trace import RouteTrace
 

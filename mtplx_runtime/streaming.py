@@ -17,15 +17,18 @@ import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
 
 from .cache import ExpertCache
+from .kernels import select_backend
 from .lookahead import LookaheadScore, predict, predicted_keys
 from .model.moe import ExpertWeights, LatentMoE
 from .prefetch import Prefetcher
 from .storage.bank import PROJECTIONS, record_layout, record_parts
+from .storage.device_io import DeviceReader, SlotGuard
 from .storage.manifest import load_manifest
 from .storage.reader import from_manifest
 
@@ -46,6 +49,9 @@ class StreamingExpertProvider:
     {layer: (w_router, bias, top_k[, norm_weight, eps])}, normally set by `attach`.
     threads, max_inflight_bytes, direct, verify_sha256: reader and prefetcher settings.
     timeout_s: longest a forward waits for one batch of reads before TimeoutError.
+    kernels: the expert kernel backend `run_experts` computes with: a name ('reference' | 'cpu'
+    | 'cuda'), a backend module, or None ($MTPLX_KERNELS, else the best available;
+    `kernels.select_backend`). Chosen once, here.
     """
 
     def __init__(self, artifact_dir: str | os.PathLike, cfg, dtype: torch.dtype = torch.float32,
@@ -54,11 +60,14 @@ class StreamingExpertProvider:
                  routers: Mapping[int, tuple] | None = None, threads: int = 4,
                  max_inflight_bytes: int | None = None, direct: bool | str = "auto",
                  verify_sha256: bool = False, device: str = "cpu", timeout_s: float = 120.0,
-                 manifest=None):
+                 manifest=None, kernels: str | ModuleType | None = None):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
         root = Path(artifact_dir)
         self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.kernels = kernels if isinstance(kernels, ModuleType) else select_backend(kernels)
+        self._kernel_args = dict(shapes=cfg.expert_shapes, beta=cfg.activation_situ_beta,
+                                 beta_lin=cfg.activation_situ_linear_beta)
         self.lookahead, self.timeout_s = int(lookahead), float(timeout_s)
         # A caller that already loaded the manifest passes it: at K3 size it is ~117 MB of JSON.
         self.manifest = manifest if manifest is not None else load_manifest(root / MANIFEST_NAME)
@@ -74,15 +83,24 @@ class StreamingExpertProvider:
                                  f"{self.stride_bytes} B in a bank part")
             self._records[(r.layer, r.expert)] = r
         layers = sorted({k[0] for k in self._records})
-        if transient_bytes is None:
+        # CUDA kernels address slots as base + index * stride of ONE device buffer, so on the
+        # GPU prefill shares the device tier instead of a separate transient pool.
+        self.on_gpu = self.kernels.__name__.endswith(".cuda")
+        if self.on_gpu:
+            transient_bytes = 0
+        elif transient_bytes is None:
             transient_bytes = max(cfg.num_experts_per_token, 4) * self.stride_bytes
         self.cache = ExpertCache(self.stride_bytes, device_bytes, host_bytes, scope=scope,
                                  policy=policy, layers=layers, transient_bytes=transient_bytes,
-                                 device="cpu")  # slots are decoded by the NumPy codecs
+                                 device="cuda" if self.on_gpu else "cpu")
         self._transient_slots = self.cache.capacity()["transient"]
         self.verify_sha256 = verify_sha256
         self.reader = from_manifest(root, self.manifest, direct=direct, threads=threads,
                                     verify_sha256=verify_sha256)
+        self.guard = SlotGuard()  # CUDA events of the kernels reading each device slot
+        if self.on_gpu:
+            self.reader = DeviceReader(self.reader, staging_bytes=self.stride_bytes,
+                                       guard=self.guard, threads=threads)
         if max_inflight_bytes is None:
             span = max(threads, 2 * cfg.num_experts_per_token * max(1, self.lookahead))
             max_inflight_bytes = span * self.stride_bytes
@@ -153,6 +171,80 @@ class StreamingExpertProvider:
         finally:
             self.cache.unpin(pinned)
 
+    def run_experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        """The routed sum of `layer`: sum_k weights[t, k] * expert_{ids[t, k]}(x_t), computed by
+        the kernel backend straight from the cache slots (LatentMoE calls this when present).
+
+        x [T, R] latent activations (model dtype), ids / weights [T, K] from `route`. The needed
+        experts go in windows of ascending ids, each small enough that all of them hold a slot
+        at once (the transient pool in prefill, the layer's device quota otherwise); a window is
+        looked up, read, computed into one fp32 accumulator and released before the next, so
+        the sum order is the reference's whatever the window count. Every read of a window lands
+        before its kernel runs: lookahead prefetch, not this call, overlaps I/O with compute.
+        Returns [T, R] in x.dtype; under the reference backend bit-identical to LatentMoE's
+        own loop. Raises PrefetchError / TimeoutError as `stream` does.
+        """
+        if self._closed:
+            raise RuntimeError("StreamingExpertProvider is closed")
+        keys = [(int(layer), int(e)) for e in torch.unique(ids[ids >= 0]).tolist()]  # ascending
+        transient = ids.shape[0] > 1 and self._transient_slots > 0
+        if ids.shape[0] > 1:
+            self.prefill_uses += int((ids >= 0).sum())
+            self.prefill_unique += len(keys)
+        # Transient misses need a transient slot each; otherwise the layer's device quota.
+        room = self._transient_slots if transient else max(1, self.cache.quota((layer, 0)))
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, R]
+        for i in range(0, len(keys), room):
+            acc = self._run_window(x, ids, weights, keys[i:i + room], transient, acc)
+        self._spec_keys.difference_update(keys)
+        return acc.to(x.dtype)
+
+    def _run_window(self, x, ids, weights, keys: list[ExpertKey], transient: bool,
+                    acc: torch.Tensor) -> torch.Tensor:
+        """Look up, read and pin the experts `keys`, add their products into `acc` [T, R] fp32,
+        unpin. Picks of other experts become empty picks (id -1, the kernel API's skip mark)."""
+        hits, misses = self.cache.lookup(keys, transient=transient)
+        pinned = set(self.cache.pin(list(hits) + misses))  # hits, and misses already loading
+        try:
+            self.prefetcher.note_used(hits)
+            futures = self.prefetcher.demand(misses, transient)
+            refs = dict(hits)
+            t0 = time.monotonic()
+            for key, ref in self.prefetcher.completed(futures, self.timeout_s):
+                if key not in pinned:
+                    pinned.update(self.cache.pin([key]))
+                refs[key] = ref
+            self.stall_ms += (time.monotonic() - t0) * 1e3
+            return self._compute(x, ids, weights, refs, acc)
+        finally:
+            self.cache.unpin(pinned)
+
+    def _compute(self, x, ids, weights, refs: Mapping, acc: torch.Tensor) -> torch.Tensor:
+        """Run the kernels over the experts of `refs` ({key: SlotRef}, landed and pinned)."""
+        window = torch.tensor(sorted(k[1] for k in refs), dtype=ids.dtype, device=ids.device)
+        mine = torch.isin(ids, window)  # [T, K]
+        rows = mine.any(dim=1).nonzero().squeeze(1)  # [n] tokens that use this window
+        if len(rows) == ids.shape[0]:
+            rows = slice(None)  # every token (always so in decode): no gather, no scatter
+        args = (x[rows], torch.where(mine, ids, -1)[rows], weights[rows])  # [n, R], [n, K] x2
+        if self.on_gpu:  # slot indices into the one device buffer; tensors on the GPU
+            slots = {k[1]: ref.slot for k, ref in refs.items()}
+            storage = self.cache.tier("device")
+            dev = args[0].device if args[0].is_cuda else torch.device("cuda")
+            args = tuple(a.to(dev) for a in args)
+            part = self.kernels.expert_mlp(*args, slots, storage, self.layout,
+                                           acc=acc[rows].to(dev), **self._kernel_args)
+            event = torch.cuda.Event()
+            event.record()  # after the kernels on torch's current stream: guards their slots
+            self.guard.mark([storage.view(s) for s in slots.values()], event)
+        else:  # host slots: the backends take {expert: record bytes}
+            storage = {k[1]: self.cache.buffer(ref) for k, ref in refs.items()}
+            part = self.kernels.expert_mlp(*args, {e: e for e in storage}, storage,
+                                           self.layout, acc=acc[rows], **self._kernel_args)
+        acc[rows] = part.to(acc.device)
+        return acc
+
     def _take(self, key: ExpertKey, ref, pinned: set) -> ExpertWeights:
         """Decode the slot's record, then release its pin (the tensors are fresh copies)."""
         ew = self.decode(self.cache.buffer(ref))
@@ -163,6 +255,8 @@ class StreamingExpertProvider:
     def decode(self, buf) -> ExpertWeights:
         """Record bytes -> ExpertWeights: the mode codec's reference decode to float32, then the
         same cast as ResidentExpertProvider (exact: decoded values fit bf16)."""
+        if hasattr(buf, "get") and not isinstance(buf, np.ndarray):  # a device slot (cupy)
+            buf = buf.get()
         parts = record_parts(self.layout, np.asarray(buf)[: self.stride_bytes])
         t = {}
         for p in PROJECTIONS:

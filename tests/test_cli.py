@@ -60,7 +60,8 @@ def test_demo_builds_then_reuses_the_streaming_artifact(tmp_path, capsys):
     assert next(line for line in second.splitlines() if line.startswith("text:   ")) == text
 
 
-def test_demo_streamed_tokens_equal_the_resident_models(tmp_path):
+@pytest.mark.parametrize("kernels", ["reference", "cpu"])
+def test_demo_streamed_tokens_equal_the_resident_models(tmp_path, kernels):
     import argparse
     import io
 
@@ -74,9 +75,11 @@ def test_demo_streamed_tokens_equal_the_resident_models(tmp_path):
     tok = load_tokenizer(artifact)
     prompt = tok.encode(demo.PROMPT)
     model = load_model(artifact, dtype="float32")
-    flags = argparse.Namespace(slots_per_layer=2, host_slots_per_layer=1, lookahead=1)
+    flags = argparse.Namespace(slots_per_layer=2, host_slots_per_layer=1, lookahead=1,
+                               kernels=kernels)
     provider = demo.attach_small_cache(model, artifact, flags)
     with demo.one_compute_thread(), provider:
+        assert provider.kernels.__name__.endswith("." + kernels)
         streamed, _, _ = demo.stream_generate(model, tok, prompt, 10, io.StringIO(), provider)
         assert provider.stats()["totals"]["device"]["misses"] > 0  # it really streamed
         # the resident reference reads the source checkpoint, not the artifact

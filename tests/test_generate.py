@@ -257,6 +257,9 @@ def test_cli_bad_streaming_requests_are_one_line_errors(cli, tiny, capsys):
     assert rc == 2  # a plain checkpoint (or a build without streaming.py)
     assert "mtplx generate: error:" in capsys.readouterr().err
     assert cli(["generate", "--model", str(tiny), "--prompt", "x", "--top-p", "0"]) == 2
+    capsys.readouterr()
+    rc = cli(["generate", "--model", str(tiny), "--prompt", "x", "--kernels", "cpu"])
+    assert rc == 2 and "--kernels cpu runs on streamed experts" in capsys.readouterr().err
 
 
 def test_cli_chat_two_turns_then_eof(cli, tiny, monkeypatch, capsys):
@@ -290,9 +293,24 @@ def test_cli_streamed_generation_matches_resident(cli, tiny, model, tok, tmp_pat
     art = tmp_path / "art"
     build_artifact(tiny, art, codec="keep", progress=False)
     assert cli(["generate", "--model", str(art), "--prompt", PROMPT, "--dtype", "float32",
-                "--max-tokens", "6", "--memory-budget", "2GiB", "--lookahead", "1"]) == 0
+                "--max-tokens", "6", "--memory-budget", "2GiB", "--lookahead", "1",
+                "--kernels", "reference"]) == 0
     out, err = capsys.readouterr()
     assert out == tok.decode(_manual_greedy(model, tok.encode(PROMPT), 6)) + "\n"
     assert "cache hit rate" in err
+    # The native CPU kernels give the same greedy text, in the default bf16 model too.
+    for dtype in ("float32", "bfloat16"):
+        texts = []
+        for kernels in ("reference", "cpu"):
+            assert cli(["generate", "--model", str(art), "--prompt", PROMPT, "--dtype", dtype,
+                        "--max-tokens", "8", "--kernels", kernels]) == 0
+            texts.append(capsys.readouterr().out)
+        assert texts[0] == texts[1] and texts[0].strip(), (dtype, texts)
+    from mtplx_runtime.kernels import cuda
+
+    if cuda.unavailable_reason():  # no GPU here: asking for CUDA is a one-line error
+        rc = cli(["generate", "--model", str(art), "--prompt", "x", "--kernels", "cuda"])
+        err = capsys.readouterr().err
+        assert rc == 2 and "kernel backend 'cuda' requested but unavailable" in err, err
     rc = cli(["generate", "--model", str(art), "--prompt", "x", "--memory-budget", "1KiB"])
     assert rc == 2 and "minimum" in capsys.readouterr().err

@@ -48,9 +48,13 @@ def run(model):
 
 
 def streamed(src, art, **kw):
+    """A model of `src` with a StreamingExpertProvider over `art` attached; kernels default to
+    the reference backend, whose sums are bit-identical to the resident model's."""
+    kw.setdefault("kernels", "reference")
     model = load_model(src)
     n_moe = len(model.cfg.moe_layers)
-    probe = StreamingExpertProvider(art, model.cfg, model.dtype, device_bytes=1, lookahead=0)
+    probe = StreamingExpertProvider(art, model.cfg, model.dtype, device_bytes=1, lookahead=0,
+                                    kernels="reference")
     stride = probe.stride_bytes
     probe.close()
     kw.setdefault("lookahead", 0)
@@ -189,3 +193,45 @@ def test_guess_landing_before_demand_counts_as_hit(built):
         assert fut.done() and fut.result().key == (2, 6)
         assert provider.prefetcher.stats.spec_used == 1
         assert [e for e, _ in provider.stream(2, [6])] == [6]
+
+
+@pytest.mark.parametrize("transient_records", [1, 2, 0])
+def test_prefill_windows_are_exact(built, transient_records):
+    """A prefill needing more experts than the transient pool holds runs in windows of
+    ascending ids into one fp32 sum: bit-identical to the resident model (reference kernels)."""
+    src, art, want_logits, want_tokens = built["t158"]
+    probe = StreamingExpertProvider(art, load_model(src).cfg, device_bytes=1, lookahead=0,
+                                    kernels="reference")
+    stride = probe.stride_bytes
+    probe.close()
+    model, provider = streamed(src, art, transient_bytes=transient_records * stride)
+    with provider:
+        assert provider.cache.capacity()["transient"] == transient_records
+        check_same(run(model), (want_logits, want_tokens))
+        if transient_records:  # the whole prompt's experts never fit: several windows ran
+            assert provider.stats()["prefill_dedup"]["unique"] > transient_records
+
+
+@pytest.mark.parametrize("codec", LAYOUTS)
+def test_cpu_kernels_same_greedy_text(built, codec):
+    """`--kernels cpu`: the native kernels on the packed slot bytes pick the same greedy tokens
+    as the reference backend; logits agree to fp32 summation-order noise."""
+    from mtplx_runtime.kernels import cpu
+
+    if cpu.unavailable_reason():
+        pytest.skip(cpu.unavailable_reason())
+    src, art, want_logits, want_tokens = built[codec]
+    model, provider = streamed(src, art, lookahead=1, kernels="cpu")
+    with provider:
+        assert provider.kernels is cpu
+        logits, tokens = run(model)
+        check_counters(provider)
+    assert tokens == want_tokens
+    for g, w in zip(logits, want_logits, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-4 * float(w.abs().max()))
+
+
+def test_unknown_kernels_is_a_clear_error(built):
+    src, art, *_ = built["t158"]
+    with pytest.raises(ValueError, match="unknown kernel backend 'gpu'"):
+        streamed(src, art, kernels="gpu")

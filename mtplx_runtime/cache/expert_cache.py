@@ -253,6 +253,16 @@ class ExpertCache:
                 if e is not None and e.pins > 0:
                     e.pins -= 1
 
+    def quota(self, key: ExpertKey) -> int:
+        """Device slots the key's scope group may hold (its layer's share, or the whole tier
+        under global scope): the most experts of one layer that can be resident at once."""
+        return self._scope.capacity(tuple(key))
+
+    def tier(self, name: str) -> SlotTier | None:
+        """The SlotTier behind 'device', 'host' or 'transient' (None when that tier is off);
+        kernels that address slots by index read the device tier's buffer directly."""
+        return self._tiers[name]
+
     def buffer(self, ref: SlotRef):
         """The slot's record bytes: uint8 [record_bytes], aligned; numpy, or cupy on the GPU.
 

@@ -106,7 +106,8 @@ class KimiK3:
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
         """Logits [T, V] for `token_ids` [T] continuing `state` (updated in place)."""
-        h = self.top["embed_tokens.weight"][token_ids]  # [T, D] plain lookup, no scaling
+        embed = self.top["embed_tokens.weight"]
+        h = embed[token_ids.to(embed.device)]  # [T, D] plain lookup, no scaling
         bank: list[torch.Tensor] = []  # AttnRes blocks of these tokens; never crosses tokens
         for layer, layer_state in zip(self.layers, state.layers):
             h = layer.forward(h, bank, layer_state)

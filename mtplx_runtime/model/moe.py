@@ -68,6 +68,9 @@ class ExpertProvider(Protocol):
     `hint(layer, hidden [T, D], ids [T, K])` right after routing (lookahead for later layers,
     scoring of earlier guesses), and `stream(layer, ids, tokens=T, uses=n)` yielding
     (id, ExpertWeights) as each becomes available, so resident experts compute while misses load.
+    `run_experts(layer, r [T, R], ids [T, K], weights [T, K]) -> [T, R]`, when present, replaces
+    the block's own expert loop: the provider runs a kernel backend (mtplx_runtime/kernels)
+    straight on its cached record bytes and returns the combined routed sum in r.dtype.
     """
 
     def experts(self, layer: int, ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
@@ -145,6 +148,21 @@ class LatentMoE:
         if hint is not None:  # lookahead for later layers goes out before this layer computes
             hint(self.layer, x, ids)
         r = F.linear(x, self.down_lat)  # [T, R]
+        run = getattr(self.provider, "run_experts", None)
+        if run is not None:  # a kernel backend computes the sum straight from the cache slots
+            routed = run(self.layer, r, ids, w)  # [T, R]
+        else:
+            routed = self._routed_sum(r, ids, w)  # [T, R]
+        if self.norm is not None:
+            routed = rms_norm(routed, self.norm, cfg.rms_norm_eps)
+        out = F.linear(routed, self.up_lat)  # [T, D]
+        if self.shared is not None:
+            out = out + self.shared.forward(x)  # shared MLP sees the full-width input
+        return out
+
+    def _routed_sum(self, r: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """sum_k w[t, k] * expert_k(r_t) from decoded ExpertWeights: r [T, R] -> [T, R] r.dtype."""
+        cfg = self.cfg
         needed = torch.unique(ids).tolist()  # [U] ascending
         stream = getattr(self.provider, "stream", None)
         if stream is not None:  # (id, weights) as reads land: compute overlaps the I/O
@@ -165,12 +183,6 @@ class LatentMoE:
         for e in needed:
             tok, slot, y = ys[e]
             acc.index_add_(0, tok, y.float() * w[tok, slot].unsqueeze(-1))
-        routed = acc.to(x.dtype)  # [T, R]
-        if self.norm is not None:
-            routed = rms_norm(routed, self.norm, cfg.rms_norm_eps)
-        out = F.linear(routed, self.up_lat)  # [T, D]
-        if self.shared is not None:
-            out = out + self.shared.forward(x)  # shared MLP sees the full-width input
-        return out
+        return acc.to(r.dtype)
 
     __call__ = forward

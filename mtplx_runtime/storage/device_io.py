@@ -1,0 +1,182 @@
+"""Reads into GPU expert slots, guarded by the CUDA events of the kernels that read them.
+
+    prefetcher -> DeviceReader.read_into(part, offset, length, device slot)
+        guard.wait(slot)            the last kernel that read the slot has finished
+        kvikio:  CuFile.pread(slot) GDS where the system has it, kvikio's POSIX compat mode else
+        staging: RecordReader (O_DIRECT/pread) -> pinned host buffer -> copy stream -> slot
+
+Both paths resolve the returned future only once the bytes are in the slot, so the cache's commit
+(and a kernel launch after it) never sees a half-written record. The staging path reuses the
+RecordReader's checks, retries and sha256 verification; kvikio reads are hashed from a host copy
+when a digest is given (verification is a debugging mode: it costs a device-to-host copy).
+Nothing here imports cupy or kvikio at module import: the CPU build never needs them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .buffers import aligned_buffer, buffer_address
+from .reader import RecordHashError
+
+log = logging.getLogger(__name__)
+
+
+def device_address(buf) -> int:
+    """The address of a cupy array's first byte, or of a host buffer (numpy, memoryview)."""
+    data = getattr(buf, "data", None)
+    ptr = getattr(data, "ptr", None)
+    return int(ptr) if ptr is not None else buffer_address(memoryview(buf))
+
+
+class SlotGuard:
+    """The CUDA event recorded after the last kernel launch that read each slot (keyed by the
+    slot's address). A read into a slot first waits for that event: the cache may hand a slot to
+    a new record as soon as the kernel is enqueued, long before it has run."""
+
+    def __init__(self):
+        self._events: dict[int, object] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, buffers, event) -> None:
+        """`event` (anything with `synchronize()`) follows the last read of every buffer."""
+        with self._lock:
+            for b in buffers:
+                self._events[device_address(b)] = event
+
+    def wait(self, buf) -> None:
+        """Block until the last kernel that read `buf` has finished (no-op if none did)."""
+        with self._lock:
+            event = self._events.pop(device_address(buf), None)
+        if event is not None:
+            event.synchronize()
+
+
+def kvikio_status() -> tuple[bool, str]:
+    """(usable, description): kvikio's import and whether it runs GDS or its compat mode."""
+    try:
+        import kvikio
+        import kvikio.defaults
+    except Exception as e:  # missing or broken install: staging reads instead
+        return False, f"kvikio unavailable ({type(e).__name__}: {e})"
+    try:
+        compat = bool(kvikio.defaults.is_compat_mode_preferred())
+    except Exception as e:
+        return False, f"kvikio could not report its mode ({type(e).__name__}: {e})"
+    mode = "compat mode (POSIX reads + bounce buffers)" if compat else "GPUDirect Storage"
+    return True, f"kvikio {getattr(kvikio, '__version__', '?')}, {mode}"
+
+
+class DeviceReader:
+    """`read_into(part, offset, length, buf, *, sha256=None) -> Future[int]` into device slots,
+    the RecordReader contract (which it wraps) for cupy destinations.
+
+    use_kvikio: True, False or "auto" (kvikio when it imports and reports a mode). staging_bytes:
+    the largest read (one record); `threads` staging buffers of that size are allocated, pinned
+    when cupy can. `to_device(host_view, dev_buf)` copies and returns when the bytes have landed
+    (default: cupy `set` on a dedicated copy stream, then that stream's synchronize); tests pass a
+    host copy to drive the staging path without a GPU.
+    """
+
+    def __init__(self, reader, *, staging_bytes: int, guard: SlotGuard | None = None,
+                 use_kvikio: bool | str = "auto", threads: int = 4,
+                 to_device: Callable | None = None):
+        if use_kvikio not in (True, False, "auto"):
+            raise ValueError(f"use_kvikio must be True, False or 'auto', got {use_kvikio!r}")
+        self.reader, self.guard = reader, guard or SlotGuard()
+        ok, self.mode = kvikio_status() if use_kvikio else (False, "staging (kvikio off)")
+        if use_kvikio is True and not ok:
+            raise RuntimeError(f"use_kvikio=True but {self.mode}")
+        self.kvikio = ok
+        if not ok:
+            self.mode = f"staged: pread -> pinned host buffer -> copy stream; {self.mode}"
+        log.info("device reads: %s", self.mode)
+        self._files: dict[int, object] = {}
+        self._files_lock = threading.Lock()
+        self._to_device = to_device or _stream_copy()
+        self._staging: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(0 if ok else threads):
+            self._staging.put(_host_buffer(staging_bytes))
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mtplx-devread")
+
+    def read_into(self, part: int, offset: int, length: int, buf, *,
+                  sha256: str | None = None) -> Future[int]:
+        if getattr(buf, "nbytes", length) < length:
+            raise ValueError(f"destination holds {buf.nbytes} B, the read needs {length}")
+        run = self._kvikio_read if self.kvikio else self._staged_read
+        return self._pool.submit(run, part, offset, length, buf, sha256)
+
+    def _staged_read(self, part, offset, length, buf, sha256) -> int:
+        host = self._staging.get()  # never blocks: one buffer per pool thread
+        try:
+            view = host[:length]
+            self.reader.read_into(part, offset, length, view, sha256=sha256).result()
+            self.guard.wait(buf)
+            self._to_device(view, buf[:length])
+        finally:
+            self._staging.put(host)
+        return length
+
+    def _kvikio_read(self, part, offset, length, buf, sha256) -> int:
+        self.guard.wait(buf)
+        got = self._file(part).pread(buf[:length], length, offset).get()
+        if got != length:
+            raise OSError(f"part {part}: kvikio read {got} of {length} B at offset {offset}")
+        if sha256 is not None:
+            digest = hashlib.sha256(buf[:length].get().tobytes()).hexdigest()
+            if digest != sha256.lower():
+                raise RecordHashError(f"part {part} offset {offset}: sha256 {digest} != {sha256}")
+        return length
+
+    def _file(self, part: int):
+        import kvikio
+
+        with self._files_lock:
+            f = self._files.get(part)
+            if f is None:
+                f = self._files[part] = kvikio.CuFile(self.reader.root / self.reader.parts[part][0],
+                                                      "r")
+            return f
+
+    @property
+    def direct(self):
+        return self.reader.direct
+
+    def close(self) -> None:
+        """Finish running reads, drop queued ones, close kvikio files and the wrapped reader."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._files_lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+        self.reader.close()
+
+
+def _host_buffer(nbytes: int):
+    """A page-aligned staging buffer, CUDA-pinned when cupy has a device (async-copy capable)."""
+    from ..cache.slots import SlotTier, cuda_available
+
+    if cuda_available():
+        return SlotTier("staging", nbytes, nbytes, pinned_host=True).view(0)
+    return aligned_buffer(nbytes)
+
+
+def _stream_copy() -> Callable:
+    """host -> device copy on a per-thread non-blocking stream, returning once it has landed."""
+    local = threading.local()
+
+    def copy(host, dev) -> None:
+        import cupy
+
+        stream = getattr(local, "stream", None)
+        if stream is None:
+            stream = local.stream = cupy.cuda.Stream(non_blocking=True)
+        dev.set(host, stream=stream)
+        stream.synchronize()
+
+    return copy
