@@ -163,7 +163,7 @@ def load_runtime(args) -> Runtime:
     kernels = _kernels(args.kernels) if streamed else None
     # With the CUDA kernels the resident tensors (attention, router, shared experts...) live on
     # the GPU too, next to the expert slots; every other backend runs the model on the CPU.
-    on_gpu = kernels is not None and kernels.__name__.endswith(".cuda")
+    on_gpu = kernels is not None and kernels.DEVICE == "cuda"
     model = load_model(args.model, dtype=args.dtype, device="cuda" if on_gpu else "cpu")
     rt = Runtime(tok, model)
     if streamed:

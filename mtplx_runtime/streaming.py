@@ -85,7 +85,7 @@ class StreamingExpertProvider:
         layers = sorted({k[0] for k in self._records})
         # CUDA kernels address slots as base + index * stride of ONE device buffer, so on the
         # GPU prefill shares the device tier instead of a separate transient pool.
-        self.on_gpu = self.kernels.__name__.endswith(".cuda")
+        self.on_gpu = self.kernels.DEVICE == "cuda"
         if self.on_gpu:
             transient_bytes = 0
         elif transient_bytes is None:

@@ -1,7 +1,16 @@
 """Routed-expert kernels: one function family, the same signature on every backend.
 
     backend = select_backend()          # once, at load
-    y = backend.expert_mlp(x, ids, weights, slots, storage, layout, shapes, beta=, beta_lin=)
+    y = backend.expert_mlp(x, ids, weights, slots, storage, layout, shapes, beta=, beta_lin=,
+                           acc=None)
+
+`reference.expert_mlp` states the contract. Two parts of it serve windowed callers (the
+streaming provider, when a layer's experts do not all fit in slots at once): an id of -1 is an
+empty pick, skipped, and `acc` (fp32 [T, R]) carries the running sum from one window to the
+next in the reference's order.
+
+Every backend module also names its `DEVICE` ("cpu" or "cuda"): where the expert slots and the
+activations it is given must live.
 
 Backends: `reference` (codec decode to float + torch matmul: the definition), `cpu` (native C
 library), `cuda` (native/*.cu through cupy). Choice: the `name` argument, else the environment

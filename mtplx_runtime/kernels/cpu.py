@@ -26,6 +26,7 @@ import torch
 from ..model.layers import SITU_BETA, SITU_LINEAR_BETA
 from . import cpu_native, reference
 
+DEVICE = "cpu"  # inputs and slot bytes in host memory
 NATIVE_MODES = frozenset({"t158", "mxfp4", "ct-int", "ct-int-asym"})
 _MODEL_DTYPES = (torch.float32, torch.bfloat16)
 

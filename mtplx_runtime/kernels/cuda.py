@@ -24,6 +24,7 @@ from ..model.layers import SITU_BETA, SITU_LINEAR_BETA
 from .reference import check_acc, expert_slots
 
 NATIVE = Path(__file__).resolve().parents[2] / "native"
+DEVICE = "cuda"  # where inputs, slots and results live (StreamingExpertProvider reads it)
 WARPS = 8  # MTPLX_WARPS in native/common.cuh: one output row per warp
 # Smallest T that takes the grouped path. Below it the decode GEMV should win: the grouped path
 # pays a sort and one host sync (the tile count) and saves work only when tokens share experts,

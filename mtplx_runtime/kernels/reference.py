@@ -19,6 +19,8 @@ from .. import checkpoint  # noqa: F401  (first: storage.bank alone hits an impo
 from ..model.layers import SITU_BETA, SITU_LINEAR_BETA, glu_mlp
 from ..storage.bank import PROJECTIONS, record_parts
 
+DEVICE = "cpu"  # slot bytes are decoded on the host (results land on x's device)
+
 
 def record_view(storage, slot: int):
     """The record bytes of `slot`: `storage.view(slot)` for a SlotTier (it has `slot_bytes`),
