@@ -2,7 +2,7 @@
 
     make_k3_slice (real 3584/3072 t158 experts, small trunk) -> build_artifact (keep)
       -> raw O_DIRECT sequential read of a bank part (disk rate, cold)
-      -> one expert through the model's path: t158 NumPy decode + torch GLU at T=1 (compute rate)
+      -> one expert at T=1 through the chosen kernel backend on its record bytes (compute rate)
       -> per lookahead in (0, 1): evict page cache, load model, attach a StreamingExpertProvider
          with --slots-per-layer slots per MoE layer, prefill, decode --tokens greedy tokens
 
@@ -13,7 +13,8 @@ per expert)), and tok/s as a ratio of the smaller bound. Page cache is evicted w
 posix_fadvise(DONTNEED) on every bank part before each measurement.
 
     python tools/bench_decode.py [--layers 2] [--experts 896] [--tokens 8]
-                                 [--slots-per-layer 32] [--dir DIR] [--keep]
+                                 [--slots-per-layer 32] [--kernels auto|reference|cpu|cuda]
+                                 [--dir DIR] [--keep]
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ import torch
 
 from mtplx_runtime.fixtures.k3_slice import make_k3_slice
 from mtplx_runtime.generate import GenerationStats, generate_step
+from mtplx_runtime.kernels import select_backend
 from mtplx_runtime.model.kimi_k3 import load_model
-from mtplx_runtime.model.layers import glu_mlp
 from mtplx_runtime.storage.buffers import aligned_buffer
 from mtplx_runtime.storage.builder import build_artifact
 from mtplx_runtime.storage.manifest import load_manifest
@@ -79,24 +80,25 @@ def raw_disk_bps(paths: list[Path]) -> float:
         os.close(fd)
 
 
-def expert_seconds(art: Path, model, repeats: int = 5) -> float:
-    """Median time of one expert at T=1 through the model's path: read record -> provider.decode
-    (t158 NumPy reference decode, cast to the model dtype) -> glu_mlp."""
+def expert_seconds(art: Path, model, kernels, repeats: int = 5) -> float:
+    """Median time of one expert at T=1 the way the runtime computes it: the kernel backend's
+    expert_mlp on the record bytes as read into a slot (host slots: the cpu / reference path)."""
     cfg = model.cfg
-    with StreamingExpertProvider(art, cfg, model.dtype, device_bytes=1, lookahead=0) as prov:
+    with StreamingExpertProvider(art, cfg, model.dtype, device_bytes=1, lookahead=0,
+                                 kernels="reference") as prov:
         buf = aligned_buffer(prov.stride_bytes)
-        layer = cfg.moe_layers[0]
-        part, off, length, _ = prov.locate((layer, 0))
+        part, off, length, _ = prov.locate((cfg.moe_layers[0], 0))
         prov.reader.read_into(part, off, length, buf).result()
-        r = torch.randn(1, cfg.routed_expert_hidden_size).to(model.dtype)
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            ew = prov.decode(buf)
-            glu_mlp(r, ew.gate, ew.up, ew.down, cfg.activation_situ_beta,
-                    cfg.activation_situ_linear_beta)
-            times.append(time.perf_counter() - t0)
-            del ew
+        layout = prov.layout
+    args = dict(shapes=cfg.expert_shapes, beta=cfg.activation_situ_beta,
+                beta_lin=cfg.activation_situ_linear_beta)
+    r = torch.randn(1, cfg.routed_expert_hidden_size).to(model.dtype)
+    ids, w = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        kernels.expert_mlp(r, ids, w, {0: 0}, {0: buf}, layout, **args)
+        times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
 
@@ -107,7 +109,8 @@ def snapshot(provider) -> dict:
             "bytes": pf["demand_bytes"] + pf["spec_bytes"]}
 
 
-def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens: int) -> dict:
+def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens: int,
+               kernels) -> dict:
     evict(paths)
     model = load_model(art, dtype="bfloat16")
     n_moe = len(model.cfg.moe_layers)
@@ -115,7 +118,7 @@ def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens:
                                  device_bytes=1) as probe:
         stride = probe.stride_bytes
     provider = StreamingExpertProvider(art, model.cfg, model.dtype, lookahead=lookahead,
-                                       device_bytes=slots * n_moe * stride)
+                                       device_bytes=slots * n_moe * stride, kernels=kernels)
     attach(model, provider)
     stats, before = GenerationStats(), None
     try:
@@ -148,11 +151,15 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=896, help="routed experts per layer")
     ap.add_argument("--tokens", type=int, default=8, help="decode steps timed per config")
     ap.add_argument("--slots-per-layer", type=int, default=32, help="device-tier cache slots")
+    ap.add_argument("--kernels", default=None, help="expert kernel backend (default: auto)")
     ap.add_argument("--dir", type=Path, default=None,
                     help="where the slice and artifact go (default: a temp dir under /work)")
     ap.add_argument("--keep", action="store_true",
                     help="keep the slice in --dir and reuse an artifact already built there")
     a = ap.parse_args(argv)
+    kernels = select_backend(a.kernels)
+    if kernels.DEVICE != "cpu":
+        ap.error("bench_decode runs the model on the CPU: use --kernels cpu or reference")
     torch.set_num_threads(os.cpu_count() or 1)
     base = a.dir or Path(tempfile.mkdtemp(prefix="bench_decode_",
                                           dir="/work" if os.path.isdir("/work") else None))
@@ -171,18 +178,19 @@ def main(argv=None) -> int:
               f"torch={torch.__version__} numpy={np.__version__} cpus={os.cpu_count()} "
               f"threads={torch.get_num_threads()} layers={a.layers} experts={a.experts} top_k=16 "
               f"bank_bytes={bank} slots_per_layer={a.slots_per_layer} tokens={a.tokens} "
-              f"prompt={len(PROMPT)} dtype=bfloat16 build_s={build_s:.0f}", flush=True)
+              f"prompt={len(PROMPT)} dtype=bfloat16 build_s={build_s:.0f} "
+              f"kernels={kernels.__name__.rsplit('.', 1)[-1]}", flush=True)
         disk = raw_disk_bps(paths)
         model = load_model(art, dtype="bfloat16")
-        t_exp = expert_seconds(art, model)
+        t_exp = expert_seconds(art, model, kernels)
         k = model.cfg.num_experts_per_token
         del model
         compute_bound = 1.0 / (a.layers * k * t_exp)
         print(f"# raw_odirect_seq_gbps={disk / 1e9:.3f} expert_ms={t_exp * 1e3:.1f} "
-              f"(t158 numpy decode + bf16 GLU, T=1) compute_bound_tok_s={compute_bound:.3f}",
+              f"(one t158 expert, T=1, bf16 model) compute_bound_tok_s={compute_bound:.3f}",
               flush=True)
         for la in (0, 1):
-            r = run_config(art, paths, la, a.slots_per_layer, a.tokens)
+            r = run_config(art, paths, la, a.slots_per_layer, a.tokens, kernels)
             io_bound = disk / r["bytes_per_token"] if r["bytes_per_token"] else float("inf")
             ratio = r["tok_s"] / min(io_bound, compute_bound)
             print(f"lookahead={la} tok_s={r['tok_s']:.3f} hit_rate={r['hit_rate']:.3f} "
