@@ -1,14 +1,16 @@
 """StreamingExpertProvider: routed experts read from an artifact's bank through a small cache.
 
     LatentMoE -> hint(l, x): routers of l+1..l+d on x -> speculate(keys), cancel stale guesses
-              -> stream(l, ids): lookup (pin hits) -> demand(misses) -> yield hits, then misses
-                 as their reads land -> decode slot bytes (mode codec) -> ExpertWeights
+              -> run_experts(l, r, ids, w): per window of ascending expert ids: lookup (pin
+                 hits) -> demand(misses) -> wait -> kernel backend on the slot bytes -> fp32 sum
 
-The ExpertCache owns the slots, the Prefetcher moves bytes, this module only wires them to the
-model (STYLE.md principle 3). Decoding is the codec's reference NumPy decode followed by the same
-float32 -> model-dtype cast as `ResidentExpertProvider`, so streamed and resident logits are
-bit-identical. Prefill (tokens > 1) reads each needed expert once for all its tokens into
-transient slots, in windows no larger than the transient pool, so it never evicts decode experts.
+The ExpertCache owns the slots, the Prefetcher moves bytes, the kernel backend (mtplx_runtime/
+kernels, chosen once at construction) computes; this module only wires them to the model
+(STYLE.md principle 3). Under the `reference` backend streamed and resident logits are
+bit-identical; `cpu` and `cuda` differ by fp32 summation order. Prefill (tokens > 1) reads each
+needed expert once for all its tokens into transient slots, in windows no larger than the
+transient pool, so it never evicts decode experts (on the GPU it shares the device tier).
+`experts` / `stream` still hand out decoded ExpertWeights for callers that want the weights.
 """
 
 from __future__ import annotations
