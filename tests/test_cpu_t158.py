@@ -60,6 +60,62 @@ def test_gemv_matches_decode_matmul(isa, rows, cols, restore_isa):
         _gate(gemv(packed, scales, x, threads=threads).astype(np.float64), ref)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [16 * 5 + 5, 16 * 9 + 3])
+def test_k3_width_odd_rows_threads_and_tokens_bitwise(isa, rows, restore_isa):
+    """K3's 3584 inputs (G = 56) and rows = 16k + tail: the avx512 (t16f) path runs 16 rows per
+    block and pads the tail, so every row takes the same code whatever the chunking. n = 11
+    crosses its 8-token table batch and 144+ rows its 128-row tile; any thread count and the
+    n-token call give the one-token, one-thread results bit for bit, within float64 tolerance."""
+    rng = np.random.default_rng(rows)
+    cols = 3584
+    packed, scales = _random_t158(rng, rows, cols)
+    X = rng.standard_normal((11, cols)).astype(np.float32)
+    assert cpu_native.set_isa(isa) == isa
+    m = cpu_native.t158(packed, scales)
+    want = np.stack([cpu_native.gemm(m, X[t:t + 1], threads=1)[0] for t in range(11)])
+    ref = X.astype(np.float64) @ decode_t158(packed, scales).astype(np.float64).T
+    for t in range(11):
+        _gate(want[t].astype(np.float64), ref[t])
+    for threads in (1, 2, 3, 5, 7):
+        np.testing.assert_array_equal(cpu_native.gemm(m, X, threads=threads), want)
+        np.testing.assert_array_equal(cpu_native.gemm(m, X[:1], threads=threads)[0], want[0])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [256, 256 + 5])
+def test_every_byte_in_every_position_decodes_exactly(isa, rows, restore_isa):
+    """Each byte value 0..255 (243..255 and byte 12's digit 4 included) at each of the 13
+    positions: X = identity returns the decoded matrix bit for bit (one weight times 1)."""
+    r = np.arange(rows)[:, None]
+    packed = ((r * 7 + 29 * np.arange(26)[None]) % 256).astype(np.uint8)  # 2 groups
+    scales = (np.full((rows, 2), 0.0234, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    scales[1::3, 1] = 0xBF80  # -1.0
+    assert cpu_native.set_isa(isa) == isa
+    for j in range(13):  # every value at every position across the rows
+        assert len(np.unique(packed[:256, j])) == 256
+    Y = cpu_native.gemm(cpu_native.t158(packed, scales), np.eye(128, dtype=np.float32),
+                        threads=3)
+    np.testing.assert_array_equal(Y.T, decode_t158(packed, scales))
+
+
+def test_many_groups(restore_isa):
+    """G = 1025 groups (65600 inputs): past the kernel lab port's G <= 1024 stack buffer; the
+    runtime's t16f path keeps its scales in the driver's scratch, so no limit and no fallback."""
+    rng = np.random.default_rng(9)
+    packed, scales = _random_t158(rng, 21, 64 * 1025)
+    x = rng.standard_normal(64 * 1025).astype(np.float32)
+    ref = decode_t158(packed, scales).astype(np.float64) @ x.astype(np.float64)
+    for isa in ISAS:
+        cpu_native.set_isa(isa)
+        y = gemv(packed, scales, x, threads=2).astype(np.float64)
+        # fp32 chains of ~8k terms: every path lands near 1e-6 here (t16f 1.2e-6), so 5x that
+        rel = np.sqrt(np.mean((y - ref) ** 2)) / np.sqrt(np.mean(ref**2))
+        assert rel < 5e-6, rel
+        assert np.abs(y - ref).max() <= 5e-6 * np.abs(ref).max()
+        np.testing.assert_array_equal(y, gemv(packed, scales, x, threads=1))
+
+
 def test_byte12_digit4_ignored(restore_isa):
     rng = np.random.default_rng(5)
     packed, scales = _random_t158(rng, 4, 128)
@@ -115,10 +171,13 @@ def test_expert_mlp_matches_torch(isa, restore_isa):
 def test_env_forces_lower_isa(tmp_path):
     code = ("from mtplx_runtime.kernels import cpu_native as k; "
             "print(k.isa(), k.available()[1])")
-    env = dict(os.environ, MTPLX_CPU_ISA="scalar")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.split()
-    assert out == ["scalar", "scalar"]
+    for name in ("scalar", "avx2"):
+        if name not in ISAS:
+            continue
+        env = dict(os.environ, MTPLX_CPU_ISA=name)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout.split()
+        assert out == [name, name]
 
 
 def test_build_cache(tmp_path, monkeypatch):

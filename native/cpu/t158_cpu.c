@@ -9,12 +9,16 @@
  * Paths (picked at run time with __builtin_cpu_supports, forced lower by mtplx_cpu_set_isa):
  *   0 scalar  : 256x5 float trit table, one row at a time.
  *   1 avx2    : 256x8 float table (5 trits + 3 zeros) times 8 unaligned inputs, FMA per byte.
- *   2 avx512  : the avx2 scheme on two rows at once (one row per 256-bit half of a zmm).
- * n tokens (prefill) loop over the tokens inside each row pair, so the weights are read from
- * memory once per call. Threads, SiTU-GLU, model rounding and the exported ABI come from
- * expert_common.h. Built by mtplx_runtime/kernels/cpu_build.py.
+ *   2 avx512  : t16f ("transposed T-MAC", t158_t16f.h, from tools/kernel_lab): 16 rows in the
+ *               zmm lanes, per-input-vector fp32 tables of every 5-trit partial dot product,
+ *               looked up with vpermps / vpermi2ps. Needs AVX-512 F/BW/DQ (else avx2).
+ * scalar / avx2: n tokens (prefill) loop over the tokens inside each row pair, so the weights are
+ * read from memory once per call. avx512: see t158_rows_avx512. Threads, SiTU-GLU, model
+ * rounding and the exported ABI come from expert_common.h. Built by
+ * mtplx_runtime/kernels/cpu_build.py.
  */
 #include "expert_common.h"
+#include "t158_t16f.h"
 
 #define GB 13 /* bytes per group */
 #define GE 64 /* weights per group */
@@ -84,44 +88,6 @@ __attribute__((target("avx2,fma"))) static void rows_avx2(const uint8_t *pk, con
     }
 }
 
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) static inline __m512
-pair(const float *t0, const float *t1) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_load_ps(t0)), _mm256_load_ps(t1), 1);
-}
-
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) static void
-rows_avx512(const uint8_t *pk, const uint16_t *sc, int G, const float *x, float *y, int r0,
-            int r1) {
-    int r = r0;
-    size_t stride = (size_t)G * GB;
-    for (; r + 1 < r1; r += 2) {
-        const uint8_t *p = pk + (size_t)r * stride, *q = p + stride;
-        const uint16_t *s = sc + (size_t)r * G, *u = s + G;
-        __m512 acc = _mm512_setzero_ps();
-        for (int g = 0; g < G; g++, p += GB, q += GB) {
-            const float *xg = x + (size_t)g * GE;
-            __m512 a0 = _mm512_mul_ps(pair(LUT8[p[0]], LUT8[q[0]]),
-                                      _mm512_broadcast_f32x8(_mm256_loadu_ps(xg)));
-            __m512 a1 = _mm512_mul_ps(pair(LUT8[p[1]], LUT8[q[1]]),
-                                      _mm512_broadcast_f32x8(_mm256_loadu_ps(xg + 5)));
-            for (int j = 2; j < 12; j += 2) {
-                a0 = _mm512_fmadd_ps(pair(LUT8[p[j]], LUT8[q[j]]),
-                                     _mm512_broadcast_f32x8(_mm256_loadu_ps(xg + 5 * j)), a0);
-                a1 = _mm512_fmadd_ps(pair(LUT8[p[j + 1]], LUT8[q[j + 1]]),
-                                     _mm512_broadcast_f32x8(_mm256_loadu_ps(xg + 5 * j + 5)), a1);
-            }
-            a0 = _mm512_fmadd_ps(pair(LUT8L[p[12]], LUT8L[q[12]]),
-                                 _mm512_broadcast_f32x8(_mm256_loadu_ps(xg + 60)), a0);
-            __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(bf16f(s[g])),
-                                           _mm256_set1_ps(bf16f(u[g])), 1);
-            acc = _mm512_fmadd_ps(sv, _mm512_add_ps(a0, a1), acc);
-        }
-        y[r] = hsum256(_mm512_castps512_ps256(acc));
-        y[r + 1] = hsum256(_mm512_extractf32x8_ps(acc, 1));
-    }
-    if (r < r1) rows_avx2(pk, sc, G, x, y, r, r1);
-}
-
 /* n tokens: each row pair's bytes are read from memory once and stay in L1 while every token
  * runs the single-vector kernel on them, so per token the arithmetic (and the result) is that
  * of a one-token call. */
@@ -147,20 +113,105 @@ static void t158_rows_avx2(const mat_t *m, const float *X, int ldx, int n, float
     rows_tokens(rows_avx2, m, X, ldx, n, Y, ldy, r0, r1);
 }
 
+/* avx512 (t16f). Each call builds the tables of its input vectors itself, per thread, into a
+ * per-thread buffer that persists across calls (freed at thread exit): ~1.6 us per 3584-input
+ * vector, three per expert per thread (gate and up each build x's, down builds h's), under 1%
+ * of the ~0.7 ms an expert takes, and it keeps the driver unchanged (no input stage before the
+ * parallel region, no per-call allocation: per call, a buffer of n tables would be an mmap plus
+ * page faults). Tables are per token and a token's rows see only its own tables, so per token
+ * the arithmetic is that of a one-token call whatever n, r0, r1 are; t16f_span sends every row
+ * through the same 16-lane code (tails padded), so no row alignment of the chunks is needed.
+ * n > 1: tokens go in batches of T16F_TOKENS (one table each, 140 KB at K3), and within a batch
+ * rows in tiles of T16F_TILE: each tile's bytes (93 KB at K3) are read from memory once and stay
+ * in L2 while every token of the batch runs over them. */
+#define T16F_TOKENS 8
+#define T16F_TILE 128 /* a multiple of 16 */
+
+static pthread_key_t t16f_key;
+typedef struct {
+    float *p;
+    size_t cap; /* floats */
+} t16f_buf;
+
+static void t16f_buf_free(void *v) {
+    t16f_buf *b = v;
+    free(b->p);
+    free(b);
+}
+
+/* This thread's table buffer with room for `floats` (64-byte aligned), or NULL (out of memory). */
+static float *t16f_tables_buf(size_t floats) {
+    t16f_buf *b = pthread_getspecific(t16f_key);
+    if (!b) {
+        if (!(b = calloc(1, sizeof *b))) return NULL;
+        if (pthread_setspecific(t16f_key, b)) {
+            free(b);
+            return NULL;
+        }
+    }
+    if (b->cap < floats) {
+        free(b->p);
+        b->cap = 0;
+        if (!(b->p = aligned_alloc(64, (floats * 4 + 63) / 64 * 64))) return NULL;
+        b->cap = floats;
+    }
+    return b->p;
+}
+
 static void t158_rows_avx512(const mat_t *m, const float *X, int ldx, int n, float *Y, int ldy,
                              int r0, int r1, float *scratch) {
-    (void)scratch;
-    rows_tokens(rows_avx512, m, X, ldx, n, Y, ldy, r0, r1);
+    const uint8_t *pk = m->packed;
+    const uint16_t *sc = (const uint16_t *)m->scale;
+    int G = m->cols / GE;
+    size_t tabf = T16F_TAB_FLOATS(G);
+    int tc = n < T16F_TOKENS ? n : T16F_TOKENS;
+    float *tab = t16f_tables_buf(tc * tabf);
+    if (!tab && tc > 1) tab = t16f_tables_buf(tabf), tc = 1;
+    if (!tab) { /* out of memory for even one table (140 KB at K3): correct, other rounding */
+        rows_tokens(rows_avx2, m, X, ldx, n, Y, ldy, r0, r1);
+        return;
+    }
+    for (int t0 = 0; t0 < n; t0 += tc) {
+        int nt = n - t0 < tc ? n - t0 : tc;
+        for (int t = 0; t < nt; t++) t16f_tables(X + (size_t)(t0 + t) * ldx, G, tab + t * tabf);
+        if (nt == 1) {
+            t16f_span(pk, sc, G, tab, Y + (size_t)t0 * ldy, r0, r1, r1, scratch);
+            continue;
+        }
+        for (int a = r0; a < r1; a += T16F_TILE) {
+            int b = r1 - a < T16F_TILE ? r1 : a + T16F_TILE;
+            for (int t = 0; t < nt; t++)
+                t16f_span(pk, sc, G, tab + t * tabf, Y + (size_t)(t0 + t) * ldy, a, b, r1,
+                          scratch);
+        }
+    }
+}
+
+static void init_once(void) {
+    init_luts();
+    t16f_init();
+    pthread_key_create(&t16f_key, t16f_buf_free);
 }
 
 static int codec_prepare(mat_t *m) {
-    pthread_once(&lut_once, init_luts);
+    pthread_once(&lut_once, init_once);
     m->row_bytes = (size_t)m->cols / GE * GB;
     m->scale_row_bytes = (size_t)m->cols / GE * 2;
     return 0;
 }
 
+static int has_t16f(void) { /* AVX-512 F/DQ (isa 2) and BW */
+    static int ok = -1;
+    if (ok < 0) {
+        __builtin_cpu_init();
+        ok = __builtin_cpu_supports("avx512bw");
+    }
+    return ok;
+}
+
 static rows_fn codec_rows(const mat_t *m, int isa) {
-    (void)m;
-    return isa >= 2 ? t158_rows_avx512 : isa == 1 ? t158_rows_avx2 : t158_rows_scalar;
+    /* the driver's per-thread scratch (scratch_floats) covers t16f_span's (asserted here) */
+    if (isa >= 2 && has_t16f() && T16F_SCRATCH_FLOATS(m->cols / GE) <= scratch_floats(m->cols))
+        return t158_rows_avx512;
+    return isa >= 1 ? t158_rows_avx2 : t158_rows_scalar;
 }

@@ -39,7 +39,6 @@
  *  11 t16x2     10 sharing table loads between 32 rows.                    (no gain)
  *  12 t16f      10 with FMAs into 8 rotating accumulators: the winner.
  *  13 t16f-self 12 building its tables inside the row function (port signature).
- *  14 port      t16f_port.h (the file to port), validated and timed here.
  *
  * Modes: `micro [v]` times rows() on a cache-resident [256, 3584] matrix, single thread, in
  * cycles per (row, group); `micron N` runs the N-token form of variant 12 (rows_t16f_n).
@@ -1144,20 +1143,6 @@ static void rows_t16f_self(const uint8_t *pk, const uint16_t *sc, int G, const f
     rows_t16f(pk, sc, G, x, y, r0, r1, tab);
 }
 
-/* ---------------------------------------------------------------- 14: t16f_port.h */
-/* The port-ready copy of variant 13 (tools/kernel_lab/t16f_port.h), validated and timed here so
- * the file handed over is the file measured. Tail rows (< 16) go to the current avx512 path. */
-#include "t16f_port.h"
-static void port_tail(const uint8_t *pk, const uint16_t *sc, int G, const float *x, float *y,
-                      int r0, int r1) {
-    rows_avx512(pk, sc, G, x, y, r0, r1, NULL);
-}
-static void rows_port(const uint8_t *pk, const uint16_t *sc, int G, const float *x, float *y,
-                      int r0, int r1, const void *prep) {
-    (void)prep;
-    t16f_rows(pk, sc, G, x, y, r0, r1, port_tail);
-}
-
 /* ---------------------------------------------------------------- 12n: t16f for n tokens */
 /* Multi-token form of variant 12: the byte work (load, transpose, split, shifts) is done once
  * per 16 rows x 4 groups and reused for n tokens; each token has its own tables (prep once per
@@ -1224,7 +1209,6 @@ static const variant_t VARIANTS[] = {
     {"8 t16d", rows_t16d, prep_t16},          {"9 t16c", rows_t16c, prep_t16},
     {"10 t16x", rows_t16x, prep_t16v},        {"11 t16x2", rows_t16x2, prep_t16v},
     {"12 t16f", rows_t16f, prep_t16v},        {"13 t16f-self", rows_t16f_self, NULL},
-    {"14 port", rows_port, NULL},
 };
 #define NV ((int)(sizeof VARIANTS / sizeof VARIANTS[0]))
 
@@ -1579,16 +1563,14 @@ int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "micron")) {
         init_t16_tables();
         init_t16v_tables();
-    t16f_init();
         micro_n(argc > 2 ? atoi(argv[2]) : 8);
         return 0;
     }
     if (argc > 1 && !strcmp(argv[1], "micro")) {
         init_luts();
         init_mask_tables();
-    init_t16_tables();
-    init_t16v_tables();
-    t16f_init();
+        init_t16_tables();
+        init_t16v_tables();
         micro(argc > 2 ? atoi(argv[2]) : -1);
         return 0;
     }
@@ -1599,7 +1581,6 @@ int main(int argc, char **argv) {
     init_mask_tables();
     init_t16_tables();
     init_t16v_tables();
-    t16f_init();
     expert_t *E = malloc(sizeof(expert_t) * nexp);
     for (int e = 0; e < nexp; e++) {
         make_mat(&E[e].gate, I_DIM, R_DIM);
