@@ -211,11 +211,12 @@ class StreamingExpertProvider:
         try:
             self.prefetcher.note_used(hits)
             futures = self.prefetcher.demand(misses, transient)
+            # demand reserved every miss's slot: pin them now, so no other reservation (a
+            # lookahead guess under global scope) can evict one between its commit and our use.
+            pinned.update(self.cache.pin([k for k in misses if k not in pinned]))
             refs = dict(hits)
             t0 = time.monotonic()
             for key, ref in self.prefetcher.completed(futures, self.timeout_s):
-                if key not in pinned:
-                    pinned.update(self.cache.pin([key]))
                 refs[key] = ref
             self.stall_ms += (time.monotonic() - t0) * 1e3
             return self._compute(x, ids, weights, refs, acc)
