@@ -168,6 +168,58 @@ def test_expert_mlp_matches_torch(isa, restore_isa):
         assert np.abs(out - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
+def test_thread_pool_handoffs_fork_and_concurrent_callers():
+    """The pool's spin-then-block hand-off (native/cpu/expert_common.h): regions that hand out
+    fewer chunks than there are workers (so idle workers skip generations), calls after the pool
+    has gone to sleep, concurrent callers (ctypes drops the GIL) and a forked child (no workers
+    inherited) all give the one-thread bits."""
+    import select
+    import threading
+    import time
+
+    rng = np.random.default_rng(5)
+    m = cpu_native.t158(*_random_t158(rng, 300, 640))
+    X = rng.standard_normal((3, 640)).astype(np.float32)
+    want = cpu_native.gemm(m, X, threads=1)
+    for threads in (8, 2, 3, 8, 2, 5, 2):  # grow the pool, then use a part of it
+        np.testing.assert_array_equal(cpu_native.gemm(m, X, threads=threads), want)
+    time.sleep(0.05)  # past the spin window: every worker blocks on the condition variable
+    np.testing.assert_array_equal(cpu_native.gemm(m, X, threads=8), want)
+
+    errors = []
+
+    def caller(threads):
+        try:
+            for _ in range(30):
+                np.testing.assert_array_equal(cpu_native.gemm(m, X, threads=threads), want)
+        except Exception as exc:  # reported below: a thread cannot fail the test itself
+            errors.append(exc)
+
+    callers = [threading.Thread(target=caller, args=(t,)) for t in (2, 3, 4)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join()
+    assert not errors, errors
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: a fresh pool; report through the pipe, never return into pytest
+        ok_child = False
+        try:
+            ok_child = np.array_equal(cpu_native.gemm(m, X, threads=4), want)
+        finally:
+            os.write(w, b"1" if ok_child else b"0")
+            os._exit(0)
+    os.close(w)
+    if not select.select([r], [], [], 60)[0]:  # a lost wake-up would hang the child
+        os.kill(pid, 9)
+    got = os.read(r, 1) if select.select([r], [], [], 0)[0] else b"timeout"
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert got == b"1"
+
+
 def test_env_forces_lower_isa(tmp_path):
     code = ("from mtplx_runtime.kernels import cpu_native as k; "
             "print(k.isa(), k.available()[1])")
