@@ -15,7 +15,6 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .. import checkpoint  # noqa: F401  (first: storage.bank alone hits an import cycle)
 from ..model.layers import SITU_BETA, SITU_LINEAR_BETA, glu_mlp
 from ..storage.bank import PROJECTIONS, record_parts
 
