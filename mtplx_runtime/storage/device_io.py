@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .buffers import aligned_buffer, buffer_address
+from .buffers import KvikioReader, aligned_buffer, buffer_address, gpu_reader_available
 from .reader import RecordHashError
 
 log = logging.getLogger(__name__)
@@ -57,26 +57,23 @@ class SlotGuard:
             event.synchronize()
 
 
-def kvikio_status() -> tuple[bool, str]:
-    """(usable, description): kvikio's import and whether it runs GDS or its compat mode."""
+def kvikio_mode() -> str:
+    """Whether kvikio reads with GPUDirect Storage or its POSIX compat mode (never raises)."""
     try:
-        import kvikio
         import kvikio.defaults
-    except Exception as e:  # missing or broken install: staging reads instead
-        return False, f"kvikio unavailable ({type(e).__name__}: {e})"
-    try:
+
         compat = bool(kvikio.defaults.is_compat_mode_preferred())
-    except Exception as e:
-        return False, f"kvikio could not report its mode ({type(e).__name__}: {e})"
-    mode = "compat mode (POSIX reads + bounce buffers)" if compat else "GPUDirect Storage"
-    return True, f"kvikio {getattr(kvikio, '__version__', '?')}, {mode}"
+    except Exception as e:  # API differences between releases: the mode is only reported
+        return f"mode unknown ({type(e).__name__})"
+    return "compat mode (POSIX reads + bounce buffers)" if compat else "GPUDirect Storage"
 
 
 class DeviceReader:
     """`read_into(part, offset, length, buf, *, sha256=None) -> Future[int]` into device slots,
     the RecordReader contract (which it wraps) for cupy destinations.
 
-    use_kvikio: True, False or "auto" (kvikio when it imports and reports a mode). staging_bytes:
+    use_kvikio: True, False or "auto" (kvikio when cupy sees a GPU and kvikio imports: the
+    storage.buffers.KvikioReader). staging_bytes:
     the largest read (one record); `threads` staging buffers of that size are allocated, pinned
     when cupy can. `to_device(host_view, dev_buf)` copies and returns when the bytes have landed
     (default: cupy `set` on a dedicated copy stream, then that stream's synchronize); tests pass a
@@ -89,15 +86,15 @@ class DeviceReader:
         if use_kvikio not in (True, False, "auto"):
             raise ValueError(f"use_kvikio must be True, False or 'auto', got {use_kvikio!r}")
         self.reader, self.guard = reader, guard or SlotGuard()
-        ok, self.mode = kvikio_status() if use_kvikio else (False, "staging (kvikio off)")
+        ok, why = gpu_reader_available() if use_kvikio else (False, "kvikio off")
         if use_kvikio is True and not ok:
-            raise RuntimeError(f"use_kvikio=True but {self.mode}")
+            raise RuntimeError(f"use_kvikio=True but {why}")
         self.kvikio = ok
-        if not ok:
-            self.mode = f"staged: pread -> pinned host buffer -> copy stream; {self.mode}"
+        self._kvikio = KvikioReader(reader.root, [p[:2] for p in reader.parts]) if ok else None
+        self._kvikio_lock = threading.Lock()  # KvikioReader opens files lazily, unlocked
+        self.mode = (f"kvikio: {why}, {kvikio_mode()}" if ok else
+                     f"staged: pread -> pinned host buffer -> copy stream ({why})")
         log.info("device reads: %s", self.mode)
-        self._files: dict[int, object] = {}
-        self._files_lock = threading.Lock()
         self._to_device = to_device or _stream_copy()
         self._staging: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(0 if ok else threads):
@@ -124,7 +121,9 @@ class DeviceReader:
 
     def _kvikio_read(self, part, offset, length, buf, sha256) -> int:
         self.guard.wait(buf)
-        got = self._file(part).pread(buf[:length], length, offset).get()
+        with self._kvikio_lock:
+            future = self._kvikio.read_into(part, offset, length, buf[:length])
+        got = future.get()
         if got != length:
             raise OSError(f"part {part}: kvikio read {got} of {length} B at offset {offset}")
         if sha256 is not None:
@@ -133,16 +132,6 @@ class DeviceReader:
                 raise RecordHashError(f"part {part} offset {offset}: sha256 {digest} != {sha256}")
         return length
 
-    def _file(self, part: int):
-        import kvikio
-
-        with self._files_lock:
-            f = self._files.get(part)
-            if f is None:
-                f = self._files[part] = kvikio.CuFile(self.reader.root / self.reader.parts[part][0],
-                                                      "r")
-            return f
-
     @property
     def direct(self):
         return self.reader.direct
@@ -150,10 +139,8 @@ class DeviceReader:
     def close(self) -> None:
         """Finish running reads, drop queued ones, close kvikio files and the wrapped reader."""
         self._pool.shutdown(wait=True, cancel_futures=True)
-        with self._files_lock:
-            for f in self._files.values():
-                f.close()
-            self._files.clear()
+        if self._kvikio is not None:
+            self._kvikio.close()
         self.reader.close()
 
 
