@@ -112,12 +112,15 @@ def _attach_streaming(args, model, kernels):
                          prefill_chunk=args.prefill_chunk, manifest=manifest)
     except PlanError as e:
         raise CliError(str(e)) from None
-    provider = streaming.StreamingExpertProvider(
-        args.model, model.cfg, model.dtype,
-        device_bytes=plan.device_slots * plan.record_stride,
-        host_bytes=plan.host_slots * plan.record_stride,
-        policy=args.cache_policy, lookahead=args.lookahead, manifest=manifest,
-        kernels=kernels)
+    try:
+        provider = streaming.StreamingExpertProvider(
+            args.model, model.cfg, model.dtype,
+            device_bytes=plan.device_slots * plan.record_stride,
+            host_bytes=plan.host_slots * plan.record_stride,
+            policy=args.cache_policy, lookahead=args.lookahead, manifest=manifest,
+            kernels=kernels)
+    except ValueError as e:  # a bank the chosen kernels cannot run, or an inconsistent bank
+        raise CliError(str(e)) from None
     streaming.attach(model, provider)
     return provider, plan
 

@@ -75,6 +75,9 @@ class StreamingExpertProvider:
         self.manifest = manifest if manifest is not None else load_manifest(root / MANIFEST_NAME)
         q = self.manifest.quantization
         self.layout = record_layout(cfg, q["mode"], q["bits"])
+        why = getattr(self.kernels, "unsupported", lambda layout: None)(self.layout)
+        if why:
+            raise ValueError(f"{root}: {why}")
         self.codec = self.layout.codec
         self.stride_bytes = self.layout.logical_bytes
         self._records = {}

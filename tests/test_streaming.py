@@ -235,3 +235,22 @@ def test_unknown_kernels_is_a_clear_error(built):
     src, art, *_ = built["t158"]
     with pytest.raises(ValueError, match="unknown kernel backend 'gpu'"):
         streamed(src, art, kernels="gpu")
+
+
+def test_kernels_that_cannot_run_the_bank_are_refused_at_load(built, monkeypatch):
+    """A backend reporting a bank mode it has no kernel for fails at construction with its
+    reason, not at the first forward (the cuda backend does so for ct-int-asym and bf16)."""
+    from types import SimpleNamespace
+
+    from mtplx_runtime.kernels import cuda, reference
+    from mtplx_runtime.storage.bank import record_layout
+
+    shapes = SimpleNamespace(expert_shapes={"gate": (128, 64), "up": (128, 64),
+                                            "down": (64, 128)})
+    assert cuda.unsupported(record_layout(shapes, "t158")) is None
+    assert cuda.unsupported(record_layout(shapes, "ct-int", 4)) is None
+    assert "ct-int-asym" in cuda.unsupported(record_layout(shapes, "ct-int-asym", 3))
+    src, art, *_ = built["bf16"]
+    monkeypatch.setattr(reference, "unsupported", cuda.unsupported, raising=False)
+    with pytest.raises(ValueError, match="no CUDA kernel for bank mode 'bf16'"):
+        streamed(src, art)

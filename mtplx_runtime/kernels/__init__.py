@@ -10,7 +10,8 @@ empty pick, skipped, and `acc` (fp32 [T, R]) carries the running sum from one wi
 next in the reference's order.
 
 Every backend module also names its `DEVICE` ("cpu" or "cuda"): where the expert slots and the
-activations it is given must live.
+activations it is given must live; a backend that cannot run every bank mode has
+`unsupported(layout) -> reason | None`, which callers check at load.
 
 Backends: `reference` (codec decode to float + torch matmul: the definition), `cpu` (native C
 library), `cuda` (native/*.cu through cupy). Choice: the `name` argument, else the environment

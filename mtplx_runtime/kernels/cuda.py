@@ -75,12 +75,19 @@ def _module(source: str):
     return cupy.RawModule(code=code, options=("--std=c++17", f"-I{NATIVE}"))
 
 
+def unsupported(layout) -> str | None:
+    """Why this backend cannot run records of `layout` (None: it can). Checked at load."""
+    if (layout.mode, layout.bits if layout.mode == "ct-int" else None) not in KERNELS:
+        return (f"no CUDA kernel for bank mode {layout.mode!r} bits {layout.bits}; use the cpu "
+                "or reference backend")
+    return None
+
+
 def kernel_key(layout) -> tuple[str, int | None]:
-    key = (layout.mode, layout.bits if layout.mode == "ct-int" else None)
-    if key not in KERNELS:
-        raise NotImplementedError(f"no CUDA kernel for bank mode {layout.mode!r} bits "
-                                  f"{layout.bits}; use the cpu or reference backend")
-    return key
+    why = unsupported(layout)
+    if why:
+        raise NotImplementedError(why)
+    return layout.mode, layout.bits if layout.mode == "ct-int" else None
 
 
 def segment_offsets(layout) -> dict[str, int]:
