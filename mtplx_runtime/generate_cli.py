@@ -14,6 +14,7 @@ resident (tiny models, tests). `load_runtime`, `run_turn` and `ReplyPrinter` are
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +136,10 @@ def _kernels(name: str | None):
         raise CliError(str(e)) from None
 
 
+def _name(kernels) -> str:
+    return kernels.__name__.rsplit(".", 1)[-1]
+
+
 def _record_bytes(model_dir: str) -> int | None:
     """Logical bytes of one expert record, for the trace header; None if it cannot be told."""
     from .plan import PlanError, facts_from_dir
@@ -164,6 +169,13 @@ def load_runtime(args) -> Runtime:
         raise CliError(f"--kernels {args.kernels} runs on streamed experts: give a streaming "
                        "artifact (mtplx build-manifest) or drop --kernels")
     kernels = _kernels(args.kernels) if streamed else None
+    from .kernels import ENV, cuda
+
+    chosen_by = args.kernels or os.environ.get(ENV) or "auto"
+    if kernels is not None and chosen_by == "auto" and kernels.DEVICE != "cuda":
+        # The one line a user on a host without a usable GPU sees about the fallback.
+        print(f"mtplx: expert kernels: {_name(kernels)} (CUDA unavailable: "
+              f"{cuda.unavailable_reason()})", file=sys.stderr)
     # With the CUDA kernels the resident tensors (attention, router, shared experts...) live on
     # the GPU too, next to the expert slots; every other backend runs the model on the CPU.
     on_gpu = kernels is not None and kernels.DEVICE == "cuda"
@@ -252,6 +264,7 @@ def stats_line(rt: Runtime, stats) -> str:
     if rt.provider is not None:
         rate = hit_rate(rt.provider)
         line += "; cache hit rate " + ("n/a" if rate is None else f"{100 * rate:.1f}%")
+        line += f"; kernels {_name(rt.provider.kernels)}"
     if rt.trace is not None:
         line += f"; {rt.trace.lines} route lines -> {rt.trace.path}"
     return line

@@ -286,7 +286,8 @@ def test_cli_chat_two_turns_then_eof(cli, tiny, monkeypatch, capsys):
     assert "mtplx chat: prompt" not in capsys.readouterr().err
 
 
-def test_cli_streamed_generation_matches_resident(cli, tiny, model, tok, tmp_path, capsys):
+def test_cli_streamed_generation_matches_resident(cli, tiny, model, tok, tmp_path, capsys,
+                                                   monkeypatch):
     pytest.importorskip("mtplx_runtime.streaming")
     from mtplx_runtime.storage.builder import build_artifact
 
@@ -297,7 +298,8 @@ def test_cli_streamed_generation_matches_resident(cli, tiny, model, tok, tmp_pat
                 "--kernels", "reference"]) == 0
     out, err = capsys.readouterr()
     assert out == tok.decode(_manual_greedy(model, tok.encode(PROMPT), 6)) + "\n"
-    assert "cache hit rate" in err
+    assert "cache hit rate" in err and "kernels reference" in err
+    assert "CUDA unavailable" not in err  # an explicit choice is not a fallback
     # The native CPU kernels give the same greedy text, in the default bf16 model too.
     for dtype in ("float32", "bfloat16"):
         texts = []
@@ -308,7 +310,11 @@ def test_cli_streamed_generation_matches_resident(cli, tiny, model, tok, tmp_pat
         assert texts[0] == texts[1] and texts[0].strip(), (dtype, texts)
     from mtplx_runtime.kernels import cuda
 
-    if cuda.unavailable_reason():  # no GPU here: asking for CUDA is a one-line error
+    if cuda.unavailable_reason():  # no GPU here: auto says so once; asking for CUDA is an error
+        monkeypatch.delenv("MTPLX_KERNELS", raising=False)
+        assert cli(["generate", "--model", str(art), "--prompt", "x", "--max-tokens", "1"]) == 0
+        err = capsys.readouterr().err
+        assert err.count("mtplx: expert kernels: cpu (CUDA unavailable: ") == 1, err
         rc = cli(["generate", "--model", str(art), "--prompt", "x", "--kernels", "cuda"])
         err = capsys.readouterr().err
         assert rc == 2 and "kernel backend 'cuda' requested but unavailable" in err, err
