@@ -172,6 +172,37 @@ def test_cpu_expert_mlp_matches_reference(mode, bits, dtype):
         assert torch.equal(one[0], got[t])
 
 
+def _per_expert(x, ids, w, slots, store, layout, out):
+    """The cpu backend before `cpu_native.layer`: one `cpu_native.expert` call per expert, then
+    out[tok] += y * weight in NumPy fp32, in ascending expert id."""
+    xs = x.float().numpy()
+    for e in [e for e in torch.unique(ids).tolist() if e >= 0]:
+        m = cpu_native.record_matrices(layout, store[slots[e]])
+        tok, k = (a.numpy() for a in torch.nonzero(ids == e, as_tuple=True))
+        y = cpu_native.expert(m["gate"], m["up"], m["down"], xs[tok], 4.0, 25.0,
+                              round_model=x.dtype == torch.bfloat16)
+        out[tok] += y * w.numpy()[tok, k][:, None]
+    return out
+
+
+@pytest.mark.parametrize("t", [1, T])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode,bits", BANK_MODES)
+def test_layer_call_equals_per_expert_calls(mode, bits, dtype, t, isa):
+    """One native layer call == the per-expert calls and NumPy combine, bit for bit (-1 picks
+    included; acc added into)."""
+    layout, store = make_bank(mode, bits, seed=3)
+    ids, w, slots = _routing(4)
+    ids, w = torch.where(ids % 3 == 1, -1, ids)[:t], w[:t]
+    x = torch.randn(t, R, generator=torch.Generator().manual_seed(8)).to(dtype)
+    start = torch.randn(t, R, generator=torch.Generator().manual_seed(9))
+    acc = start.clone()
+    cpu.expert_mlp(x, ids, w, slots, store, layout, SHAPES, beta=4.0, beta_lin=25.0, acc=acc)
+    want = _per_expert(x, ids, w, slots, store, layout, start.numpy().copy())
+    assert not np.array_equal(want, start.numpy())
+    np.testing.assert_array_equal(acc.numpy(), want)
+
+
 @pytest.mark.parametrize("backend", [reference, cpu], ids=["reference", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_acc_windows_equal_one_call(backend, dtype):
@@ -237,6 +268,15 @@ def test_bad_inputs_give_clear_errors():
     with pytest.raises(ValueError, match="expert shapes disagree"):
         cpu_native.expert(g, g, g, X, 4.0, 25.0)
     layout, store = make_bank("t158", None)
+    X, acc = np.zeros((2, R), np.float32), np.zeros((2, R), np.float32)
+    one = np.array([0, 1], np.int32), np.array([0], np.int32), np.ones(1, np.float32)
+    with pytest.raises(TypeError, match=r"tok_offsets: expected int32 \[3\]"):
+        cpu_native.layer(layout, store[:2], *one, X, acc, 4.0, 25.0)
+    with pytest.raises(ValueError, match="bad shape or parameter"):  # token 2 of T = 2
+        cpu_native.layer(layout, store[:1], one[0], np.array([2], np.int32), one[2], X, acc,
+                         4.0, 25.0)
+    with pytest.raises(ValueError, match="acc"):
+        cpu_native.layer(layout, store[:1], *one, X, acc[:1].copy(), 4.0, 25.0)
     ids, w, slots = _routing()
     with pytest.raises(KeyError, match="no slot"):
         cpu.expert_mlp(torch.zeros(T, R), ids, w, {0: 7}, store, layout, SHAPES)

@@ -4,12 +4,13 @@
 Shape legend: T tokens, K experts per token, R latent width (3584), I expert width (3072).
 
 Native modes: t158, mxfp4, ct-int and ct-int-asym (3 or 4 bits, the dense layout banks hold),
-through `cpu_native.expert`. Each needed expert runs once over all the tokens that chose it (one
-multi-token call: its weights are read from memory once per layer, which is what prefill needs;
-decode is the n = 1 case). The kernel mirrors the model dtype: in a bf16 model gate·x, up·x, the
-SiTU-GLU output and down·h are rounded to bf16 as the reference's bf16 GEMMs round them; in an
-fp32 model nothing is rounded. The products are combined exactly as the reference does (fp32,
-times the routing weight, index_add_ in ascending expert id).
+in one `cpu_native.layer` call per window (the per-expert Python loop it replaces cost 40-60 us
+an expert). Each needed expert runs once over all the tokens that chose it (its weights are read
+from memory once per layer, which is what prefill needs; decode is the n = 1 case). The kernel
+mirrors the model dtype: in a bf16 model gate·x, up·x, the SiTU-GLU output and down·h are
+rounded to bf16 as the reference's bf16 GEMMs round them; in an fp32 model nothing is rounded.
+The products are combined exactly as the reference does (fp32, times the routing weight, added
+in ascending expert id).
 
 bf16 banks (and a model dtype other than float32/bfloat16) go through `reference.expert_mlp`:
 a bf16 weight needs no decode, so there is no packed format for a CPU kernel to work on.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from ..model.layers import SITU_BETA, SITU_LINEAR_BETA
@@ -52,28 +54,29 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots,
         raise ValueError(f"the cpu backend needs x on the CPU, got {x.device}")
     reference.check_acc(acc, x)
     by_id = reference.expert_slots(ids, slots)
-    needed = [e for e in torch.unique(ids).tolist() if e >= 0]  # ascending; -1: empty pick
-    missing = [e for e in needed if e not in by_id]
+    K = ids.shape[1]
+    flat = ids.cpu().reshape(-1).numpy()  # [T*K]; -1: empty pick
+    picks = np.flatnonzero(flat >= 0)
+    picks = picks[np.argsort(flat[picks], kind="stable")]  # by expert id, then token
+    needed, counts = np.unique(flat[picks], return_counts=True)  # ascending
+    missing = [e for e in needed.tolist() if e not in by_id]
     if missing:
         raise KeyError(f"no slot given for experts {missing}")
-    xs = x.float().contiguous().numpy()  # [T, R] fp32 (exact for bf16 x): the kernels' input
     out = torch.zeros(x.shape, dtype=torch.float32) if acc is None else acc  # [T, R]
-    # The combine runs in NumPy on out's memory: the same fp32 multiply and add per element as
-    # the reference's index_add_, without waking torch's intra-op thread pool for a [n, R] add
-    # between two native calls (measured: tens of ms per expert on a loaded 2-core host).
-    out_np = out.numpy() if out.is_contiguous() else None
-    wts = weights.float().numpy() if out_np is not None else None
-    for e in needed:
-        m = cpu_native.record_matrices(layout, reference.record_view(storage, by_id[e]))
-        if (m["gate"].rows, m["gate"].cols) != tuple(shapes["gate"]):
-            raise ValueError(f"record shapes {m['gate'].rows}x{m['gate'].cols} do not match "
-                             f"shapes {shapes['gate']}")
-        tok, k = torch.nonzero(ids == e, as_tuple=True)  # [n] each, tok distinct
-        y = cpu_native.expert(m["gate"], m["up"], m["down"], xs[tok.numpy()],
-                              beta, beta_lin, round_model=x.dtype == torch.bfloat16)  # [n, R]
-        if out_np is not None:  # tok distinct: out[tok] += is one add per element
-            tk, kk = tok.numpy(), k.numpy()
-            out_np[tk] += y * wts[tk, kk][:, None]
-        else:
-            out.index_add_(0, tok, torch.from_numpy(y) * weights[tok, k].unsqueeze(-1))
+    if len(needed):
+        I, R = cpu_native.record_plan(layout).shape
+        if (I, R) != tuple(shapes["gate"]):
+            raise ValueError(f"record shapes {I}x{R} do not match shapes {shapes['gate']}")
+        offsets = np.zeros(len(needed) + 1, np.int32)
+        np.cumsum(counts, out=offsets[1:])
+        wts = weights.float().cpu().reshape(-1).numpy()
+        # The native call adds into C-contiguous fp32 memory: a strided acc goes through a copy
+        # (the same adds, so the same bits).
+        dst = out if out.is_contiguous() else out.contiguous()
+        records = [reference.record_view(storage, by_id[e]) for e in needed.tolist()]
+        cpu_native.layer(layout, records, offsets, (picks // K).astype(np.int32), wts[picks],
+                         x.float().contiguous().numpy(),  # exact for bf16 x: the kernels' input
+                         dst.numpy(), beta, beta_lin, round_model=x.dtype == torch.bfloat16)
+        if dst is not out:
+            out.copy_(dst)
     return out if acc is not None else out.to(x.dtype)

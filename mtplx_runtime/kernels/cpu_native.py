@@ -1,9 +1,10 @@
 """The native CPU expert kernels (`native/cpu/*.c`, built by `cpu_build`) through ctypes: one
-loader for every codec library and the two entry points they share.
+loader for every codec library and the entry points they share.
 
     m = ctint(packed, scale, zero, bits=3)      # or t158(...), mxfp4(...), record_matrices(...)
     Y = gemm(m, X)                              # Y[n, rows] = X[n, cols] · Wᵀ
     out = expert(gate, up, down, X, beta, beta_lin, round_model=False)   # [n, R]
+    layer(layout, records, offsets, index, weight, X, acc, beta, beta_lin)  # acc[T, R] +=
 
 Each codec is one library (t158_cpu, mxfp4_cpu, ctint_cpu) exporting the same C ABI
 (native/cpu/expert_common.h). The weights stay packed: a call reads each matrix once for all n
@@ -16,6 +17,7 @@ type or dtype, ValueError for layout and shape), because the C code trusts its p
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -58,6 +60,8 @@ def _load(codec: str) -> ctypes.CDLL:
             raise RuntimeError(_errors[codec]) from exc
         lib.mtplx_cpu_gemm.argtypes = [_vp, _vp, _vp, _i, _i, _i, _i, _vp, _i, _vp, _i]
         lib.mtplx_cpu_expert.argtypes = [_vp, _i, _i, _i, _i, _vp, _i, _vp, _f, _f, _i, _i]
+        lib.mtplx_cpu_layer.argtypes = [_vp, _i, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _i, _vp,
+                                        _f, _f, _i, _i]
         lib.mtplx_cpu_set_isa.argtypes = [_i]
         # A new library follows the ISA already chosen for the others.
         current = next(iter(_libs.values())).mtplx_cpu_get_isa() if _libs else _forced_isa()
@@ -256,3 +260,73 @@ def expert(gate: Matrix, up: Matrix, down: Matrix, X: np.ndarray, beta: float, b
         out.ctypes.data, beta, beta_lin, int(round_model), threads or default_threads())
     _raise(rc, f"{gate.codec} expert")
     return out
+
+
+@dataclass(frozen=True)
+class RecordPlan:
+    """Where a record of one bank layout keeps its matrices: codec, gate's [I, R], the ct-int
+    bit width, and the byte offsets of {gate, up, down} x {packed, scale, zero} (None: no
+    zero point) from the record start."""
+
+    codec: str
+    shape: tuple[int, int]
+    bits: int
+    offsets: tuple[int | None, ...]
+
+
+@functools.cache
+def record_plan(layout) -> RecordPlan:
+    """The RecordPlan of `layout` (a `storage.bank.RecordLayout`), found once by viewing a blank
+    record with `record_matrices`, so the layer call needs no per-record views (~11 us each)."""
+    blank = np.zeros(layout.logical_bytes, np.uint8)
+    m = record_matrices(layout, blank)
+    base = blank.ctypes.data
+    offsets = tuple(None if p is None else p - base
+                    for proj in ("gate", "up", "down") for p in m[proj].pointers())
+    return RecordPlan(m["gate"].codec, (m["gate"].rows, m["gate"].cols), m["gate"].bits, offsets)
+
+
+def _vector(a, dtype, n: int, what: str) -> np.ndarray:
+    if not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != (n,):
+        raise TypeError(f"{what}: expected {np.dtype(dtype)} [{n}], got "
+                        f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{what}: array must be C-contiguous")
+    return a
+
+
+def layer(layout, records, tok_offsets: np.ndarray, tok_index: np.ndarray,
+          tok_weight: np.ndarray, X: np.ndarray, acc: np.ndarray, beta: float, beta_lin: float,
+          *, round_model: bool = False, threads: int | None = None) -> None:
+    """A window of experts in one native call, added into acc float32 [T, R] in place.
+
+    records: the record bytes (uint8 arrays or buffers of `layout`) of the experts, in the order
+    they are combined (ascending expert id). Expert i runs once over its tokens tok_index[j] for
+    j in [tok_offsets[i], tok_offsets[i + 1]) (rows of X float32 [T, R]), then
+    acc[tok_index[j]] += y_j * tok_weight[j] in fp32, expert after expert: `expert` per expert
+    followed by that combine, bit for bit. tok_offsets int32 [len(records) + 1] from 0;
+    tok_index int32 and tok_weight float32 [tok_offsets[-1]]."""
+    plan = record_plan(layout)
+    I, R = plan.shape
+    T = _tokens(X, R, "X").shape[0]
+    if _array(acc, np.float32, "acc").shape != (T, R):
+        raise ValueError(f"acc {acc.shape} must be [{T}, {R}] like X")
+    n = len(records)
+    _vector(tok_offsets, np.int32, n + 1, "tok_offsets")
+    if tok_offsets[0] != 0:
+        raise ValueError("tok_offsets must start at 0")
+    _vector(tok_index, np.int32, int(tok_offsets[-1]), "tok_index")
+    _vector(tok_weight, np.float32, int(tok_offsets[-1]), "tok_weight")
+    raws, ptrs = [], []  # raws keeps any contiguous copy alive through the call
+    for buf in records:
+        raw = np.ascontiguousarray(np.asarray(buf, dtype=np.uint8).reshape(-1))
+        if raw.size < layout.logical_bytes:
+            raise ValueError(f"record holds {raw.size} bytes, its layout {layout.logical_bytes}")
+        raws.append(raw)
+        base = raw.ctypes.data
+        ptrs += [None if o is None else base + o for o in plan.offsets]
+    rc = _load(plan.codec).mtplx_cpu_layer(
+        (ctypes.c_void_p * len(ptrs))(*ptrs), n, tok_offsets.ctypes.data, tok_index.ctypes.data,
+        tok_weight.ctypes.data, R, I, plan.bits, 0, X.ctypes.data, T,  # 0: dense, as banks hold
+        acc.ctypes.data, beta, beta_lin, int(round_model), threads or default_threads())
+    _raise(rc, f"{plan.codec} layer")
