@@ -18,8 +18,8 @@ import functools
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
+import expert_banks
 import numpy as np
 import pytest
 import torch
@@ -28,7 +28,6 @@ from mtplx_runtime.formats.ctint import CtIntCodec
 from mtplx_runtime.formats.mxfp4 import decode_mxfp4
 from mtplx_runtime.formats.t158 import decode_t158
 from mtplx_runtime.kernels import cpu, cpu_native, reference
-from mtplx_runtime.storage.bank import PROJECTIONS, record_bytes, record_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 ok, why = cpu_native.available()
@@ -132,14 +131,8 @@ def test_expert_matches_float64(codec, isa):
 
 @functools.cache
 def make_bank(mode, bits, seed=0):
-    """(layout, storage [E, record bytes] uint8 with expert e in slot E-1-e); read-only."""
-    layout = record_layout(SimpleNamespace(expert_shapes=SHAPES), mode, bits)
-    rng = np.random.default_rng(seed)
-    store = np.zeros((E, layout.logical_bytes), dtype=np.uint8)
-    for e in range(E):
-        parts = {p: layout.codec.encode(rng.standard_normal(SHAPES[p]).astype(np.float32) * 0.3)
-                 for p in PROJECTIONS}
-        store[E - 1 - e] = np.frombuffer(record_bytes(layout, parts), np.uint8)
+    """expert_banks.make_bank at this file's shapes, cached and read-only."""
+    layout, store = expert_banks.make_bank(mode, bits, R, I, E, seed)
     store.flags.writeable = False
     return layout, store
 

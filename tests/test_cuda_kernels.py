@@ -14,15 +14,13 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
-import numpy as np
+import expert_banks
 import pytest
 import torch
 
 from mtplx_runtime.kernels import cuda, reference
 from mtplx_runtime.kernels.cuda_grouped import group_pairs
-from mtplx_runtime.storage.bank import PROJECTIONS, record_bytes, record_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 R, I, E, K = 2112, 192, 8, 4  # latent, expert width, experts, top-k
@@ -95,15 +93,7 @@ def test_gpu_check_without_gpu_exits_2_cleanly():
 # ---- GPU: cuda vs reference ------------------------------------------------------------
 
 def make_bank(mode, bits, seed=0):
-    """(layout, store [E, record bytes] uint8 with expert e in slot E-1-e)."""
-    layout = record_layout(SimpleNamespace(expert_shapes=SHAPES), mode, bits)
-    rng = np.random.default_rng(seed)
-    store = np.zeros((E, layout.logical_bytes), dtype=np.uint8)
-    for e in range(E):
-        parts = {p: layout.codec.encode(rng.standard_normal(SHAPES[p]).astype(np.float32) * 0.1)
-                 for p in PROJECTIONS}
-        store[E - 1 - e] = np.frombuffer(record_bytes(layout, parts), np.uint8)
-    return layout, store
+    return expert_banks.make_bank(mode, bits, R, I, E, seed, scale=0.1)
 
 
 def device_tier(layout, store):

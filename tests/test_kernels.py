@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
+import expert_banks
 import pytest
 import torch
 
 from mtplx_runtime import kernels
 from mtplx_runtime.kernels import reference
 from mtplx_runtime.model.moe import ExpertWeights, LatentMoE
-from mtplx_runtime.storage.bank import PROJECTIONS, record_bytes, record_layout
+from mtplx_runtime.storage.bank import PROJECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 R, I, E, K, T = 64, 128, 8, 4, 5  # latent, expert width, experts, top-k, tokens
@@ -26,15 +26,7 @@ MODES = [("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4), ("ct-int
 
 
 def make_bank(mode, bits, seed=0):
-    """(layout, storage [E, slot_bytes] uint8 with expert e in slot E-1-e, float weights)."""
-    layout = record_layout(SimpleNamespace(expert_shapes=SHAPES), mode, bits)
-    rng = np.random.default_rng(seed)
-    store = np.zeros((E, layout.logical_bytes), dtype=np.uint8)
-    for e in range(E):
-        parts = {p: layout.codec.encode(rng.standard_normal(SHAPES[p]).astype(np.float32) * 0.3)
-                 for p in PROJECTIONS}
-        store[E - 1 - e] = np.frombuffer(record_bytes(layout, parts), np.uint8)
-    return layout, store
+    return expert_banks.make_bank(mode, bits, R, I, E, seed)
 
 
 class BankProvider:
