@@ -10,11 +10,12 @@ kernels, chosen once at construction) computes; this module only wires them to t
 bit-identical; `cpu` and `cuda` differ by fp32 summation order. Prefill (tokens > 1) reads each
 needed expert once for all its tokens into transient slots, in windows no larger than the
 transient pool, so it never evicts decode experts (on the GPU it shares the device tier).
-`experts` / `stream` still hand out decoded ExpertWeights for callers that want the weights.
+`experts` still hands out decoded ExpertWeights for callers that want the weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -132,49 +133,16 @@ class StreamingExpertProvider:
             r.sha256 if self.verify_sha256 else None)
 
     def experts(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertWeights]:
-        """Weights of experts `ids` (distinct) of `layer`. Blocks until every read has landed."""
-        return dict(self.stream(layer, ids))
-
-    def stream(self, layer: int, ids: Sequence[int], *, tokens: int = 1,
-               uses: int | None = None) -> Iterator[tuple[int, ExpertWeights]]:
-        """Yield (id, ExpertWeights) for each of `ids`: cache hits first, then misses as their
-        reads land, so the caller computes while the rest load. `tokens` > 1 (prefill) reads
-        misses into transient slots and counts `uses` (token-expert pairs) for the dedup factor.
-        A slot is pinned from lookup until its bytes are decoded. Raises PrefetchError (names
-        the expert, file and offset) when a read fails, TimeoutError past `timeout_s`."""
-        if self._closed:
-            raise RuntimeError("StreamingExpertProvider is closed")
+        """Weights of experts `ids` (distinct) of `layer`, decoded from their slots (the
+        reference codec decode, as ResidentExpertProvider). Blocks until every read has landed;
+        the model itself computes through `run_experts` instead."""
         keys = [(int(layer), int(e)) for e in ids]
-        prefill = tokens > 1
-        transient = prefill and self._transient_slots > 0
-        if prefill:
-            self.prefill_uses += len(keys) if uses is None else int(uses)
-            self.prefill_unique += len(keys)
-        hits, misses = self.cache.lookup(keys, transient=transient)
-        pinned = set(self.cache.pin(list(hits) + misses))  # hits, and misses already loading
-        try:
-            self.prefetcher.note_used(hits)
-            # Misses that were loading at lookup (lookahead guesses) share those reads.
-            futures = self.prefetcher.demand([k for k in misses if k in pinned], transient)
-            absent = [k for k in misses if k not in pinned]
-            window = max(1, self._transient_slots) if transient else max(1, len(absent))
-            chunks = [absent[i:i + window] for i in range(0, len(absent), window)] or [[]]
-            futures.update(self.prefetcher.demand(chunks[0], transient))
-            for key, ref in hits.items():  # decode hits while the misses load
-                yield key[1], self._take(key, ref, pinned)
-            for i in range(len(chunks)):
-                t0 = time.monotonic()
-                for key, ref in self.prefetcher.completed(futures, self.timeout_s):
-                    self.stall_ms += (time.monotonic() - t0) * 1e3
-                    if key not in pinned:
-                        pinned.update(self.cache.pin([key]))
-                    yield key[1], self._take(key, ref, pinned)
-                    t0 = time.monotonic()
-                if i + 1 < len(chunks):
-                    futures = self.prefetcher.demand(chunks[i + 1], transient)
-            self._spec_keys.difference_update(keys)
-        finally:
-            self.cache.unpin(pinned)
+        room = max(1, self.cache.quota((layer, 0)))
+        out = {}
+        for i in range(0, len(keys), room):
+            with self._landed(keys[i:i + room], transient=False) as refs:
+                out.update({k[1]: self.decode(self.cache.buffer(ref)) for k, ref in refs.items()})
+        return {int(e): out[int(e)] for e in ids}
 
     def run_experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:
@@ -188,7 +156,7 @@ class StreamingExpertProvider:
         the sum order is the reference's whatever the window count. Every read of a window lands
         before its kernel runs: lookahead prefetch, not this call, overlaps I/O with compute.
         Returns [T, R] in x.dtype; under the reference backend bit-identical to LatentMoE's
-        own loop. Raises PrefetchError / TimeoutError as `stream` does.
+        own loop. Raises PrefetchError (names the expert, file and offset) or TimeoutError.
         """
         if self._closed:
             raise RuntimeError("StreamingExpertProvider is closed")
@@ -201,14 +169,18 @@ class StreamingExpertProvider:
         room = self._transient_slots if transient else max(1, self.cache.quota((layer, 0)))
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, R]
         for i in range(0, len(keys), room):
-            acc = self._run_window(x, ids, weights, keys[i:i + room], transient, acc)
+            with self._landed(keys[i:i + room], transient) as refs:
+                acc = self._compute(x, ids, weights, refs, acc)
         self._spec_keys.difference_update(keys)
         return acc.to(x.dtype)
 
-    def _run_window(self, x, ids, weights, keys: list[ExpertKey], transient: bool,
-                    acc: torch.Tensor) -> torch.Tensor:
-        """Look up, read and pin the experts `keys`, add their products into `acc` [T, R] fp32,
-        unpin. Picks of other experts become empty picks (id -1, the kernel API's skip mark)."""
+    @contextlib.contextmanager
+    def _landed(self, keys: list[ExpertKey], transient: bool) -> Iterator[dict]:
+        """Look up `keys`, read the misses, and yield {key: SlotRef} once every read has landed,
+        with every slot pinned until the block ends (at most the keys' slots are needed at
+        once: callers size `keys` to fit). Raises PrefetchError / TimeoutError."""
+        if self._closed:
+            raise RuntimeError("StreamingExpertProvider is closed")
         hits, misses = self.cache.lookup(keys, transient=transient)
         pinned = set(self.cache.pin(list(hits) + misses))  # hits, and misses already loading
         try:
@@ -219,15 +191,16 @@ class StreamingExpertProvider:
             pinned.update(self.cache.pin([k for k in misses if k not in pinned]))
             refs = dict(hits)
             t0 = time.monotonic()
-            for key, ref in self.prefetcher.completed(futures, self.timeout_s):
-                refs[key] = ref
+            refs.update(self.prefetcher.completed(futures, self.timeout_s))
             self.stall_ms += (time.monotonic() - t0) * 1e3
-            return self._compute(x, ids, weights, refs, acc)
+            yield refs
         finally:
             self.cache.unpin(pinned)
 
     def _compute(self, x, ids, weights, refs: Mapping, acc: torch.Tensor) -> torch.Tensor:
-        """Run the kernels over the experts of `refs` ({key: SlotRef}, landed and pinned)."""
+        """Add the products of the experts of `refs` ({key: SlotRef}, landed and pinned) into
+        `acc` [T, R] fp32. Picks of other experts become empty picks (id -1, the kernel API's
+        skip mark)."""
         window = torch.tensor(sorted(k[1] for k in refs), dtype=ids.dtype, device=ids.device)
         mine = torch.isin(ids, window)  # [T, K]
         rows = mine.any(dim=1).nonzero().squeeze(1)  # [n] tokens that use this window
@@ -250,13 +223,6 @@ class StreamingExpertProvider:
                                            self.layout, acc=acc[rows], **self._kernel_args)
         acc[rows] = part.to(acc.device)
         return acc
-
-    def _take(self, key: ExpertKey, ref, pinned: set) -> ExpertWeights:
-        """Decode the slot's record, then release its pin (the tensors are fresh copies)."""
-        ew = self.decode(self.cache.buffer(ref))
-        self.cache.unpin([key])
-        pinned.discard(key)
-        return ew
 
     def decode(self, buf) -> ExpertWeights:
         """Record bytes -> ExpertWeights: the mode codec's reference decode to float32, then the

@@ -140,9 +140,10 @@ def test_experts_contract_and_dedup(built):
         for e in (0, 3, 5):
             for p in ("gate", "up", "down"):
                 assert torch.equal(getattr(got[e], p), getattr(want[e], p))
-        order = [e for e, _ in provider.stream(1, [0, 3, 5, 7], tokens=4, uses=8)]
-        assert sorted(order) == [0, 3, 5, 7]
-        assert order == [0, 3, 5, 7]  # the three cached experts first, then the read
+        # A 4-token prefill over experts 0, 3, 5 (cached) and 7 (read): 8 uses of 4 records.
+        ids = torch.tensor([[0, 3], [5, 7], [0, 7], [3, 5]])
+        r = torch.randn(4, model.cfg.routed_expert_hidden_size)
+        provider.run_experts(1, r, ids, torch.ones(4, 2))
         assert provider.cache.where((1, 7)).transient  # a prefill miss takes a transient slot
         assert provider.stats()["prefill_dedup"] == {"uses": 8, "unique": 4, "factor": 2.0}
 
@@ -192,7 +193,7 @@ def test_guess_landing_before_demand_counts_as_hit(built):
         fut = provider.prefetcher.demand([(2, 6)])[(2, 6)]
         assert fut.done() and fut.result().key == (2, 6)
         assert provider.prefetcher.stats.spec_used == 1
-        assert [e for e, _ in provider.stream(2, [6])] == [6]
+        assert list(provider.experts(2, [6])) == [6]
 
 
 @pytest.mark.parametrize("transient_records", [1, 2, 0])

@@ -66,9 +66,8 @@ class ExpertProvider(Protocol):
 
     Optional streaming methods, used when present (mtplx_runtime/streaming.py):
     `hint(layer, hidden [T, D], ids [T, K])` right after routing (lookahead for later layers,
-    scoring of earlier guesses), and `stream(layer, ids, tokens=T, uses=n)` yielding
-    (id, ExpertWeights) as each becomes available, so resident experts compute while misses load.
-    `run_experts(layer, r [T, R], ids [T, K], weights [T, K]) -> [T, R]`, when present, replaces
+    scoring of earlier guesses), and
+    `run_experts(layer, r [T, R], ids [T, K], weights [T, K]) -> [T, R]`, which replaces
     the block's own expert loop: the provider runs a kernel backend (mtplx_runtime/kernels)
     straight on its cached record bytes and returns the combined routed sum in r.dtype.
     """
@@ -164,24 +163,17 @@ class LatentMoE:
         """sum_k w[t, k] * expert_k(r_t) from decoded ExpertWeights: r [T, R] -> [T, R] r.dtype."""
         cfg = self.cfg
         needed = torch.unique(ids).tolist()  # [U] ascending
-        stream = getattr(self.provider, "stream", None)
-        if stream is not None:  # (id, weights) as reads land: compute overlaps the I/O
-            arrivals = stream(self.layer, needed, tokens=ids.shape[0], uses=ids.numel())
-        else:
-            experts = self.provider.experts(self.layer, needed)
-            arrivals = ((e, experts[e]) for e in needed)
-        ys = {}
-        for e, ew in arrivals:
-            tok, slot = torch.nonzero(ids == e, as_tuple=True)  # [n] each, tok distinct
-            ys[e] = tok, slot, glu_mlp(r[tok], ew.gate, ew.up, ew.down, cfg.activation_situ_beta,
-                                       cfg.activation_situ_linear_beta)  # [n, R]
+        experts = self.provider.experts(self.layer, needed)
         # Combine (§4.6 step 3): each bf16 y_e -> fp32, × its fp32 weight, summed in fp32.
-        # Experts combine in ascending id (whatever order they arrived in) and each token's ids
-        # are sorted and distinct, so every token's products land in acc in sorted-id order: the
-        # same left-to-right fp32 sum as a per-token loop (0 + a is exact), whatever the batch.
+        # Experts combine in ascending id and each token's ids are sorted and distinct, so every
+        # token's products land in acc in sorted-id order: the same left-to-right fp32 sum as a
+        # per-token loop (0 + a is exact), whatever the batch.
         acc = torch.zeros(r.shape, dtype=torch.float32, device=r.device)  # [T, R]
         for e in needed:
-            tok, slot, y = ys[e]
+            ew = experts[e]
+            tok, slot = torch.nonzero(ids == e, as_tuple=True)  # [n] each, tok distinct
+            y = glu_mlp(r[tok], ew.gate, ew.up, ew.down, cfg.activation_situ_beta,
+                        cfg.activation_situ_linear_beta)  # [n, R]
             acc.index_add_(0, tok, y.float() * w[tok, slot].unsqueeze(-1))
         return acc.to(r.dtype)
 
