@@ -219,6 +219,7 @@ def one_compute_thread():
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .kernels import name_of
     from .model.kimi_k3 import load_model
     from .tokenizer import load_tokenizer
 
@@ -248,7 +249,7 @@ def _run(args: argparse.Namespace) -> int:
               f"{cfg.num_experts} experts (top-{cfg.num_experts_per_token}); cache "
               f"{args.slots_per_layer} device + {args.host_slots_per_layer} host slots per "
               f"layer, lookahead {args.lookahead}, kernels "
-              f"{provider.kernels.__name__.rsplit('.', 1)[-1]}")
+              f"{name_of(provider.kernels)}")
         print(f"prompt: {args.prompt!r} ({len(prompt)} tokens)")
         out.write("text:   ")
         ids, stats, after_prefill = stream_generate(model, tok, prompt, args.max_tokens, out,

@@ -136,10 +136,6 @@ def _kernels(name: str | None):
         raise CliError(str(e)) from None
 
 
-def _name(kernels) -> str:
-    return kernels.__name__.rsplit(".", 1)[-1]
-
-
 def _record_bytes(model_dir: str) -> int | None:
     """Logical bytes of one expert record, for the trace header; None if it cannot be told."""
     from .plan import PlanError, facts_from_dir
@@ -169,12 +165,12 @@ def load_runtime(args) -> Runtime:
         raise CliError(f"--kernels {args.kernels} runs on streamed experts: give a streaming "
                        "artifact (mtplx build-manifest) or drop --kernels")
     kernels = _kernels(args.kernels) if streamed else None
-    from .kernels import ENV, cuda
+    from .kernels import ENV, cuda, name_of
 
     chosen_by = args.kernels or os.environ.get(ENV) or "auto"
     if kernels is not None and chosen_by == "auto" and kernels.DEVICE != "cuda":
         # The one line a user on a host without a usable GPU sees about the fallback.
-        print(f"mtplx: expert kernels: {_name(kernels)} (CUDA unavailable: "
+        print(f"mtplx: expert kernels: {name_of(kernels)} (CUDA unavailable: "
               f"{cuda.unavailable_reason()})", file=sys.stderr)
     # With the CUDA kernels the resident tensors (attention, router, shared experts...) live on
     # the GPU too, next to the expert slots; every other backend runs the model on the CPU.
@@ -260,11 +256,13 @@ def hit_rate(provider) -> float | None:
 
 
 def stats_line(rt: Runtime, stats) -> str:
+    from .kernels import name_of
+
     line = stats.summary()
     if rt.provider is not None:
         rate = hit_rate(rt.provider)
         line += "; cache hit rate " + ("n/a" if rate is None else f"{100 * rate:.1f}%")
-        line += f"; kernels {_name(rt.provider.kernels)}"
+        line += f"; kernels {name_of(rt.provider.kernels)}"
     if rt.trace is not None:
         line += f"; {rt.trace.lines} route lines -> {rt.trace.path}"
     return line

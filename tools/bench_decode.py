@@ -35,7 +35,7 @@ import torch
 
 from mtplx_runtime.fixtures.k3_slice import make_k3_slice
 from mtplx_runtime.generate import GenerationStats, generate_step
-from mtplx_runtime.kernels import select_backend
+from mtplx_runtime.kernels import name_of, select_backend
 from mtplx_runtime.model.kimi_k3 import load_model
 from mtplx_runtime.storage.buffers import aligned_buffer
 from mtplx_runtime.storage.builder import build_artifact
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
               f"threads={torch.get_num_threads()} layers={a.layers} experts={a.experts} top_k=16 "
               f"bank_bytes={bank} slots_per_layer={a.slots_per_layer} tokens={a.tokens} "
               f"prompt={len(PROMPT)} dtype=bfloat16 build_s={build_s:.0f} "
-              f"kernels={kernels.__name__.rsplit('.', 1)[-1]}", flush=True)
+              f"kernels={name_of(kernels)}", flush=True)
         disk = raw_disk_bps(paths)
         model = load_model(art, dtype="bfloat16")
         t_exp = expert_seconds(art, model, kernels)

@@ -49,6 +49,11 @@ def _cpu() -> tuple[ModuleType | None, str | None]:
     return (None, why) if why else (cpu, None)
 
 
+def name_of(backend: ModuleType) -> str:
+    """"reference", "cpu" or "cuda": the name `select_backend` takes for this backend module."""
+    return backend.__name__.rsplit(".", 1)[-1]
+
+
 def select_backend(name: str | None = None) -> ModuleType:
     """The kernel module for `name` ("reference" | "cpu" | "cuda" | None = env, then auto).
 
