@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from mtplx_runtime import load_model
+from mtplx_runtime.artifact.build import build_artifact
+from mtplx_runtime.artifact.manifest import load_manifest, write_manifest
+from mtplx_runtime.artifact.open import RecordHashError
 from mtplx_runtime.checkpoint import CheckpointError, open_checkpoint
-from mtplx_runtime.checkpoint.bank_experts import RecordHashError
 from mtplx_runtime.fixtures.tiny import make_tiny
-from mtplx_runtime.storage.builder import build_artifact
-from mtplx_runtime.storage.manifest import load_manifest, write_manifest
 
 VARIANTS = {
     "t158": ("t158", {}),

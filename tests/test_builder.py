@@ -13,17 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mtplx_runtime.artifact import part as bank
+from mtplx_runtime.artifact.build import ExpertSource, build_artifact, parse_layers
+from mtplx_runtime.artifact.journal import BuildError, canonical_line, parse_journal
+from mtplx_runtime.artifact.manifest import load_manifest
+from mtplx_runtime.artifact.part import part_name, record_layout, record_parts
+from mtplx_runtime.artifact.rules import PAD, mode_codec
+from mtplx_runtime.artifact.verify import verify_artifact
 from mtplx_runtime.checkpoint import open_checkpoint
+from mtplx_runtime.cli import build_manifest as builder_cli
 from mtplx_runtime.fixtures.tiny import make_tiny, tiny_config
 from mtplx_runtime.formats import FormatError
 from mtplx_runtime.formats.t158 import encode_t158
-from mtplx_runtime.storage import bank, builder_cli
-from mtplx_runtime.storage.bank import part_name, record_layout, record_parts
-from mtplx_runtime.storage.builder import ExpertSource, build_artifact, parse_layers
-from mtplx_runtime.storage.journal import BuildError, canonical_line, parse_journal
-from mtplx_runtime.storage.manifest import load_manifest
-from mtplx_runtime.storage.manifest_rules import PAD, mode_codec
-from mtplx_runtime.storage.verify import verify_artifact
 
 SOURCES = {
     "t158": dict(codec="t158"),
@@ -139,7 +140,7 @@ def test_codec_t158_reencodes(sources, tmp_path):
 def test_install_removes_a_spare_partial_link(tmp_path):
     """A kill between link and unlink leaves `X.partial` as a second link to `X`; the resumed
     build must end with the same directory as an uninterrupted one."""
-    from mtplx_runtime.storage.builder_outputs import install_bytes
+    from mtplx_runtime.artifact.outputs import install_bytes
 
     final = tmp_path / "config.json"
     install_bytes(final, b"{}")

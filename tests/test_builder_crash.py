@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from mtplx_runtime.artifact.build import build_artifact
+from mtplx_runtime.artifact.manifest import ManifestError, load_manifest
 from mtplx_runtime.fixtures.tiny import make_tiny
-from mtplx_runtime.storage.builder import build_artifact
-from mtplx_runtime.storage.manifest import ManifestError, load_manifest
 
 pytestmark = pytest.mark.slow  # ~25 s: each build is a fresh interpreter (~1.5 s of imports)
 
 # per record: after the partial write and after the journal line; per part: after the
 # completion line and after the hard link; then after residents and after the receipt.
 CRASH_POINTS = 5 * 8 * 2 + 5 * 2 + 2
-BUILD = ("from mtplx_runtime.storage.builder_cli import main; import argparse, sys; "
+BUILD = ("from mtplx_runtime.cli.build_manifest import main; import argparse, sys; "
          "sys.exit(main(argparse.Namespace(src=sys.argv[1], out=sys.argv[2], codec='keep', "
          "layers=None, jobs=1, no_progress=True)))")
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtplx_runtime.cache import ExpertCache, SlotTier
-from mtplx_runtime.storage.buffers import buffer_address
+from mtplx_runtime.offload.buffers import buffer_address
+from mtplx_runtime.offload.cache import ExpertCache, SlotTier
 
 REC = 100  # record bytes; slots are 4096 apart
 SLOT = 4096

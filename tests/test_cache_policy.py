@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from mtplx_runtime.cache.policy import (
+from mtplx_runtime.offload.policy import (
     BeladyPolicy,
     DecayedFrequencyPolicy,
     LRUPolicy,

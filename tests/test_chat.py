@@ -12,15 +12,15 @@ import json
 import pytest
 from test_tokenizer import write_k3_like
 
-from mtplx_runtime.chat import (
+from mtplx_runtime.engine.chat import (
     DEFAULT_THINKING_EFFORT,
     build_segments,
     parse_assistant,
     render_chat,
     render_chat_text,
 )
+from mtplx_runtime.engine.tokenizer import load_tokenizer
 from mtplx_runtime.fixtures.tokenizer import write_tokenizer
-from mtplx_runtime.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module", params=["tiny", "k3like"])

@@ -65,10 +65,10 @@ def test_demo_streamed_tokens_equal_the_resident_models(tmp_path, kernels):
     import argparse
     import io
 
-    from mtplx_runtime import demo
-    from mtplx_runtime.generate import generate
+    from mtplx_runtime.cli import demo
+    from mtplx_runtime.engine.generate import generate
+    from mtplx_runtime.engine.tokenizer import load_tokenizer
     from mtplx_runtime.model.kimi_k3 import load_model
-    from mtplx_runtime.tokenizer import load_tokenizer
 
     artifact, built = demo.ensure_artifact(tmp_path, seed=0, rebuild=False)
     assert built

@@ -99,7 +99,7 @@ def make_bank(mode, bits, seed=0):
 def device_tier(layout, store):
     import cupy
 
-    from mtplx_runtime.cache.slots import SlotTier
+    from mtplx_runtime.offload.slots import SlotTier
 
     slot_bytes = -(-layout.logical_bytes // 4096) * 4096
     tier = SlotTier("dev", layout.logical_bytes, E * slot_bytes, device="cuda")

@@ -7,9 +7,9 @@ import hashlib
 import numpy as np
 import pytest
 
-from mtplx_runtime.storage.buffers import aligned_buffer
-from mtplx_runtime.storage.device_io import DeviceReader, SlotGuard, kvikio_mode
-from mtplx_runtime.storage.reader import RecordHashError, RecordReader
+from mtplx_runtime.offload.buffers import aligned_buffer
+from mtplx_runtime.offload.device_io import DeviceReader, SlotGuard, kvikio_mode
+from mtplx_runtime.offload.reader import RecordHashError, RecordReader
 
 PAGE = 4096
 
@@ -94,7 +94,7 @@ def test_guard_waits_once_per_mark():
 
 
 def test_kvikio_demanded_but_missing_is_a_clear_error(part, monkeypatch):
-    import mtplx_runtime.storage.device_io as dio
+    import mtplx_runtime.offload.device_io as dio
 
     monkeypatch.setattr(dio, "gpu_reader_available", lambda: (False, "kvikio unavailable (x)"))
     root, data = part

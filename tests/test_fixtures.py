@@ -14,6 +14,7 @@ import tiktoken.load
 
 from mtplx_runtime.checkpoint import open_checkpoint, resident_tensor_specs
 from mtplx_runtime.checkpoint.safetensors_io import SafetensorsFile
+from mtplx_runtime.cli import make_tiny
 from mtplx_runtime.fixtures import tiny, tiny_weights
 from mtplx_runtime.fixtures import tokenizer as tok
 from mtplx_runtime.formats.t158 import T158Codec
@@ -253,14 +254,14 @@ def test_writer_self_check_catches_a_drifting_encoder(monkeypatch):
 
 def test_cli(tmp_path, capsys):
     parser = argparse.ArgumentParser(prog="mtplx make-tiny")
-    tiny.add_args(parser)
+    make_tiny.add_args(parser)
     args = parser.parse_args([str(tmp_path / "w3"), "--codec", "w3", "--seed", "3",
                               "--w3-layout", "dense", "--w3-asymmetric"])
-    assert tiny.main(args) == 0
+    assert make_tiny.main(args) == 0
     fixture = json.loads((tmp_path / "w3" / "fixture.json").read_text())
     assert (fixture["seed"], fixture["w3_layout"], fixture["w3_symmetric"]) == (3, "dense", False)
     assert "w3 seed=3" in capsys.readouterr().out
     assert tiny.TinyInfo.load(tmp_path / "w3") == tiny.TinyInfo(
         tmp_path / "w3", "w3", tiny.tiny_config(), 3, "dense", False)
     bad = parser.parse_args([str(tmp_path / "m"), "--codec", "mxfp4", "--w3-layout", "dense"])
-    assert tiny.main(bad) == 2
+    assert make_tiny.main(bad) == 2

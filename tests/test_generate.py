@@ -13,11 +13,11 @@ import torch
 
 from mtplx_runtime.cli import SUBCOMMANDS
 from mtplx_runtime.cli import main as cli_main
+from mtplx_runtime.engine.generate import GenerationStats, generate, generate_step, prefill, sample
+from mtplx_runtime.engine.tokenizer import load_tokenizer
+from mtplx_runtime.engine.trace import TRACE_FORMAT, RouteTrace, moe_blocks, read_trace
 from mtplx_runtime.fixtures.tiny import make_tiny
-from mtplx_runtime.generate import GenerationStats, generate, generate_step, prefill, sample
 from mtplx_runtime.model.kimi_k3 import load_model
-from mtplx_runtime.tokenizer import load_tokenizer
-from mtplx_runtime.trace import TRACE_FORMAT, RouteTrace, moe_blocks, read_trace
 
 
 @pytest.fixture(scope="module")
@@ -225,8 +225,8 @@ def test_trace_records_provider_predictions(model, tmp_path):
 
 @pytest.fixture
 def cli(monkeypatch):
-    monkeypatch.setitem(SUBCOMMANDS, "generate", ("mtplx_runtime.generate_cli", "generate"))
-    monkeypatch.setitem(SUBCOMMANDS, "chat", ("mtplx_runtime.chat_cli", "chat"))
+    monkeypatch.setitem(SUBCOMMANDS, "generate", ("mtplx_runtime.cli.generate", "generate"))
+    monkeypatch.setitem(SUBCOMMANDS, "chat", ("mtplx_runtime.cli.chat", "chat"))
     return cli_main
 
 
@@ -263,7 +263,7 @@ def test_cli_bad_streaming_requests_are_one_line_errors(cli, tiny, capsys):
 
 
 def test_cli_chat_two_turns_then_eof(cli, tiny, monkeypatch, capsys):
-    import mtplx_runtime.chat as chat  # chat_cli imports render_chat inside main
+    import mtplx_runtime.engine.chat as chat  # chat_cli imports render_chat inside main
 
     seen = []
 
@@ -288,8 +288,8 @@ def test_cli_chat_two_turns_then_eof(cli, tiny, monkeypatch, capsys):
 
 def test_cli_streamed_generation_matches_resident(cli, tiny, model, tok, tmp_path, capsys,
                                                    monkeypatch):
-    pytest.importorskip("mtplx_runtime.streaming")
-    from mtplx_runtime.storage.builder import build_artifact
+    pytest.importorskip("mtplx_runtime.offload.provider")
+    from mtplx_runtime.artifact.build import build_artifact
 
     art = tmp_path / "art"
     build_artifact(tiny, art, codec="keep", progress=False)

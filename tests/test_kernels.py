@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from mtplx_runtime import kernels
+from mtplx_runtime.artifact.part import PROJECTIONS
 from mtplx_runtime.kernels import reference
 from mtplx_runtime.model.moe import ExpertWeights, LatentMoE
-from mtplx_runtime.storage.bank import PROJECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 R, I, E, K, T = 64, 128, 8, 4, 5  # latent, expert width, experts, top-k, tokens
@@ -167,8 +167,8 @@ def test_parse_ptxas():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode,bits", MODES[:4])
 def test_cuda_matches_reference(mode, bits, dtype):
-    from mtplx_runtime.cache.slots import SlotTier
     from mtplx_runtime.kernels import cuda
+    from mtplx_runtime.offload.slots import SlotTier
 
     if not cuda.available():
         pytest.skip(cuda.unavailable_reason())

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtplx_runtime.lookahead import LookaheadScore, predict, predicted_keys
 from mtplx_runtime.model.layers import rms_norm
 from mtplx_runtime.model.moe import route
+from mtplx_runtime.offload.lookahead import LookaheadScore, predict, predicted_keys
 
 
 def make_routers(depth, d=16, e=8, k=2, seed=0):

@@ -12,7 +12,7 @@ import time
 import pytest
 from k3_manifest_writer import k3_manifest_dict, serialize
 
-from mtplx_runtime.storage.manifest import (
+from mtplx_runtime.artifact.manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
     ManifestError,
@@ -20,7 +20,7 @@ from mtplx_runtime.storage.manifest import (
     parse_manifest_bytes,
     write_manifest,
 )
-from mtplx_runtime.storage.manifest_rules import (
+from mtplx_runtime.artifact.rules import (
     K3_T158_DESCRIPTOR,
     K3_T158_RECORD_BYTES,
     padded_layout,

@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
+from mtplx_runtime.artifact.build import build_artifact
+from mtplx_runtime.engine.plan import make_plan
 from mtplx_runtime.fixtures.k3_slice import k3_slice_config, make_k3_slice
-from mtplx_runtime.plan import make_plan
-from mtplx_runtime.storage.builder import build_artifact
 
 EXPERTS, TOP_K = 48, 16
 PROMPT = [3, 17, 42, 99]
@@ -22,10 +22,10 @@ BF16 = 2
 # Runs in a fresh interpreter, so ru_maxrss is this run's peak alone.
 CHILD = textwrap.dedent("""
     import json, resource, sys
-    from mtplx_runtime.generate import GenerationStats, generate_step
+    from mtplx_runtime.engine.generate import GenerationStats, generate_step
     from mtplx_runtime.model.kimi_k3 import load_model
-    from mtplx_runtime.plan import make_plan
-    from mtplx_runtime.streaming import StreamingExpertProvider, attach
+    from mtplx_runtime.engine.plan import make_plan
+    from mtplx_runtime.offload.provider import StreamingExpertProvider, attach
 
     art, budget, prompt, max_tokens = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), \\
         int(sys.argv[4])

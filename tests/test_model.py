@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from mtplx_runtime import load_model
+from mtplx_runtime.checkpoint.recode_w4 import recode_checkpoint
 from mtplx_runtime.cli import main as cli_main
 from mtplx_runtime.fixtures.tiny import make_tiny
 from mtplx_runtime.model.kimi_k3 import DecoderLayer, KimiK3, SequenceState
-from mtplx_runtime.recode_w4 import recode_checkpoint
 
 VARIANTS = {
     "t158": ("t158", {}),

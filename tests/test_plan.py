@@ -9,10 +9,11 @@ import json
 import pytest
 from test_config import k3_official
 
-from mtplx_runtime import plan_cli
+from mtplx_runtime.artifact.build import build_artifact
+from mtplx_runtime.artifact.manifest import load_manifest
 from mtplx_runtime.checkpoint import ModelConfig
-from mtplx_runtime.fixtures.tiny import make_tiny
-from mtplx_runtime.plan import (
+from mtplx_runtime.cli import plan as plan_cli
+from mtplx_runtime.engine.plan import (
     ITEMS,
     RUNTIME_FLOOR_BYTES,
     PlanError,
@@ -26,8 +27,7 @@ from mtplx_runtime.plan import (
     plan_for,
     resident_bytes,
 )
-from mtplx_runtime.storage.builder import build_artifact
-from mtplx_runtime.storage.manifest import load_manifest
+from mtplx_runtime.fixtures.tiny import make_tiny
 
 GiB = 2**30
 

@@ -12,7 +12,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from mtplx_runtime.prefetch import NoSlotError, Prefetcher, PrefetchError
+from mtplx_runtime.offload.prefetch import NoSlotError, Prefetcher, PrefetchError
 
 REC = 4096  # bytes per fake record
 T_OUT = 10.0  # every wait in this file is bounded
@@ -412,11 +412,11 @@ def test_many_concurrent_demands_complete(make):
 
 
 def test_real_reader_reads_record_bytes_into_slots(tmp_path):
+    from mtplx_runtime.artifact.build import build_artifact
+    from mtplx_runtime.artifact.manifest import load_manifest
     from mtplx_runtime.fixtures.tiny import make_tiny
-    from mtplx_runtime.storage.buffers import aligned_buffer
-    from mtplx_runtime.storage.builder import build_artifact
-    from mtplx_runtime.storage.manifest import load_manifest
-    from mtplx_runtime.storage.reader import from_manifest
+    from mtplx_runtime.offload.buffers import aligned_buffer
+    from mtplx_runtime.offload.reader import from_manifest
 
     make_tiny(tmp_path / "src", "t158")
     build_artifact(tmp_path / "src", tmp_path / "out", progress=False)

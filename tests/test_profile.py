@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtplx_runtime.profile import cli, load, profile, record_bytes, replay_runtime, synthetic
+from mtplx_runtime.cli import profile as cli
+from mtplx_runtime.profile import load, profile, record_bytes, replay_runtime, synthetic
 from mtplx_runtime.profile.replay import POLICY_NAMES
 from mtplx_runtime.profile.traces import _from_array, write_route_trace
 

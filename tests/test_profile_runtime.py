@@ -4,13 +4,13 @@ counters per layer, prefill (transient slots) included. Lookahead reads are not 
 
 import pytest
 
+from mtplx_runtime.artifact.build import build_artifact
+from mtplx_runtime.engine.generate import generate_step
+from mtplx_runtime.engine.trace import RouteTrace
 from mtplx_runtime.fixtures.tiny import make_tiny
-from mtplx_runtime.generate import generate_step
 from mtplx_runtime.model.kimi_k3 import load_model
+from mtplx_runtime.offload.provider import StreamingExpertProvider, attach
 from mtplx_runtime.profile import load, replay_runtime
-from mtplx_runtime.storage.builder import build_artifact
-from mtplx_runtime.streaming import StreamingExpertProvider, attach
-from mtplx_runtime.trace import RouteTrace
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 5, 120, 77, 11]
 

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mtplx_runtime.storage.manifest import Record, Sidecar, SidecarPart
-from mtplx_runtime.storage.reader import (
+from mtplx_runtime.artifact.manifest import Record, Sidecar, SidecarPart
+from mtplx_runtime.offload.reader import (
     KvikioReader,
     ReadError,
     RecordHashError,
@@ -308,14 +308,14 @@ def test_odirect_unsupported_falls_back_with_one_log_record(bank, monkeypatch, c
         return REAL_OPEN(path, flags, *a, **k)
 
     monkeypatch.setattr(os, "open", no_direct)
-    caplog.set_level(logging.INFO, logger="mtplx_runtime.storage")
+    caplog.set_level(logging.INFO, logger="mtplx_runtime.artifact.manifest")
     with RecordReader(root, parts, direct="auto") as r:
         for part in (0, 1, 0):
             buf = aligned_buffer(2 * PAGE)
             r.read_into(part, 2 * PAGE, 2 * PAGE, buf).result()
             assert buf.tobytes() == data[part][2 * PAGE:4 * PAGE]
         assert r.direct is False
-    records = [rec for rec in caplog.records if rec.name == "mtplx_runtime.storage"]
+    records = [rec for rec in caplog.records if rec.name == "mtplx_runtime.artifact.manifest"]
     assert len(records) == 1 and "O_DIRECT" in records[0].getMessage()
     with RecordReader(root, parts, direct=True) as r:  # asked for explicitly: no silent fallback
         with pytest.raises(ReadError, match="part-000.bin"):
@@ -413,7 +413,7 @@ def test_gpu_path_degrades_cleanly(bank):
 
 
 def test_reader_import_does_not_import_cupy_or_kvikio():
-    code = ("import sys, mtplx_runtime.storage.reader; "
+    code = ("import sys, mtplx_runtime.offload.reader; "
             "bad = [m for m in ('cupy', 'kvikio') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

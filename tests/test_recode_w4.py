@@ -23,12 +23,13 @@ from test_ctint import (
     u32,
 )
 
-from mtplx_runtime import recode_w4
+from mtplx_runtime.checkpoint import recode_w4
 from mtplx_runtime.checkpoint.safetensors_io import (
     CheckpointError,
     SafetensorsFile,
     write_safetensors,
 )
+from mtplx_runtime.cli import recode_w4 as recode_w4_cli
 from mtplx_runtime.formats import get_codec
 from mtplx_runtime.formats.base import f32_to_bf16_bits
 from mtplx_runtime.formats.ctint import parse_quantization_config, weight_shape_tensor
@@ -204,8 +205,8 @@ def test_single_file_checkpoint_and_cli(tmp_path, capsys):
     })
     (root / "config.json").write_text(json.dumps({"quantization_config": qc_020()}))
     parser = argparse.ArgumentParser()
-    recode_w4.add_args(parser)
-    assert recode_w4.main(parser.parse_args([str(root), str(tmp_path / "out")])) == 0
+    recode_w4_cli.add_args(parser)
+    assert recode_w4_cli.main(parser.parse_args([str(root), str(tmp_path / "out")])) == 0
     assert "1 shards, 1 tensors recoded from the dense 3-bit layout" in capsys.readouterr().err
     out = SafetensorsFile(tmp_path / "out" / "model.safetensors")
     assert out.read("x.weight_packed").shape == (8, 8)

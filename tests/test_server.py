@@ -23,12 +23,12 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("uvloop")
 
+from mtplx_runtime.artifact.build import build_artifact  # noqa: E402
 from mtplx_runtime.cli import main as cli_main  # noqa: E402
+from mtplx_runtime.cli.serve import add_args, build, make_server  # noqa: E402
+from mtplx_runtime.engine.generate import generate  # noqa: E402
 from mtplx_runtime.fixtures.tiny import make_tiny  # noqa: E402
-from mtplx_runtime.generate import generate  # noqa: E402
-from mtplx_runtime.server.cli import add_args, build, make_server  # noqa: E402
 from mtplx_runtime.server.engine import ChannelText, StopFilter  # noqa: E402
-from mtplx_runtime.storage.builder import build_artifact  # noqa: E402
 
 KEY = "sk-test-123"
 MODEL = "tiny"
@@ -106,7 +106,7 @@ def _raw(server, method, path, body=None, headers=None, key=KEY):
 def test_help_and_clear_error_without_server_extra(tmp_path):
     code = ("import sys; sys.modules['uvicorn'] = sys.modules['uvloop'] = None\n"
             "from mtplx_runtime.cli import SUBCOMMANDS, main\n"
-            "SUBCOMMANDS.setdefault('serve', ('mtplx_runtime.server.cli', 'serve'))\n"
+            "SUBCOMMANDS.setdefault('serve', ('mtplx_runtime.cli.serve', 'serve'))\n"
             "sys.exit(main(sys.argv[1:]))")
     r = subprocess.run([sys.executable, "-c", code, "serve", "--help"], capture_output=True,
                        text=True, timeout=120)
@@ -146,7 +146,7 @@ def test_chat_streaming_equals_non_streaming(server, client, art):
             think.append((d.model_extra or {}).get("reasoning_content") or "")
         assert ("".join(content), "".join(think)) == (msg.content, reasoning)
         # Same as rendering + greedy generate_step in-process, split by channel.
-        from mtplx_runtime.chat import render_chat
+        from mtplx_runtime.engine.chat import render_chat
 
         rt = server["rt"]
         ids, _ = generate(rt.model, render_chat(rt.tok, msgs, thinking=thinking),

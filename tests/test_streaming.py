@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
+from mtplx_runtime.artifact.build import build_artifact
 from mtplx_runtime.fixtures.tiny import make_tiny
 from mtplx_runtime.model.kimi_k3 import load_model
-from mtplx_runtime.prefetch import PrefetchError
-from mtplx_runtime.storage.builder import build_artifact
-from mtplx_runtime.streaming import StreamingExpertProvider, attach
+from mtplx_runtime.offload.prefetch import PrefetchError
+from mtplx_runtime.offload.provider import StreamingExpertProvider, attach
 
 LAYOUTS = ("mxfp4", "w3", "t158", "bf16")
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 5, 120, 77, 11]
@@ -243,8 +243,8 @@ def test_kernels_that_cannot_run_the_bank_are_refused_at_load(built, monkeypatch
     reason, not at the first forward (the cuda backend does so for ct-int-asym and bf16)."""
     from types import SimpleNamespace
 
+    from mtplx_runtime.artifact.part import record_layout
     from mtplx_runtime.kernels import cuda, reference
-    from mtplx_runtime.storage.bank import record_layout
 
     shapes = SimpleNamespace(expert_shapes={"gate": (128, 64), "up": (128, 64),
                                             "down": (64, 128)})

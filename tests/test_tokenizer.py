@@ -18,15 +18,15 @@ import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtplx_runtime import tokenizer as tkz
-from mtplx_runtime.fixtures import tokenizer as fx
-from mtplx_runtime.tokenizer import (
+from mtplx_runtime.engine import tokenizer as tkz
+from mtplx_runtime.engine.tokenizer import (
     K3_PAT_STR,
     K3_PAT_STR_NO_INTERSECTION,
     load_tokenizer,
     read_ranks,
     split_long_text,
 )
+from mtplx_runtime.fixtures import tokenizer as fx
 
 # Words the K3-like vocabulary holds as single tokens, so chat layouts have K3-like id counts.
 K3_LIKE_WORDS = [

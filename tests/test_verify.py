@@ -11,10 +11,8 @@ import os
 import numpy as np
 import pytest
 
-from mtplx_runtime.checkpoint.safetensors_io import write_safetensors
-from mtplx_runtime.fixtures.tiny import tiny_config
-from mtplx_runtime.storage import verify
-from mtplx_runtime.storage.manifest import (
+from mtplx_runtime.artifact import verify
+from mtplx_runtime.artifact.manifest import (
     EMPTY_SHA256,
     MANIFEST_NAME,
     Manifest,
@@ -26,7 +24,10 @@ from mtplx_runtime.storage.manifest import (
     SidecarPart,
     write_manifest,
 )
-from mtplx_runtime.storage.manifest_rules import descriptor_for, validate_descriptor
+from mtplx_runtime.artifact.rules import descriptor_for, validate_descriptor
+from mtplx_runtime.checkpoint.safetensors_io import write_safetensors
+from mtplx_runtime.cli import verify as verify_cli
+from mtplx_runtime.fixtures.tiny import tiny_config
 
 RES = "resident-00001-of-00001.safetensors"
 
@@ -80,8 +81,8 @@ def build(root, mode="t158", bits=None):
 
 def run_cli(root, *flags):
     p = argparse.ArgumentParser()
-    verify.add_args(p)
-    return verify.main(p.parse_args([str(root), *flags]))
+    verify_cli.add_args(p)
+    return verify_cli.main(p.parse_args([str(root), *flags]))
 
 
 @pytest.mark.parametrize("mode, bits", [("t158", None), ("mxfp4", None), ("ct-int", 3),

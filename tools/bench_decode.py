@@ -33,14 +33,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mtplx_runtime.artifact.build import build_artifact
+from mtplx_runtime.artifact.manifest import load_manifest
+from mtplx_runtime.engine.generate import GenerationStats, generate_step
 from mtplx_runtime.fixtures.k3_slice import make_k3_slice
-from mtplx_runtime.generate import GenerationStats, generate_step
 from mtplx_runtime.kernels import name_of, select_backend
 from mtplx_runtime.model.kimi_k3 import load_model
-from mtplx_runtime.storage.buffers import aligned_buffer
-from mtplx_runtime.storage.builder import build_artifact
-from mtplx_runtime.storage.manifest import load_manifest
-from mtplx_runtime.streaming import MANIFEST_NAME, StreamingExpertProvider, attach
+from mtplx_runtime.offload.buffers import aligned_buffer
+from mtplx_runtime.offload.provider import MANIFEST_NAME, StreamingExpertProvider, attach
 
 PROMPT = [3, 17]
 CHUNK = 8 * 2**20

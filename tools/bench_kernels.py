@@ -25,9 +25,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from mtplx_runtime import checkpoint  # noqa: F401  (first: storage.bank alone hits an import cycle)
+from mtplx_runtime.artifact.part import record_layout
 from mtplx_runtime.kernels import cpu, cpu_native, reference
-from mtplx_runtime.storage.bank import record_layout
 
 CODECS = (("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4))
 

@@ -146,8 +146,8 @@ def _time_ms(fn, iters: int = 10) -> float:
 def timing() -> bool:
     import cupy
 
-    from mtplx_runtime.cache.slots import SlotTier
-    from mtplx_runtime.storage.bank import record_layout  # after kernels (import-cycle order)
+    from mtplx_runtime.artifact.part import record_layout  # after kernels (import-cycle order)
+    from mtplx_runtime.offload.slots import SlotTier
 
     copy = copy_bandwidth()
     print(f"copy bandwidth: {copy:.0f} GB/s (1 GiB device-to-device memcpy, read + write)")

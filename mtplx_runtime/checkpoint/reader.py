@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..artifact.open import BankExpertLayout
 from ..formats import Codec
-from .bank_experts import BankExpertLayout
 from .config import ModelConfig, load_json
 from .layouts import ExpertLayout, ExpertRecord, detect_expert_layout, is_expert_tensor
 from .residents import check_residents
@@ -136,7 +136,7 @@ def _artifact_manifest(root: Path):
     unfinished artifact (build leftovers without the manifest, which is published last)."""
     path = root / MANIFEST
     if path.exists() or path.is_symlink():
-        from ..storage.manifest import load_manifest
+        from ..artifact.manifest import load_manifest
 
         return load_manifest(path)  # ManifestError is a CheckpointError
     leftovers = sorted({p.name for pattern in _BUILD_LEFTOVERS for p in root.glob(pattern)})

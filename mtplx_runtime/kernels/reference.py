@@ -15,8 +15,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from ..artifact.part import PROJECTIONS, record_parts
 from ..model.layers import SITU_BETA, SITU_LINEAR_BETA, glu_mlp
-from ..storage.bank import PROJECTIONS, record_parts
 
 DEVICE = "cpu"  # slot bytes are decoded on the host (results land on x's device)
 

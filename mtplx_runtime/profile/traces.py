@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..trace import TRACE_FORMAT, read_trace
+from ..engine.trace import TRACE_FORMAT, read_trace
 
 PLAIN_MAGIC = "# mtplx-plain-routes"
 K3_SHAPE = {"layers": 92, "experts": 896, "top_k": 16}

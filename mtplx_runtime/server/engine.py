@@ -57,7 +57,7 @@ class ChannelText:
     Same channel logic as `generate_cli.ReplyPrinter`, with the channel kept apart."""
 
     def __init__(self, tok, thinking: bool):
-        from ..chat import CLOSE, OPEN, SEP
+        from ..engine.chat import CLOSE, OPEN, SEP
 
         self._tok, self._dec = tok, tok.stream_decoder(skip_special=True)
         self._open, self._close, self._sep = tok.special(OPEN), tok.special(CLOSE), tok.special(SEP)
@@ -213,7 +213,7 @@ class Engine:
                 req.emit("error", "the server is shutting down")
 
     def _run(self, req: Request) -> None:
-        from ..generate import GenerationStats, generate_step
+        from ..engine.generate import GenerationStats, generate_step
 
         tok, c = self.rt.tok, self.counters
         text = ChannelText(tok, req.thinking) if req.chat else PlainText(tok)

@@ -8,7 +8,7 @@ unvalidated reaches the engine. Thinking is on unless the request turns it off w
 
 from __future__ import annotations
 
-from ..chat import THINKING_EFFORTS
+from ..engine.chat import THINKING_EFFORTS
 
 MAX_STOPS = 4
 ROLES = ("system", "user", "assistant", "tool")
@@ -135,7 +135,7 @@ def _messages(body: dict) -> list[dict]:
 
 
 def chat_params(body, cfg, tok) -> dict:
-    from ..chat import render_chat
+    from ..engine.chat import render_chat
 
     p = _common(body, cfg)
     msgs = _messages(body)

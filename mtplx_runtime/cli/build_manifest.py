@@ -26,8 +26,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .builder import build_artifact
-    from .journal import BuildError
+    from ..artifact.build import build_artifact
+    from ..artifact.journal import BuildError
 
     try:
         r = build_artifact(args.src, args.out, codec=args.codec, layers=args.layers,

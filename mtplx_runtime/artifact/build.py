@@ -26,17 +26,9 @@ from ..checkpoint import open_checkpoint
 from ..formats import FormatError
 from ..formats.ctint import pack_codes, pack_zero_points, unpack_codes, unpack_zero_points
 from ..formats.t158 import encode_t158
-from .bank import (
-    PROJECTIONS,
-    PartResult,
-    RecordLayout,
-    build_part,
-    crash_point,
-    part_name,
-    record_layout,
-    sha256_hex,
-)
-from .builder_outputs import (
+from .journal import JOURNAL_FORMAT, BuildError
+from .manifest import load_manifest, write_manifest
+from .outputs import (
     INDEX,
     MANIFEST,
     RECEIPT,
@@ -48,9 +40,17 @@ from .builder_outputs import (
     receipt_bytes,
     source_hashes,
 )
-from .journal import JOURNAL_FORMAT, BuildError
-from .manifest import load_manifest, write_manifest
-from .manifest_rules import quantization_for
+from .part import (
+    PROJECTIONS,
+    PartResult,
+    RecordLayout,
+    build_part,
+    crash_point,
+    part_name,
+    record_layout,
+    sha256_hex,
+)
+from .rules import quantization_for
 
 KEEP_MODES = {"t158": "t158", "mxfp4": "mxfp4", "bf16": "bf16"}
 

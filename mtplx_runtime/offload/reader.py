@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path, PurePosixPath
 
-from mtplx_runtime.storage.buffers import (
+from mtplx_runtime.offload.buffers import (
     PAGE_BYTES,
     KvikioReader,
     aligned_buffer,
@@ -35,7 +35,7 @@ from mtplx_runtime.storage.buffers import (
 __all__ = ["RecordReader", "ReadError", "RecordHashError", "aligned_buffer", "from_manifest",
            "gpu_reader_available", "KvikioReader"]
 
-log = logging.getLogger("mtplx_runtime.storage")
+log = logging.getLogger("mtplx_runtime.artifact.manifest")
 
 # EINTR and EAGAIN are transient by definition; EIO is retried because virtio/NVMe paths do
 # report one-off EIOs under pressure. Anything else (EINVAL, EBADF, ...) fails at once.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .generate_cli import CliError, ReplyPrinter, add_model_args, load_runtime, run_turn, stats_line
+from .generate import CliError, ReplyPrinter, add_model_args, load_runtime, run_turn, stats_line
 
 PROG = "mtplx chat"
 
@@ -26,7 +26,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .chat import parse_assistant, render_chat
+    from ..engine.chat import parse_assistant, render_chat
 
     try:
         rt = load_runtime(args)

@@ -146,7 +146,7 @@ class DeviceReader:
 
 def _host_buffer(nbytes: int):
     """A page-aligned staging buffer, CUDA-pinned when cupy has a device (async-copy capable)."""
-    from ..cache.slots import SlotTier, cuda_available
+    from .slots import SlotTier, cuda_available
 
     if cuda_available():
         return SlotTier("staging", nbytes, nbytes, pinned_host=True).view(0)

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 __all__ = ["ExpertKey", "PrefetchError", "NoSlotError", "Prefetcher", "PrefetchStats"]
 
-log = logging.getLogger("mtplx_runtime.prefetch")
+log = logging.getLogger("mtplx_runtime.offload.prefetch")
 
 ExpertKey = tuple[int, int]  # (layer, expert), the model's 0-based layer index
 # locate(key) -> (part index, absolute byte offset in the part file, length in bytes, sha256|None)

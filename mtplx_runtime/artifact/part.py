@@ -35,7 +35,7 @@ from .journal import (
     parse_journal,
     truncate_file,
 )
-from .manifest_rules import PAD, mode_codec, padded_layout, record_components
+from .rules import PAD, mode_codec, padded_layout, record_components
 
 ALIGNMENT = 4096  # record and component alignment inside a bank part (O_DIRECT-friendly)
 PROJECTIONS = ("gate", "up", "down")  # record order

@@ -22,10 +22,10 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .checkpoint.config import ModelConfig
-from .checkpoint.residents import resident_tensor_specs
-from .storage.bank import align_up, record_layout
-from .storage.manifest import DTYPE_BYTES, MANIFEST_NAME, load_manifest
+from ..artifact.manifest import DTYPE_BYTES, MANIFEST_NAME, load_manifest
+from ..artifact.part import align_up, record_layout
+from ..checkpoint.config import ModelConfig
+from ..checkpoint.residents import resident_tensor_specs
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2}
 ACT_BYTES = 4  # workspace activations are estimated in fp32 (the reference's fp32 islands)
@@ -99,8 +99,8 @@ def facts_from_dir(model_dir: str | Path, manifest=None) -> ModelFacts:
     `manifest`: the artifact's manifest when the caller has it loaded already."""
     root = Path(model_dir)
     if not (root / MANIFEST_NAME).is_file():
-        from .checkpoint import open_checkpoint
-        from .storage.builder import ExpertSource
+        from ..artifact.build import ExpertSource
+        from ..checkpoint import open_checkpoint
 
         with open_checkpoint(root) as ckpt:
             src = ExpertSource(ckpt, "keep")

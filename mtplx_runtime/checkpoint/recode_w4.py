@@ -13,7 +13,6 @@ A failure after planning (disk full, a bug) leaves a partial DST: delete it and 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -24,23 +23,23 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint.config import load_json
-from .checkpoint.safetensors_io import (
-    ST_DTYPES,
-    CheckpointError,
-    SafetensorsFile,
-    TensorInfo,
-    write_safetensors,
-)
-from .formats.base import FormatError
-from .formats.ctint import (
+from ..formats.base import FormatError
+from ..formats.ctint import (
     GROUP_SIZE,
     detect_layout,
     packed_width,
     parse_quantization_config,
     unpack_codes,
 )
-from .formats.w4recode import recode_packed_w3_to_w4, recode_zero_point_w3_to_w4
+from ..formats.w4recode import recode_packed_w3_to_w4, recode_zero_point_w3_to_w4
+from .config import load_json
+from .safetensors_io import (
+    ST_DTYPES,
+    CheckpointError,
+    SafetensorsFile,
+    TensorInfo,
+    write_safetensors,
+)
 
 # The ct release whose 4-bit packing the output follows; 4-bit packing is the same in all.
 W4_CT_VERSION = "0.20.1"
@@ -268,19 +267,3 @@ def _copy_others(src: Path, dst: Path, skip: set[str]) -> None:
             shutil.copytree(entry, dst / entry.name)
         else:
             shutil.copy2(entry, dst / entry.name)
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", metavar="SRC", help="W3A16 g64 compressed-tensors checkpoint folder")
-    parser.add_argument("dst", metavar="DST", help="new, empty folder for the W4 checkpoint")
-    parser.add_argument("--layout", choices=("dense", "legacy"), default=None,
-                        help="force the 3-bit layout when quantization_config.version contradicts "
-                             "the packed widths (hand-made checkpoints only)")
-    parser.add_argument("--quiet", action="store_true", help="no per-shard progress on stderr")
-
-
-def main(args: argparse.Namespace) -> int:
-    r = recode_checkpoint(args.src, args.dst, progress=not args.quiet, layout=args.layout)
-    print(f"recode-w4: {r.shards} shards, {r.recoded} tensors recoded from the {r.layout} 3-bit "
-          f"layout, {r.copied} copied; {r.bytes_in:,} -> {r.bytes_out:,} B", file=sys.stderr)
-    return 0

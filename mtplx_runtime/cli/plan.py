@@ -26,7 +26,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .plan import PlanError, format_plan, make_plan
+    from ..engine.plan import PlanError, format_plan, make_plan
 
     try:
         plan = make_plan(args.model, memory_budget=args.memory_budget,

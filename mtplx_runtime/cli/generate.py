@@ -91,15 +91,9 @@ def _mem_available_bytes() -> int:
 
 def _attach_streaming(args, model, kernels):
     """(provider, plan): the streaming provider sized by the memory plan, attached to model."""
-    try:
-        from . import streaming
-    except ModuleNotFoundError as e:
-        if e.name != "mtplx_runtime.streaming":
-            raise
-        raise CliError("streamed experts need mtplx_runtime.streaming, which this build lacks; "
-                       "drop --memory-budget to run with resident experts") from None
-    from .plan import PlanError, make_plan
-    from .storage.manifest import MANIFEST_NAME
+    from ..artifact.manifest import MANIFEST_NAME
+    from ..engine.plan import PlanError, make_plan
+    from ..offload import provider as streaming
 
     if not (Path(args.model) / MANIFEST_NAME).is_file():
         raise CliError(f"{args.model} is not a streaming artifact (no {MANIFEST_NAME}); build "
@@ -128,7 +122,7 @@ def _attach_streaming(args, model, kernels):
 
 def _kernels(name: str | None):
     """The kernel backend module for --kernels (select_backend's errors as CliError)."""
-    from .kernels import select_backend
+    from ..kernels import select_backend
 
     try:
         return select_backend(name)
@@ -138,7 +132,7 @@ def _kernels(name: str | None):
 
 def _record_bytes(model_dir: str) -> int | None:
     """Logical bytes of one expert record, for the trace header; None if it cannot be told."""
-    from .plan import PlanError, facts_from_dir
+    from ..engine.plan import PlanError, facts_from_dir
 
     try:
         return facts_from_dir(model_dir).record_bytes
@@ -148,9 +142,9 @@ def _record_bytes(model_dir: str) -> int | None:
 
 def load_runtime(args) -> Runtime:
     """Tokenizer, model, optional streaming provider and route trace from parsed flags."""
-    from .model.kimi_k3 import load_model
-    from .storage.manifest import MANIFEST_NAME
-    from .tokenizer import load_tokenizer
+    from ..artifact.manifest import MANIFEST_NAME
+    from ..engine.tokenizer import load_tokenizer
+    from ..model.kimi_k3 import load_model
 
     for flag, v, low in (("--max-tokens", args.max_tokens, 0), ("--top-k", args.top_k, 0),
                          ("--prefill-chunk", args.prefill_chunk, 1),
@@ -165,7 +159,7 @@ def load_runtime(args) -> Runtime:
         raise CliError(f"--kernels {args.kernels} runs on streamed experts: give a streaming "
                        "artifact (mtplx build-manifest) or drop --kernels")
     kernels = _kernels(args.kernels) if streamed else None
-    from .kernels import ENV, cuda, name_of
+    from ..kernels import ENV, cuda, name_of
 
     chosen_by = args.kernels or os.environ.get(ENV) or "auto"
     if kernels is not None and chosen_by == "auto" and kernels.DEVICE != "cuda":
@@ -180,7 +174,7 @@ def load_runtime(args) -> Runtime:
     if streamed:
         rt.provider, rt.plan = _attach_streaming(args, model, kernels)
     if args.trace_routes:
-        from .trace import RouteTrace
+        from ..engine.trace import RouteTrace
 
         record = rt.plan.record_bytes if rt.plan is not None else _record_bytes(args.model)
         rt.trace = RouteTrace(args.trace_routes, model, model_name=str(args.model),
@@ -193,7 +187,7 @@ class ReplyPrinter:
     response channel bare, other XTML tags (tool calls) as `<tag attrs>` / `</tag>`."""
 
     def __init__(self, tok, thinking: bool):
-        from .chat import CLOSE, OPEN, SEP
+        from ..engine.chat import CLOSE, OPEN, SEP
 
         self._tok, self._dec = tok, tok.stream_decoder(skip_special=True)
         self._open, self._close, self._sep = tok.special(OPEN), tok.special(CLOSE), tok.special(SEP)
@@ -224,7 +218,7 @@ class ReplyPrinter:
 
 def run_turn(rt: Runtime, args, prompt_ids: list[int], printer, out=None):
     """Generate from prompt_ids, writing printer text to `out` as produced; (ids, stats)."""
-    from .generate import GenerationStats, generate_step
+    from ..engine.generate import GenerationStats, generate_step
 
     out = sys.stdout if out is None else out
     stats = GenerationStats()
@@ -256,7 +250,7 @@ def hit_rate(provider) -> float | None:
 
 
 def stats_line(rt: Runtime, stats) -> str:
-    from .kernels import name_of
+    from ..kernels import name_of
 
     line = stats.summary()
     if rt.provider is not None:
@@ -269,7 +263,7 @@ def stats_line(rt: Runtime, stats) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .chat import parse_assistant, render_chat
+    from ..engine.chat import parse_assistant, render_chat
 
     try:
         rt = load_runtime(args)

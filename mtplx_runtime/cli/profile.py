@@ -43,10 +43,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> dict:
     """Everything but printing: the report as a dict (also written to --json/--csv/--plot)."""
-    from ..plan import parse_bytes
-    from . import report, stats
-    from .replay import merge, profile, record_bytes
-    from .traces import load
+    from ..engine.plan import parse_bytes
+    from ..profile import report, stats
+    from ..profile.replay import merge, profile, record_bytes
+    from ..profile.traces import load
 
     t0 = time.perf_counter()
     traces = [load(s) for s in args.traces]
@@ -95,7 +95,7 @@ def run(args) -> dict:
 
 
 def main(args) -> int:
-    from .report import table
+    from ..profile.report import table
 
     try:
         s = run(args)

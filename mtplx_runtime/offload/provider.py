@@ -25,15 +25,15 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from ..artifact.manifest import load_manifest
+from ..artifact.part import PROJECTIONS, record_layout, record_parts
+from ..kernels import select_backend
+from ..model.moe import ExpertWeights, LatentMoE
 from .cache import ExpertCache
-from .kernels import select_backend
+from .device_io import DeviceReader, SlotGuard
 from .lookahead import LookaheadScore, predict, predicted_keys
-from .model.moe import ExpertWeights, LatentMoE
 from .prefetch import Prefetcher
-from .storage.bank import PROJECTIONS, record_layout, record_parts
-from .storage.device_io import DeviceReader, SlotGuard
-from .storage.manifest import load_manifest
-from .storage.reader import from_manifest
+from .reader import from_manifest
 
 __all__ = ["StreamingExpertProvider", "attach", "MANIFEST_NAME"]
 

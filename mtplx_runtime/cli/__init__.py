@@ -11,30 +11,32 @@ import argparse
 import importlib
 import sys
 
-from .checkpoint.safetensors_io import CheckpointError
-from .formats.base import FormatError
+from ..checkpoint.safetensors_io import CheckpointError
+from ..formats.base import FormatError
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("mtplx_runtime.demo",
+    "demo": ("mtplx_runtime.cli.demo",
              "stream text from a tiny K3 through a small expert cache and print the cache stats"),
-    "generate": ("mtplx_runtime.generate_cli",
+    "generate": ("mtplx_runtime.cli.generate",
                  "generate from a prompt (or a one-message chat), streaming text; stats to stderr"),
-    "chat": ("mtplx_runtime.chat_cli",
+    "chat": ("mtplx_runtime.cli.chat",
              "interactive chat on stdin; the whole conversation is re-prefilled each turn"),
-    "make-tiny": ("mtplx_runtime.fixtures.tiny", "write a tiny deterministic K3 checkpoint"),
-    "inspect": ("mtplx_runtime.inspect", "summarise a K3 checkpoint: layout, codec, experts"),
-    "logits": ("mtplx_runtime.logits", "reference forward of a token list, logits to a .npy file"),
-    "profile": ("mtplx_runtime.profile.cli",
+    "make-tiny": ("mtplx_runtime.cli.make_tiny", "write a tiny deterministic K3 checkpoint"),
+    "inspect": ("mtplx_runtime.cli.inspect", "summarise a K3 checkpoint: layout, codec, experts"),
+    "logits": ("mtplx_runtime.cli.logits",
+               "reference forward of a token list, logits to a .npy file"),
+    "profile": ("mtplx_runtime.cli.profile",
                 "replay route traces through the cache policies: hit rate vs capacity, Belady"),
-    "serve": ("mtplx_runtime.server.cli",
+    "serve": ("mtplx_runtime.cli.serve",
               "OpenAI-compatible HTTP server for one model (loopback by default)"),
-    "plan": ("mtplx_runtime.plan_cli",
+    "plan": ("mtplx_runtime.cli.plan",
              "memory plan for a budget: residents, state, cache slots; refuse below the minimum"),
-    "recode-w4": ("mtplx_runtime.recode_w4", "recode a W3 checkpoint to W4 losslessly (for vLLM)"),
-    "build-manifest": ("mtplx_runtime.storage.builder_cli",
+    "recode-w4": ("mtplx_runtime.cli.recode_w4",
+                  "recode a W3 checkpoint to W4 losslessly (for vLLM)"),
+    "build-manifest": ("mtplx_runtime.cli.build_manifest",
                        "build or resume a streaming artifact (bank parts + manifest)"),
-    "verify": ("mtplx_runtime.storage.verify",
+    "verify": ("mtplx_runtime.cli.verify",
                "check an artifact directory against its expert manifest"),
 }
 

@@ -220,7 +220,7 @@ def _reject_constant(name: str) -> None:
 def parse_manifest_bytes(raw: bytes, *, where: str = "manifest",
                          require_digest: bool = True) -> Manifest:
     """Parse, structure-check (§5.5 1-14) and digest-check (§5.4) manifest bytes."""
-    from .manifest_rules import validate_structure
+    from .rules import validate_structure
 
     try:
         text = raw.decode("utf-8")
@@ -312,7 +312,7 @@ def load_manifest(path: str | os.PathLike, *, require_digest: bool = True) -> Ma
 def write_manifest(manifest: Manifest, path: str | os.PathLike) -> str:
     """Set `manifest_sha256` and write canonical compact JSON + "\\n" atomically (temp file,
     fsync, rename, fsync of the directory). Returns the digest. Structure-checks first."""
-    from .manifest_rules import validate_structure
+    from .rules import validate_structure
 
     validate_structure(manifest)
     manifest.manifest_sha256 = None

@@ -18,18 +18,18 @@ import os
 import stat
 from pathlib import Path
 
+from ..checkpoint.config import ModelConfig
+from ..checkpoint.layouts import ExpertLayout, ExpertRecord, ProjectionRecord
+from ..checkpoint.safetensors_io import CheckpointError
 from ..formats import FormatError
-from ..storage.bank import RecordLayout, record_layout, record_parts
-from ..storage.manifest import Manifest, ManifestError, Record
-from ..storage.manifest_rules import (
+from .manifest import Manifest, ManifestError, Record
+from .part import RecordLayout, record_layout, record_parts
+from .rules import (
     K3_T158_DESCRIPTOR,
     descriptor_for,
     mode_codec,
     validate_descriptor,
 )
-from .config import ModelConfig
-from .layouts import ExpertLayout, ExpertRecord, ProjectionRecord
-from .safetensors_io import CheckpointError
 
 
 class RecordHashError(CheckpointError):

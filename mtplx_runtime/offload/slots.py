@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..storage.buffers import PAGE_BYTES, aligned_buffer
+from .buffers import PAGE_BYTES, aligned_buffer
 
 
 def cuda_available() -> bool:

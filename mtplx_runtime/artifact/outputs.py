@@ -15,7 +15,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .bank import ALIGNMENT, HASH_CHUNK, hash_file
 from .journal import BuildError, fsync_dir
 from .manifest import (
     FORMAT,
@@ -30,7 +29,8 @@ from .manifest import (
 from .manifest import (
     MANIFEST_NAME as MANIFEST,
 )
-from .manifest_rules import quantization_for
+from .part import ALIGNMENT, HASH_CHUNK, hash_file
+from .rules import quantization_for
 
 RECEIPT = "build-receipt.json"
 INDEX = "model.safetensors.index.json"

@@ -17,7 +17,7 @@ PROG = "mtplx serve"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from ..generate_cli import add_model_args
+    from .generate import add_model_args
 
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default loopback; 0.0.0.0 exposes it)")
@@ -57,9 +57,9 @@ def make_server(app, *, host: str = "127.0.0.1", port: int = 0, max_connections:
 
 def build(args: argparse.Namespace):
     """(app, engine, runtime) from parsed flags; raises generate_cli.CliError on bad flags."""
-    from ..generate_cli import CliError, load_runtime
-    from .app import App, ServerConfig
-    from .engine import Engine
+    from ..server.app import App, ServerConfig
+    from ..server.engine import Engine
+    from .generate import CliError, load_runtime
 
     for flag, v in (("--max-queue", args.max_queue), ("--max-connections", args.max_connections),
                     ("--max-body-bytes", args.max_body_bytes)):
@@ -78,7 +78,7 @@ def build(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..generate_cli import CliError
+    from .generate import CliError
 
     try:
         _uvicorn()

@@ -10,7 +10,6 @@ so one run lists everything that is wrong. `--shard-hashes` also covers the bank
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from ..checkpoint.safetensors_io import CheckpointError, SafetensorsFile, no_duplicate_keys
 from .manifest import MANIFEST_NAME, Manifest, load_manifest
-from .manifest_rules import K3_T158_DESCRIPTOR, Descriptor, descriptor_for, validate_descriptor
+from .rules import K3_T158_DESCRIPTOR, Descriptor, descriptor_for, validate_descriptor
 
 INDEX_NAME = "model.safetensors.index.json"
 NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")  # §5.6.2: allowed unlisted residents
@@ -240,19 +239,3 @@ def verify_artifact(root: str | os.PathLike, *, records: bool = False,
     if records:
         _check_records(m, root, rep)
     return rep
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("artifact", help="artifact directory holding expert-manifest.json")
-    parser.add_argument("--records", action="store_true",
-                        help="re-read every record and compare its SHA-256")
-    parser.add_argument("--shard-hashes", action="store_true",
-                        help="hash every whole file (resident shards and bank parts)")
-
-
-def main(args: argparse.Namespace) -> int:
-    rep = verify_artifact(args.artifact, records=args.records, shard_hashes=args.shard_hashes)
-    for line in rep.problems:
-        print(line)
-    print(rep.summary())
-    return 0 if rep.ok else 1

@@ -41,9 +41,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def ensure_artifact(root: Path, seed: int, rebuild: bool) -> tuple[Path, bool]:
     """(artifact dir, built now?): the tiny t158 checkpoint and its streaming artifact under
     `root`. A present manifest marks a finished build; the bank part sizes are checked too."""
-    from .demo_fixtures import fixture
-    from .storage.builder import build_artifact
-    from .storage.manifest import load_manifest
+    from ..artifact.build import build_artifact
+    from ..artifact.manifest import load_manifest
+    from ..fixtures.codec_table import fixture
 
     out = root / f"tiny-t158-seed{seed}-stream"
     manifest = out / "expert-manifest.json"
@@ -62,8 +62,8 @@ def ensure_artifact(root: Path, seed: int, rebuild: bool) -> tuple[Path, bool]:
 
 def attach_small_cache(model, artifact: Path, args):
     """A StreamingExpertProvider with `args` slots per layer, attached to `model`."""
-    from .storage.bank import record_layout
-    from .streaming import StreamingExpertProvider, attach
+    from ..artifact.part import record_layout
+    from ..offload.provider import StreamingExpertProvider, attach
 
     n_layers = len(model.cfg.moe_layers)
     manifest = model.checkpoint.manifest  # load_model opened the artifact
@@ -80,7 +80,7 @@ def attach_small_cache(model, artifact: Path, args):
 def stream_generate(model, tok, prompt_ids: list[int], max_tokens: int, out, provider=None):
     """Greedy ids from `model`, text written to `out` as produced (special ids as ·). Returns
     (ids, GenerationStats, provider totals right after prefill or None)."""
-    from .generate import GenerationStats, generate_step
+    from ..engine.generate import GenerationStats, generate_step
 
     stats, ids, after_prefill = GenerationStats(), [], None
     dec = tok.stream_decoder()
@@ -105,9 +105,9 @@ def _counters(provider) -> dict:
 def measure_disk_rate(artifact: Path) -> tuple[int, float]:
     """(bytes, seconds) of one cold read of every expert record: the page cache is dropped for
     the bank parts first (posix_fadvise DONTNEED), then the RecordReader reads them all."""
-    from .storage.buffers import aligned_buffer
-    from .storage.manifest import load_manifest
-    from .storage.reader import from_manifest
+    from ..artifact.manifest import load_manifest
+    from ..offload.buffers import aligned_buffer
+    from ..offload.reader import from_manifest
 
     man = load_manifest(artifact / "expert-manifest.json")
     for p in man.sidecar.parts:
@@ -219,9 +219,9 @@ def one_compute_thread():
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .kernels import name_of
-    from .model.kimi_k3 import load_model
-    from .tokenizer import load_tokenizer
+    from ..engine.tokenizer import load_tokenizer
+    from ..kernels import name_of
+    from ..model.kimi_k3 import load_model
 
     root = Path(args.cache_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -268,7 +268,7 @@ def _run(args: argparse.Namespace) -> int:
                          n=len(cfg.moe_layers)))
     ok = same
     if args.codecs:
-        from .demo_fixtures import codec_table
+        from ..fixtures.codec_table import codec_table
 
         print()
         ok = codec_table(root, args.seed, args.rebuild, out) and ok

@@ -23,7 +23,7 @@ def _gb(n: int) -> str:
 
 
 def describe(ckpt) -> list[tuple[str, str]]:
-    from .checkpoint import resident_tensor_specs
+    from ..checkpoint import resident_tensor_specs
 
     cfg = ckpt.config
     n = cfg.num_hidden_layers
@@ -49,7 +49,7 @@ def describe(ckpt) -> list[tuple[str, str]]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .checkpoint import open_checkpoint
+    from ..checkpoint import open_checkpoint
 
     with open_checkpoint(args.model) as ckpt:
         for key, value in describe(ckpt):

@@ -1,0 +1,35 @@
+"""`mtplx make-tiny OUT --codec ... [--seed N] [--w3-layout ...] [--w3-asymmetric]`: write a tiny
+deterministic K3 checkpoint (fixtures.tiny) in that codec's published on-disk layout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..fixtures.tiny import make_tiny
+from ..fixtures.tiny_weights import CODECS, W3_LAYOUTS
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", type=Path, metavar="OUT",
+                        help="output directory (created if missing)")
+    parser.add_argument("--codec", required=True, choices=CODECS, help="routed-expert layout")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--w3-layout", choices=W3_LAYOUTS, default=None,
+                        help="3-bit packing for --codec w3 (default legacy, as vellum ships)")
+    parser.add_argument("--w3-asymmetric", action="store_true",
+                        help="--codec w3 with zero points (weight_zero_point tensors)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.codec != "w3" and (args.w3_layout is not None or args.w3_asymmetric):
+        print("make-tiny: --w3-layout and --w3-asymmetric apply only to --codec w3",
+              file=sys.stderr)
+        return 2
+    info = make_tiny(args.out, args.codec, seed=args.seed, w3_layout=args.w3_layout or "legacy",
+                     w3_symmetric=not args.w3_asymmetric)
+    cfg = info.config
+    print(f"make-tiny: {info.codec} seed={info.seed} -> {info.path} "
+          f"({cfg.num_hidden_layers} layers, {cfg.num_experts} experts, vocab {cfg.vocab_size})")
+    return 0

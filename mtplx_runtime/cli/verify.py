@@ -1,0 +1,24 @@
+"""`mtplx verify ARTIFACT [--records] [--shard-hashes]`: check an artifact against its manifest
+(artifact.verify); each problem on its own line, then a summary; exit 1 when any is found."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..artifact.verify import verify_artifact
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("artifact", help="artifact directory holding expert-manifest.json")
+    parser.add_argument("--records", action="store_true",
+                        help="re-read every record and compare its SHA-256")
+    parser.add_argument("--shard-hashes", action="store_true",
+                        help="hash every whole file (resident shards and bank parts)")
+
+
+def main(args: argparse.Namespace) -> int:
+    rep = verify_artifact(args.artifact, records=args.records, shard_hashes=args.shard_hashes)
+    for line in rep.problems:
+        print(line)
+    print(rep.summary())
+    return 0 if rep.ok else 1
