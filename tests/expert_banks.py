@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from mtplx_runtime.artifact.part import PROJECTIONS, record_bytes, record_layout
+from mtplx_runtime.formats.record import PROJECTIONS, record_bytes, record_layout
 
 
 def make_bank(mode, bits, R, I, E, seed=0, scale=0.3):  # noqa: E741 (the legend's name)

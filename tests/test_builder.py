@@ -17,13 +17,12 @@ from mtplx_runtime.artifact import part as bank
 from mtplx_runtime.artifact.build import ExpertSource, build_artifact, parse_layers
 from mtplx_runtime.artifact.journal import BuildError, canonical_line, parse_journal
 from mtplx_runtime.artifact.manifest import load_manifest
-from mtplx_runtime.artifact.part import part_name, record_layout, record_parts
-from mtplx_runtime.artifact.rules import PAD, mode_codec
 from mtplx_runtime.artifact.verify import verify_artifact
 from mtplx_runtime.checkpoint import open_checkpoint
 from mtplx_runtime.cli import build_manifest as builder_cli
 from mtplx_runtime.fixtures.tiny import make_tiny, tiny_config
 from mtplx_runtime.formats import FormatError
+from mtplx_runtime.formats.record import PAD, mode_codec, part_name, record_layout, record_parts
 from mtplx_runtime.formats.t158 import encode_t158
 
 SOURCES = {

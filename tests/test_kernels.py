@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mtplx_runtime import kernels
-from mtplx_runtime.artifact.part import PROJECTIONS
+from mtplx_runtime.formats.record import PROJECTIONS
 from mtplx_runtime.kernels import reference
 from mtplx_runtime.model.moe import ExpertWeights, LatentMoE
 

@@ -12,6 +12,11 @@ import time
 import pytest
 from k3_manifest_writer import k3_manifest_dict, serialize
 
+from mtplx_runtime.artifact.descriptor import (
+    K3_T158_DESCRIPTOR,
+    K3_T158_RECORD_BYTES,
+    validate_descriptor,
+)
 from mtplx_runtime.artifact.manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
@@ -20,13 +25,7 @@ from mtplx_runtime.artifact.manifest import (
     parse_manifest_bytes,
     write_manifest,
 )
-from mtplx_runtime.artifact.rules import (
-    K3_T158_DESCRIPTOR,
-    K3_T158_RECORD_BYTES,
-    padded_layout,
-    record_components,
-    validate_descriptor,
-)
+from mtplx_runtime.formats.record import padded_layout, record_components
 
 K3_SHAPES = {"gate": (3072, 3584), "up": (3072, 3584), "down": (3584, 3072)}
 

@@ -243,7 +243,7 @@ def test_kernels_that_cannot_run_the_bank_are_refused_at_load(built, monkeypatch
     reason, not at the first forward (the cuda backend does so for ct-int-asym and bf16)."""
     from types import SimpleNamespace
 
-    from mtplx_runtime.artifact.part import record_layout
+    from mtplx_runtime.formats.record import record_layout
     from mtplx_runtime.kernels import cuda, reference
 
     shapes = SimpleNamespace(expert_shapes={"gate": (128, 64), "up": (128, 64),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mtplx_runtime.artifact import verify
+from mtplx_runtime.artifact.descriptor import descriptor_for, validate_descriptor
 from mtplx_runtime.artifact.manifest import (
     EMPTY_SHA256,
     MANIFEST_NAME,
@@ -24,7 +25,6 @@ from mtplx_runtime.artifact.manifest import (
     SidecarPart,
     write_manifest,
 )
-from mtplx_runtime.artifact.rules import descriptor_for, validate_descriptor
 from mtplx_runtime.checkpoint.safetensors_io import write_safetensors
 from mtplx_runtime.cli import verify as verify_cli
 from mtplx_runtime.fixtures.tiny import tiny_config

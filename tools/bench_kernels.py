@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from mtplx_runtime.artifact.part import record_layout
+from mtplx_runtime.formats.record import record_layout
 from mtplx_runtime.kernels import cpu, cpu_native, reference
 
 CODECS = (("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4))

@@ -146,7 +146,7 @@ def _time_ms(fn, iters: int = 10) -> float:
 def timing() -> bool:
     import cupy
 
-    from mtplx_runtime.artifact.part import record_layout  # after kernels (import-cycle order)
+    from mtplx_runtime.formats.record import record_layout
     from mtplx_runtime.offload.slots import SlotTier
 
     copy = copy_bandwidth()

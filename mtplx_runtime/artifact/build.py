@@ -25,6 +25,7 @@ import numpy as np
 from ..checkpoint import open_checkpoint
 from ..formats import FormatError
 from ..formats.ctint import pack_codes, pack_zero_points, unpack_codes, unpack_zero_points
+from ..formats.record import PROJECTIONS, RecordLayout, part_name, quantization_for, record_layout
 from ..formats.t158 import encode_t158
 from .journal import JOURNAL_FORMAT, BuildError
 from .manifest import load_manifest, write_manifest
@@ -40,17 +41,7 @@ from .outputs import (
     receipt_bytes,
     source_hashes,
 )
-from .part import (
-    PROJECTIONS,
-    PartResult,
-    RecordLayout,
-    build_part,
-    crash_point,
-    part_name,
-    record_layout,
-    sha256_hex,
-)
-from .rules import quantization_for
+from .part import PartResult, build_part, crash_point, sha256_hex
 
 KEEP_MODES = {"t158": "t158", "mxfp4": "mxfp4", "bf16": "bf16"}
 

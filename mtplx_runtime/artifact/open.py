@@ -22,14 +22,9 @@ from ..checkpoint.config import ModelConfig
 from ..checkpoint.layouts import ExpertLayout, ExpertRecord, ProjectionRecord
 from ..checkpoint.safetensors_io import CheckpointError
 from ..formats import FormatError
+from ..formats.record import RecordLayout, mode_codec, record_layout, record_parts
+from .descriptor import K3_T158_DESCRIPTOR, descriptor_for, validate_descriptor
 from .manifest import Manifest, ManifestError, Record
-from .part import RecordLayout, record_layout, record_parts
-from .rules import (
-    K3_T158_DESCRIPTOR,
-    descriptor_for,
-    mode_codec,
-    validate_descriptor,
-)
 
 
 class RecordHashError(CheckpointError):

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..formats.record import ALIGNMENT, quantization_for
 from .journal import BuildError, fsync_dir
 from .manifest import (
     FORMAT,
@@ -29,8 +30,7 @@ from .manifest import (
 from .manifest import (
     MANIFEST_NAME as MANIFEST,
 )
-from .part import ALIGNMENT, HASH_CHUNK, hash_file
-from .rules import quantization_for
+from .part import HASH_CHUNK, hash_file
 
 RECEIPT = "build-receipt.json"
 INDEX = "model.safetensors.index.json"

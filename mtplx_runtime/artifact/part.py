@@ -21,11 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
-
-from ..checkpoint.config import ModelConfig
-from ..checkpoint.safetensors_io import ST_DTYPES
-from ..formats import Codec, FormatError
+from ..formats.record import RecordLayout, record_bytes
 from .journal import (
     BuildError,
     JournalWriter,
@@ -35,95 +31,6 @@ from .journal import (
     parse_journal,
     truncate_file,
 )
-from .rules import PAD, mode_codec, padded_layout, record_components
-
-ALIGNMENT = 4096  # record and component alignment inside a bank part (O_DIRECT-friendly)
-PROJECTIONS = ("gate", "up", "down")  # record order
-PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-
-
-def align_up(n: int, alignment: int = ALIGNMENT) -> int:
-    return -(-n // alignment) * alignment
-
-
-def part_name(mode: str, layer: int, n_routed: int) -> str:
-    """`experts-{mode}-layer-{L:03d}-of-{N:03d}.bin`; L the 0-based model layer index."""
-    return f"experts-{mode}-layer-{layer:03d}-of-{n_routed:03d}.bin"
-
-
-def tensor_name(layer: int, expert: int, proj: str, part: str) -> str:
-    return f"model.layers.{layer}.mlp.switch_mlp.experts.{expert}.{PROJ_NAMES[proj]}.{part}"
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentLayout:
-    """One segment of a record; `offset` is relative to the record start."""
-
-    component: str  # "{gate_proj|up_proj|down_proj}.{part}" or "pad"
-    proj: str | None  # "gate" | "up" | "down"; None for padding
-    part: str | None  # codec component name; None for padding
-    offset: int
-    length: int
-    dtype: str  # safetensors tag ("U8" for padding)
-    shape: tuple[int, ...]
-
-    def tensor(self, layer: int, expert: int) -> str:
-        return "" if self.proj is None else tensor_name(layer, expert, self.proj, self.part)
-
-
-@dataclass(frozen=True, slots=True)
-class RecordLayout:
-    mode: str
-    bits: int | None
-    segments: tuple[SegmentLayout, ...]
-    logical_bytes: int  # also the record stride in its part
-
-    @property
-    def codec(self) -> Codec:
-        return mode_codec(self.mode, self.bits)
-
-
-def record_layout(cfg: ModelConfig, mode: str, bits: int | None = None) -> RecordLayout:
-    """The (layer- and expert-independent) segment layout of one record of `mode`: the
-    manifest's component list for the mode with its `pad` segments (manifest_rules)."""
-    try:
-        components = padded_layout(record_components(mode, cfg.expert_shapes, bits))
-    except FormatError as e:
-        raise FormatError(f"expert shapes {cfg.expert_shapes} cannot be stored as {mode}: "
-                          f"{e}") from None
-    segs: list[SegmentLayout] = []
-    off = 0
-    for component, dtype, shape, length in components:
-        proj, part = (None, None) if component == PAD else component.split(".", 1)
-        proj = proj and proj.removesuffix("_proj")
-        segs.append(SegmentLayout(component, proj, part, off, length, dtype, shape))
-        off += length
-    return RecordLayout(mode, bits, tuple(segs), off)
-
-
-def record_bytes(layout: RecordLayout, parts: dict[str, dict[str, np.ndarray]]) -> bytes:
-    """Serialize `{proj: {component: array}}` into one record (padding zero-filled)."""
-    buf = bytearray(layout.logical_bytes)
-    for s in layout.segments:
-        if s.proj is None:
-            continue
-        a = np.ascontiguousarray(parts[s.proj][s.part])
-        if a.nbytes != s.length or tuple(a.shape) != s.shape:
-            raise FormatError(f"{s.component}: array {a.dtype}{list(a.shape)} does not match "
-                              f"the record layout {s.dtype}{list(s.shape)}")
-        buf[s.offset:s.offset + s.length] = a.tobytes()
-    return bytes(buf)
-
-
-def record_parts(layout: RecordLayout, data: bytes | memoryview) -> dict[str, dict]:
-    """Inverse of `record_bytes`: `{proj: {component: array}}` (fresh arrays, BF16 as uint16)."""
-    out: dict[str, dict[str, np.ndarray]] = {p: {} for p in PROJECTIONS}
-    for s in layout.segments:
-        if s.proj is not None:
-            raw = np.frombuffer(data, np.uint8, s.length, s.offset)
-            out[s.proj][s.part] = raw.view(ST_DTYPES[s.dtype]).reshape(s.shape).copy()
-    return out
-
 
 # ---- Writing one bank part: journal protocol, resume, publication (§5.7, §5.8) ----
 

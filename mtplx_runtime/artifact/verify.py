@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.safetensors_io import CheckpointError, SafetensorsFile, no_duplicate_keys
+from .descriptor import K3_T158_DESCRIPTOR, Descriptor, descriptor_for, validate_descriptor
 from .manifest import MANIFEST_NAME, Manifest, load_manifest
-from .rules import K3_T158_DESCRIPTOR, Descriptor, descriptor_for, validate_descriptor
 
 INDEX_NAME = "model.safetensors.index.json"
 NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")  # §5.6.2: allowed unlisted residents

@@ -17,25 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..formats.base import ST_DTYPES
+
 # The safetensors reference implementation refuses headers above 100 MB; so do we.
 MAX_HEADER_BYTES = 100_000_000
 
 # safetensors dtype tag -> numpy dtype in memory (BF16 as raw bits; see formats/base.py).
-ST_DTYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_),
-    "U8": np.dtype(np.uint8),
-    "I8": np.dtype(np.int8),
-    "U16": np.dtype("<u2"),
-    "I16": np.dtype("<i2"),
-    "F16": np.dtype("<f2"),
-    "BF16": np.dtype("<u2"),
-    "U32": np.dtype("<u4"),
-    "I32": np.dtype("<i4"),
-    "F32": np.dtype("<f4"),
-    "U64": np.dtype("<u8"),
-    "I64": np.dtype("<i8"),
-    "F64": np.dtype("<f8"),
-}
 
 
 class CheckpointError(ValueError):

@@ -62,7 +62,7 @@ def ensure_artifact(root: Path, seed: int, rebuild: bool) -> tuple[Path, bool]:
 
 def attach_small_cache(model, artifact: Path, args):
     """A StreamingExpertProvider with `args` slots per layer, attached to `model`."""
-    from ..artifact.part import record_layout
+    from ..formats.record import record_layout
     from ..offload.provider import StreamingExpertProvider, attach
 
     n_layers = len(model.cfg.moe_layers)

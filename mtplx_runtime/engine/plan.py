@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..artifact.manifest import DTYPE_BYTES, MANIFEST_NAME, load_manifest
-from ..artifact.part import align_up, record_layout
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.residents import resident_tensor_specs
+from ..formats.record import align_up, record_layout
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2}
 ACT_BYTES = 4  # workspace activations are estimated in fp32 (the reference's fp32 islands)

@@ -19,6 +19,23 @@ import numpy as np
 
 Shape2 = tuple[int, int]
 
+# safetensors dtype tag -> numpy dtype (little-endian; BF16 as its raw uint16 bits).
+ST_DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "U16": np.dtype("<u2"),
+    "I16": np.dtype("<i2"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),
+    "U32": np.dtype("<u4"),
+    "I32": np.dtype("<i4"),
+    "F32": np.dtype("<f4"),
+    "U64": np.dtype("<u8"),
+    "I64": np.dtype("<i8"),
+    "F64": np.dtype("<f8"),
+}
+
 
 class FormatError(ValueError):
     """Bytes or metadata that do not follow a codec's layout."""

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from ..artifact.part import PROJECTIONS, record_parts
+from ..formats.record import PROJECTIONS, record_parts
 from ..model.layers import SITU_BETA, SITU_LINEAR_BETA, glu_mlp
 
 DEVICE = "cpu"  # slot bytes are decoded on the host (results land on x's device)

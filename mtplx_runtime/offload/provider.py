@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..artifact.manifest import load_manifest
-from ..artifact.part import PROJECTIONS, record_layout, record_parts
+from ..formats.record import PROJECTIONS, record_layout, record_parts
 from ..kernels import select_backend
 from ..model.moe import ExpertWeights, LatentMoE
 from .cache import ExpertCache

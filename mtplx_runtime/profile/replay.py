@@ -35,7 +35,7 @@ CODEC_MODES = {"t158": ("t158", None), "w3": ("ct-int", 3), "mxfp4": ("mxfp4", N
 def record_bytes(codec: str, expert_shapes=None) -> int:
     """Bytes of one expert record in a bank (components + 4 KiB pads) for `codec`; K3 shapes by
     default (t158 7,741,440; W3 dense 13,418,496; MXFP4 17,547,264)."""
-    from ..artifact.rules import padded_layout, record_components
+    from ..formats.record import padded_layout, record_components
 
     if codec not in CODEC_MODES:
         raise ValueError(f"codec must be one of {sorted(CODEC_MODES)}, got {codec!r}")

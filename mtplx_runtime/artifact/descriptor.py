@@ -1,0 +1,136 @@
+"""Descriptors: what model an artifact must hold (FORMAT.md "Streaming artifact: banks and
+manifest v1", descriptor rules) -- the routed layers, every expert of each, the record's
+components for the codec mode, and for the pinned Kimi K3 t158 artifact its published sizes and
+source. `validate_descriptor` checks a structurally valid manifest against one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..formats.record import MODES, Component, padded_layout, record_components
+from .manifest import Manifest, ManifestError, rec
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """What a manifest must describe (§5.5 rules 15-20). None means "not pinned"."""
+
+    model_key: str | None
+    quantization: dict  # {bits, group_size, mode}
+    layers: tuple[int, ...]  # 0-based model layer indices of the routed layers, in order
+    experts: int
+    components: tuple[Component, ...]  # without padding
+    source_repo: str | None = None
+    source_revision: str | None = None
+    resident_tensor_bytes: int | None = None
+    tensor_bytes: int | None = None
+    resident_prefix: str = ""  # §5.6: indexed tensors with this prefix == resident_tensors
+    allow_preserved: bool = False  # rule 20: trusted K3 descriptor only
+
+    @property
+    def layout(self) -> list[Component]:
+        return padded_layout(list(self.components))
+
+    @property
+    def record_bytes(self) -> int:
+        return sum(c[3] for c in self.layout)
+
+    @property
+    def routed_expert_bytes(self) -> int:
+        return len(self.layers) * self.experts * self.record_bytes
+
+
+K3_T158_DESCRIPTOR = Descriptor(  # §3 and §5.5 rules 15-20 (MTPLX KIMI_K3_EXPERT_Q1T)
+    model_key="kimi-k3-q1t",
+    quantization={"bits": 2, "group_size": 64, "mode": "t158"},
+    layers=tuple(range(1, 93)),
+    experts=896,
+    components=(
+        ("gate_proj.packed", "U8", (3072, 728), 2_236_416),
+        ("gate_proj.scales", "U16", (3072, 56), 344_064),
+        ("up_proj.packed", "U8", (3072, 728), 2_236_416),
+        ("up_proj.scales", "U16", (3072, 56), 344_064),
+        ("down_proj.packed", "U8", (3584, 624), 2_236_416),
+        ("down_proj.scales", "U16", (3584, 48), 344_064),
+    ),
+    source_repo="GrEarl/Kimi-K3-GGUF",
+    source_revision="0169245d3ea1473a3f9f03bca821d855df5fb2a3",
+    resident_tensor_bytes=113_509_540_864,
+    tensor_bytes=751_651_922_944,
+    resident_prefix="language_model.",
+    allow_preserved=True,
+)
+K3_T158_RECORD_BYTES = 7_741_440
+
+
+def descriptor_for(cfg, mode: str, bits: int | None = None, *, model_key: str | None = None,
+                   source_repo: str | None = None, source_revision: str | None = None,
+                   layers=None) -> Descriptor:
+    """Descriptor for one of our artifacts: `cfg` (ModelConfig) gives the routed layers, expert
+    count and projection shapes; `mode` one of MODES except affine; `bits` defaults per mode.
+    `layers` narrows the routed layers for an artifact built with `--layers` (each must be an
+    MoE layer of `cfg`; every expert of each is still required)."""
+    if layers is None:
+        layers = cfg.moe_layers
+    elif not set(layers) <= set(cfg.moe_layers):
+        raise ManifestError(f"layers {sorted(set(layers) - set(cfg.moe_layers))} are not MoE "
+                            f"layers of this config ({cfg.moe_layers})")
+    if mode not in MODES or mode == "affine":
+        raise ManifestError(f"unknown codec mode {mode!r}; have {sorted(set(MODES) - {'affine'})}")
+    spec = MODES[mode]
+    bits = spec.bits[0] if bits is None and len(spec.bits) == 1 else bits
+    if bits not in spec.bits:
+        raise ManifestError(f"mode {mode}: bits must be one of {spec.bits}, got {bits!r}")
+    comps = record_components(mode, cfg.expert_shapes, bits)
+    return Descriptor(model_key=model_key,
+                      quantization={"bits": bits, "group_size": spec.group_size, "mode": mode},
+                      layers=tuple(sorted(layers)), experts=cfg.num_experts,
+                      components=tuple(comps), source_repo=source_repo,
+                      source_revision=source_revision)
+
+
+_ROUTED = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.(?:switch_mlp|experts)\.")
+
+
+def validate_descriptor(m: Manifest, d: Descriptor) -> None:
+    """§5.5 rules 15-20 against `d` (run validate_structure first). Raises ManifestError."""
+    if m.quantization != d.quantization:
+        raise ManifestError(f"quantization {m.quantization} != expected {d.quantization}")
+    for key in ("model_key", "source_repo", "source_revision"):
+        want = getattr(d, key)
+        if want is not None and getattr(m, key) != want:
+            raise ManifestError(f"{key} {getattr(m, key)!r} != expected {want!r}")
+    if len(m.records) != len(d.layers) * d.experts:
+        raise ManifestError(f"{len(m.records)} records, expected {len(d.layers)} layers x "
+                            f"{d.experts} experts")
+    layout = [(c, dt, tuple(sh), n) for c, dt, sh, n in d.layout]
+    rb = d.record_bytes
+    i = 0
+    for layer in d.layers:
+        for e in range(d.experts):
+            r = m.records[i]
+            i += 1
+            if r.layer != layer or r.expert != e:
+                raise ManifestError(f"{rec(r)}: expected (layer {layer}, expert {e}) here")
+            if r.logical_bytes != rb or len(r.segments) != len(layout) or any(
+                    (s.component, s.dtype, s.shape, s.length) != want
+                    for s, want in zip(r.segments, layout)):
+                got = [(s.component, s.dtype, list(s.shape), s.length) for s in r.segments]
+                raise ManifestError(f"{rec(r)}: segments {got} do not match the descriptor "
+                                    f"layout {[(c, t, list(s), n) for c, t, s, n in layout]}")
+    a = m.artifact
+    for key, want in (("routed_expert_bytes", d.routed_expert_bytes),
+                      ("resident_tensor_bytes", d.resident_tensor_bytes),
+                      ("tensor_bytes", d.tensor_bytes)):
+        if want is not None and a[key] != want:
+            raise ManifestError(f"artifact.{key} {a[key]} != expected {want}")
+    routed = set(d.layers)
+    for t in m.resident_tensors:
+        hit = _ROUTED.search(t.tensor)
+        if hit and int(hit.group(1)) in routed:
+            raise ManifestError(f"resident tensor {t.tensor!r} is a routed expert")
+    if not d.allow_preserved and any(s.kind == "preserved-safetensors" for s in m.shards):
+        raise ManifestError("preserved-safetensors shards are allowed only for the trusted K3 "
+                            "descriptor (rule 20)")
