@@ -1,26 +1,38 @@
 """mtplx_runtime: run Kimi K3 with routed experts streamed from disk.
 
-Public surface: `load_model(path, device="cpu", dtype="float32")` -> the reference model
-(`model.logits(token_ids)`, `prefill`/`decode` with an explicit per-sequence state), and
-`open_checkpoint(path)` for reading any supported K3 checkpoint. torch is imported only when a
-model is loaded, so `import mtplx_runtime` stays light.
+Public surface:
+- `load(path, dtype=..., memory_budget=..., kernels=..., ...)` -> `Runtime` (model, tokenizer,
+  expert provider, memory plan): the one door every entry point loads through; experts stream
+  from a streaming artifact's bank through the expert cache, or stay resident for a checkpoint;
+- `load_model(path, device="cpu", dtype="float32")` -> the reference model with every expert
+  resident (`model.logits(token_ids)`, `prefill`/`decode` with an explicit per-sequence state).
+torch is imported only when a model is loaded, so `import mtplx_runtime` stays light.
 """
 
 from __future__ import annotations
 
-__all__ = ["load_model", "open_checkpoint"]
+__all__ = ["Runtime", "load", "load_model"]
 __version__ = "0.1.0"
 
 
+def load(path, **kwargs):
+    """`engine.runtime.load`: see its docstring for the arguments."""
+    from .engine.runtime import load as _load
+
+    return _load(path, **kwargs)
+
+
 def load_model(path, device: str = "cpu", dtype: str = "float32"):
-    """Load a K3 checkpoint (any layout the reader accepts) as the reference model."""
-    from .model.kimi_k3 import load_model as _load
+    """Load a K3 checkpoint or artifact (any layout the reader accepts) as the reference model,
+    every routed expert resident."""
+    from .engine.runtime import load_model as _load_model
 
-    return _load(path, device=device, dtype=dtype)
+    return _load_model(path, device=device, dtype=dtype)
 
 
-def open_checkpoint(path):
-    """Open and validate a K3 checkpoint directory (headers only)."""
-    from .checkpoint import open_checkpoint as _open
+def __getattr__(name: str):
+    if name == "Runtime":  # the class, without importing torch at package import
+        from .engine.runtime import Runtime
 
-    return _open(path)
+        return Runtime
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

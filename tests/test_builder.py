@@ -17,8 +17,8 @@ from mtplx_runtime.artifact import part as bank
 from mtplx_runtime.artifact.build import ExpertSource, build_artifact, parse_layers
 from mtplx_runtime.artifact.journal import BuildError, canonical_line, parse_journal
 from mtplx_runtime.artifact.manifest import load_manifest
+from mtplx_runtime.artifact.open import open_source
 from mtplx_runtime.artifact.verify import verify_artifact
-from mtplx_runtime.checkpoint import open_checkpoint
 from mtplx_runtime.cli import build_manifest as builder_cli
 from mtplx_runtime.fixtures.tiny import make_tiny, tiny_config
 from mtplx_runtime.formats import FormatError
@@ -78,7 +78,7 @@ def test_keep_round_trips_every_codec(sources, tmp_path, name):
     assert report.mode == MODES[name] and report.written == report.records == 5 * 8
     m = load_manifest(out / "expert-manifest.json")
     assert m.quantization["mode"] == MODES[name]
-    with open_checkpoint(sources[name]) as ckpt:
+    with open_source(sources[name]) as ckpt:
         cfg = ckpt.config
         for layer, expert in [(1, 0), (3, 5), (5, 7)]:
             want = ckpt.expert(layer, expert).decode()
@@ -102,7 +102,7 @@ def test_t158_source_records_are_byte_identical(sources, tmp_path):
     out = tmp_path / "art"
     build_artifact(sources["t158"], out, progress=False)
     m = load_manifest(out / "expert-manifest.json")
-    with open_checkpoint(sources["t158"]) as ckpt:
+    with open_source(sources["t158"]) as ckpt:
         for rec in m.records:
             src = ckpt.expert(rec.layer, rec.expert)
             _, segs = read_record(out, rec)
@@ -121,7 +121,7 @@ def test_codec_t158_reencodes(sources, tmp_path):
     build_artifact(sources["mxfp4"], out, codec="t158", layers="2-3", progress=False)
     m = load_manifest(out / "expert-manifest.json")
     assert {r.layer for r in m.records} == {2, 3} and m.quantization["mode"] == "t158"
-    with open_checkpoint(sources["mxfp4"]) as ckpt:
+    with open_source(sources["mxfp4"]) as ckpt:
         cfg = ckpt.config
         for layer, expert in [(2, 1), (3, 6)]:
             src = ckpt.expert(layer, expert).decode()

@@ -62,23 +62,20 @@ def test_demo_builds_then_reuses_the_streaming_artifact(tmp_path, capsys):
 
 @pytest.mark.parametrize("kernels", ["reference", "cpu"])
 def test_demo_streamed_tokens_equal_the_resident_models(tmp_path, kernels):
-    import argparse
     import io
 
+    from mtplx_runtime import load, load_model
     from mtplx_runtime.cli import demo
     from mtplx_runtime.engine.generate import generate
     from mtplx_runtime.engine.tokenizer import load_tokenizer
-    from mtplx_runtime.model.kimi_k3 import load_model
 
     artifact, built = demo.ensure_artifact(tmp_path, seed=0, rebuild=False)
     assert built
     tok = load_tokenizer(artifact)
     prompt = tok.encode(demo.PROMPT)
-    model = load_model(artifact, dtype="float32")
-    flags = argparse.Namespace(slots_per_layer=2, host_slots_per_layer=1, lookahead=1,
-                               kernels=kernels)
-    provider = demo.attach_small_cache(model, artifact, flags)
-    with demo.one_compute_thread(), provider:
+    rt = load(artifact, dtype="float32", kernels=kernels, lookahead=1, cache_slots=(2, 1))
+    model, provider = rt.model, rt.provider
+    with demo.one_compute_thread(), rt:
         assert provider.kernels.__name__.endswith("." + kernels)
         streamed, _, _ = demo.stream_generate(model, tok, prompt, 10, io.StringIO(), provider)
         assert provider.stats()["totals"]["device"]["misses"] > 0  # it really streamed

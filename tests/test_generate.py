@@ -11,13 +11,13 @@ import json
 import pytest
 import torch
 
+from mtplx_runtime import load_model
 from mtplx_runtime.cli import SUBCOMMANDS
 from mtplx_runtime.cli import main as cli_main
 from mtplx_runtime.engine.generate import GenerationStats, generate, generate_step, prefill, sample
 from mtplx_runtime.engine.tokenizer import load_tokenizer
 from mtplx_runtime.engine.trace import TRACE_FORMAT, RouteTrace, moe_blocks, read_trace
 from mtplx_runtime.fixtures.tiny import make_tiny
-from mtplx_runtime.model.kimi_k3 import load_model
 
 
 @pytest.fixture(scope="module")
@@ -199,12 +199,17 @@ def test_trace_records_provider_predictions(model, tmp_path):
     saved = blocks[0].provider
 
     class Guessing:
+        lookahead = 0
+
         def __init__(self, inner):
             self.inner = inner
             self.last_predictions = {blocks[-1].layer: {1: torch.tensor([0, 1])}}
 
-        def experts(self, layer, ids):
-            return self.inner.experts(layer, ids)
+        def hint(self, layer, actual, predicted):
+            pass
+
+        def run_experts(self, layer, r, ids, weights):
+            return self.inner.run_experts(layer, r, ids, weights)
 
     for b in blocks:
         b.provider = Guessing(saved)

@@ -16,7 +16,7 @@ import torch
 from mtplx_runtime import kernels
 from mtplx_runtime.formats.record import PROJECTIONS
 from mtplx_runtime.kernels import reference
-from mtplx_runtime.model.moe import ExpertWeights, LatentMoE
+from mtplx_runtime.model.moe import LatentMoE, ResidentExpertProvider
 
 ROOT = Path(__file__).resolve().parent.parent
 R, I, E, K, T = 64, 128, 8, 4, 5  # latent, expert width, experts, top-k, tokens
@@ -29,16 +29,10 @@ def make_bank(mode, bits, seed=0):
     return expert_banks.make_bank(mode, bits, R, I, E, seed)
 
 
-class BankProvider:
-    def __init__(self, layout, store, dtype):
-        self.layout, self.store, self.dtype = layout, store, dtype
-
-    def experts(self, layer, ids):
-        out = {}
-        for e in ids:
-            w = reference.decode_record(self.store[E - 1 - e], self.layout, SHAPES, self.dtype)
-            out[e] = ExpertWeights(w["gate"], w["up"], w["down"])
-        return out
+def bank_provider(layout, store, dtype):
+    """Resident experts decoded from the bank records in `store` (expert e in slot E-1-e)."""
+    return ResidentExpertProvider(
+        lambda layer, e: reference.decode_record(store[E - 1 - e], layout, SHAPES, dtype), dtype)
 
 
 def moe_layer(provider, dtype):
@@ -60,7 +54,7 @@ def moe_layer(provider, dtype):
 @pytest.mark.parametrize("mode,bits", MODES)
 def test_reference_matches_latent_moe_bit_exact(mode, bits, dtype):
     layout, store = make_bank(mode, bits)
-    moe = moe_layer(BankProvider(layout, store, dtype), dtype)
+    moe = moe_layer(bank_provider(layout, store, dtype), dtype)
     x = torch.randn(T, R, generator=torch.Generator().manual_seed(5)).to(dtype)
     want = moe.forward(x)
     ids, w = moe.last_ids, moe.last_weights
@@ -179,7 +173,7 @@ def test_cuda_matches_reference(mode, bits, dtype):
     tier = SlotTier("dev", layout.logical_bytes, E * slot_bytes, device="cuda")
     for s in range(E):
         tier.view(s)[...] = cupy.asarray(store[s])
-    moe = moe_layer(BankProvider(layout, store, dtype), dtype)
+    moe = moe_layer(bank_provider(layout, store, dtype), dtype)
     x = torch.randn(T, R, generator=torch.Generator().manual_seed(5)).to(dtype)
     moe.forward(x)
     ids, w = moe.last_ids, moe.last_weights
@@ -202,7 +196,7 @@ def test_cpu_matches_reference(mode, bits, dtype):
     if cpu.unavailable_reason():
         pytest.skip(cpu.unavailable_reason())
     layout, store = make_bank(mode, bits)
-    moe = moe_layer(BankProvider(layout, store, dtype), dtype)
+    moe = moe_layer(bank_provider(layout, store, dtype), dtype)
     x = torch.randn(T, R, generator=torch.Generator().manual_seed(5)).to(dtype)
     moe.forward(x)
     slots = {e: E - 1 - e for e in range(E)}

@@ -2,38 +2,35 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from mtplx_runtime.model.layers import rms_norm
-from mtplx_runtime.model.moe import route
-from mtplx_runtime.offload.lookahead import LookaheadScore, predict, predicted_keys
+from mtplx_runtime.model.moe import predict, route
+from mtplx_runtime.offload.lookahead import LookaheadScore, predicted_keys
 
 
-def make_routers(depth, d=16, e=8, k=2, seed=0):
+def make_blocks(depth, d=16, e=8, k=2, seed=0):
+    """Stand-ins for later LatentMoE blocks: what `predict` reads of them."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(e, d, generator=g).to(torch.bfloat16),
-             torch.randn(e, generator=g) * 0.1, k) for _ in range(depth)]
+    cfg = SimpleNamespace(num_experts_per_token=k)
+    return [SimpleNamespace(layer=3 + j, cfg=cfg,
+                            router=torch.randn(e, d, generator=g).to(torch.bfloat16),
+                            bias=torch.randn(e, generator=g) * 0.1) for j in range(depth)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_predict_equals_route_with_each_later_router(dtype):
     hidden = torch.randn(5, 16, generator=torch.Generator().manual_seed(1)).to(dtype)  # [T, D]
-    routers = make_routers(3)
-    preds = predict(hidden, routers)
-    assert len(preds) == 3
-    for (w, b, k), ids in zip(routers, preds):
-        want, _ = route(hidden, w, b, k)
-        assert ids.shape == (5, k) and ids.dtype == torch.int64
-        assert torch.equal(ids, want)
-
-
-def test_predict_applies_the_optional_norm_first():
-    hidden = torch.randn(4, 16, generator=torch.Generator().manual_seed(2)) * 7
-    (w, b, k), = make_routers(1, seed=3)
-    nw = torch.rand(16, generator=torch.Generator().manual_seed(4)) + 0.5
-    (ids,) = predict(hidden, [(w, b, k, nw, 1e-6)])
-    assert torch.equal(ids, route(rms_norm(hidden, nw, 1e-6), w, b, k)[0])
+    blocks = make_blocks(3)
+    preds = predict(hidden, blocks)
+    assert list(preds) == [3, 4, 5]
+    for m in blocks:
+        want, _ = route(hidden, m.router, m.bias, 2)
+        assert preds[m.layer].shape == (5, 2) and preds[m.layer].dtype == torch.int64
+        assert torch.equal(preds[m.layer], want)
+    assert not torch.equal(preds[3], preds[4])  # teeth: each block's own router
 
 
 def test_predicted_keys_depth_first_and_distinct():

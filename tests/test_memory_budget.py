@@ -23,9 +23,9 @@ BF16 = 2
 CHILD = textwrap.dedent("""
     import json, resource, sys
     from mtplx_runtime.engine.generate import GenerationStats, generate_step
-    from mtplx_runtime.model.kimi_k3 import load_model
+    from mtplx_runtime import load_model
     from mtplx_runtime.engine.plan import make_plan
-    from mtplx_runtime.offload.provider import StreamingExpertProvider, attach
+    from mtplx_runtime.offload.provider import StreamingExpertProvider
 
     art, budget, prompt, max_tokens = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), \\
         int(sys.argv[4])
@@ -34,7 +34,7 @@ CHILD = textwrap.dedent("""
     provider = StreamingExpertProvider(
         art, model.cfg, model.dtype, device_bytes=plan.device_slots * plan.record_stride,
         host_bytes=plan.host_slots * plan.record_stride, lookahead=1)
-    attach(model, provider)
+    model.use_provider(provider)
     stats = GenerationStats()
     ids = list(generate_step(model, prompt, max_tokens=max_tokens,
                              prefill_chunk=plan.prefill_chunk, stats=stats))

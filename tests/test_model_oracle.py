@@ -38,8 +38,8 @@ from nemo_automodel.components.models.common import BackendConfig  # noqa: E402
 from nemo_automodel.components.models.kimi_k3.config import KimiK3TextConfig  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from mtplx_runtime import load_model  # noqa: E402
 from mtplx_runtime.fixtures.tiny import make_tiny  # noqa: E402
-from mtplx_runtime.model.kimi_k3 import load_model  # noqa: E402
 
 CHUNK = 64  # fla chunk_kda's chunk length
 # AutoModel's config passes the deprecated `rope_scaling` to transformers (K3 has no RoPE).

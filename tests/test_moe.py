@@ -74,15 +74,16 @@ def test_router_bf16_input_runs_in_fp32_and_sorts():
 # ---- LatentMoE against hand values and a naive loop (§4.6) ----
 
 
-class DictProvider:
-    """Experts from a dict; records every request so tests can see what the block asked for."""
+class DictProvider(ResidentExpertProvider):
+    """Experts from a dict; records every expert the block asked for, in the order asked."""
 
     def __init__(self, experts: dict[int, ExpertWeights]):
-        self._experts, self.requests = experts, []
+        self.requests = []
+        super().__init__(lambda layer, e: experts[e], torch.float32)
 
     def experts(self, layer, ids):
         self.requests.append((layer, list(ids)))
-        return {e: self._experts[e] for e in ids}
+        return super().experts(layer, ids)
 
 
 def small_cfg(**kw):

@@ -4,12 +4,12 @@ counters per layer, prefill (transient slots) included. Lookahead reads are not 
 
 import pytest
 
+from mtplx_runtime import load_model
 from mtplx_runtime.artifact.build import build_artifact
 from mtplx_runtime.engine.generate import generate_step
 from mtplx_runtime.engine.trace import RouteTrace
 from mtplx_runtime.fixtures.tiny import make_tiny
-from mtplx_runtime.model.kimi_k3 import load_model
-from mtplx_runtime.offload.provider import StreamingExpertProvider, attach
+from mtplx_runtime.offload.provider import StreamingExpertProvider
 from mtplx_runtime.profile import load, replay_runtime
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 5, 120, 77, 11]
@@ -35,7 +35,7 @@ def test_replay_reproduces_runtime_counters(artifact, tmp_path, policy, slots, h
                                        device_bytes=slots * n_moe * stride,
                                        host_bytes=host * n_moe * stride, policy=policy,
                                        lookahead=0)
-    attach(model, provider)
+    model.use_provider(provider)
     path = tmp_path / "t.jsonl"
     with RouteTrace(path, model) as tr:
         list(generate_step(model, PROMPT, max_tokens=16, prefill_chunk=5, trace=tr))

@@ -149,9 +149,9 @@ def test_chat_streaming_equals_non_streaming(server, client, art):
         from mtplx_runtime.engine.chat import render_chat
 
         rt = server["rt"]
-        ids, _ = generate(rt.model, render_chat(rt.tok, msgs, thinking=thinking),
-                          max_tokens=10, stop_ids=rt.tok.stop_ids)
-        ch = ChannelText(rt.tok, thinking)
+        ids, _ = generate(rt.model, render_chat(rt.tokenizer, msgs, thinking=thinking),
+                          max_tokens=10, stop_ids=rt.tokenizer.stop_ids)
+        ch = ChannelText(rt.tokenizer, thinking)
         parts = {"content": "", "reasoning": ""}
         for kind, s in [p for t in ids for p in ch.push(t)] + ch.flush():
             parts[kind] += s
@@ -289,7 +289,7 @@ def test_engine_queue_bound_and_failures_do_not_kill_it(server):
             gate.wait(TIMEOUT)
             raise RuntimeError("boom")
 
-    rt = SimpleNamespace(tok=server["rt"].tok, model=Boom(), trace=None, provider=None)
+    rt = SimpleNamespace(tokenizer=server["rt"].tokenizer, model=Boom(), trace=None, provider=None)
     engine = Engine(rt, max_queue=1)
     try:
         first = Request(prompt_ids=[1], max_tokens=2)

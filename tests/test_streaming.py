@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
+from mtplx_runtime import load_model
 from mtplx_runtime.artifact.build import build_artifact
 from mtplx_runtime.fixtures.tiny import make_tiny
-from mtplx_runtime.model.kimi_k3 import load_model
 from mtplx_runtime.offload.prefetch import PrefetchError
-from mtplx_runtime.offload.provider import StreamingExpertProvider, attach
+from mtplx_runtime.offload.provider import StreamingExpertProvider
 
 LAYOUTS = ("mxfp4", "w3", "t158", "bf16")
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 5, 120, 77, 11]
@@ -60,7 +60,7 @@ def streamed(src, art, **kw):
     kw.setdefault("lookahead", 0)
     provider = StreamingExpertProvider(art, model.cfg, model.dtype,
                                        device_bytes=SLOTS_PER_LAYER * n_moe * stride, **kw)
-    attach(model, provider)
+    model.use_provider(provider)
     return model, provider
 
 
@@ -109,8 +109,8 @@ def test_wrong_predictor_is_still_exact(built, codec):
     rng = random.Random(0)
     n_exp = model.cfg.num_experts
 
-    def wrong_hint(layer, hidden, actual=None):
-        keys = [(la, rng.randrange(n_exp)) for la in provider.ahead(layer) for _ in range(3)]
+    def wrong_hint(layer, actual, predicted):
+        keys = [(la, rng.randrange(n_exp)) for la in predicted for _ in range(3)]
         provider.prefetcher.cancel_stale(set(keys))
         return provider.prefetcher.speculate(keys)
 

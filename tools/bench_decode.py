@@ -33,14 +33,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mtplx_runtime import load_model
 from mtplx_runtime.artifact.build import build_artifact
-from mtplx_runtime.artifact.manifest import load_manifest
+from mtplx_runtime.artifact.manifest import MANIFEST_NAME, load_manifest
 from mtplx_runtime.engine.generate import GenerationStats, generate_step
 from mtplx_runtime.fixtures.k3_slice import make_k3_slice
 from mtplx_runtime.kernels import name_of, select_backend
-from mtplx_runtime.model.kimi_k3 import load_model
 from mtplx_runtime.offload.buffers import aligned_buffer
-from mtplx_runtime.offload.provider import MANIFEST_NAME, StreamingExpertProvider, attach
+from mtplx_runtime.offload.provider import StreamingExpertProvider
 
 PROMPT = [3, 17]
 CHUNK = 8 * 2**20
@@ -119,7 +119,7 @@ def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens:
         stride = probe.stride_bytes
     provider = StreamingExpertProvider(art, model.cfg, model.dtype, lookahead=lookahead,
                                        device_bytes=slots * n_moe * stride, kernels=kernels)
-    attach(model, provider)
+    model.use_provider(provider)
     stats, before = GenerationStats(), None
     try:
         for _ in generate_step(model, PROMPT, max_tokens=tokens + 1, stats=stats):

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from mtplx_runtime.checkpoint import ModelConfig
 from mtplx_runtime.model.kimi_k3 import KimiK3
 from mtplx_runtime.model.load import group_residents, model_dtype
-from mtplx_runtime.model.moe import ExpertWeights
+from mtplx_runtime.model.moe import ExpertWeights, ResidentExpertProvider
 
 # k3-model.md §1, cut to two layers: 1-based layer 1 is KDA (dense MLP), layer 2 MLA (MoE).
 K3_TWO_LAYERS = dict(
@@ -72,7 +72,7 @@ def random_residents(cfg: ModelConfig, dtype: torch.dtype, gen: torch.Generator)
         name, spec.shape, dtype if spec.dtype == "BF16" else torch.float32, gen))
 
 
-class DictExpertProvider:
+class DictExpertProvider(ResidentExpertProvider):
     """Every routed expert resident in a dict keyed by (layer, expert)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, gen: torch.Generator):
@@ -82,9 +82,7 @@ class DictExpertProvider:
                 mats = {p: random_tensor(p, shape, dtype, gen)
                         for p, shape in cfg.expert_shapes.items()}
                 self.weights[(layer, e)] = ExpertWeights(mats["gate"], mats["up"], mats["down"])
-
-    def experts(self, layer, ids):
-        return {int(e): self.weights[(layer, int(e))] for e in ids}
+        super().__init__(lambda layer, e: self.weights[(layer, e)], dtype, cfg=cfg)
 
 
 class Timers:

@@ -17,14 +17,25 @@ import hashlib
 import os
 import stat
 from pathlib import Path
+from typing import NamedTuple
 
 from ..checkpoint.config import ModelConfig
-from ..checkpoint.layouts import ExpertLayout, ExpertRecord, ProjectionRecord
+from ..checkpoint.layouts import ExpertLayout, ExpertRecord, ProjectionRecord, is_expert_tensor
+from ..checkpoint.reader import Checkpoint, open_checkpoint
 from ..checkpoint.safetensors_io import CheckpointError
 from ..formats import FormatError
 from ..formats.record import RecordLayout, mode_codec, record_layout, record_parts
 from .descriptor import K3_T158_DESCRIPTOR, descriptor_for, validate_descriptor
-from .manifest import Manifest, ManifestError, Record
+from .manifest import MANIFEST_NAME, Manifest, ManifestError, Record, load_manifest
+
+
+class RecordLocation(NamedTuple):
+    """Where one record's bytes are: bank part index, absolute offset in it, length, digest."""
+
+    part: int
+    offset: int
+    length: int
+    sha256: str | None
 
 
 class RecordHashError(CheckpointError):
@@ -39,7 +50,7 @@ class BankExpertLayout(ExpertLayout):
                  verify_sha256: bool = False):
         self._cfg, self._root, self._manifest = cfg, root, manifest
         self.verify_sha256 = verify_sha256
-        where = root / "expert-manifest.json"
+        where = root / MANIFEST_NAME
         mode, bits = manifest.quantization["mode"], manifest.quantization["bits"]
         try:
             self.codec = mode_codec(mode, bits)
@@ -56,17 +67,28 @@ class BankExpertLayout(ExpertLayout):
         self._records: dict[tuple[int, int], Record] = {}
         self._check_records(where)
         self.layers = sorted({r.layer for r in manifest.records})
-        self._fds: list[int] = []
-        try:
-            for p in manifest.sidecar.parts:
-                self._fds.append(_open_part(root / p.file, p.size))
-        except BaseException:
-            self.close()
-            raise
+        for p in manifest.sidecar.parts:  # stat, not open: readers open what they read
+            _check_part(root / p.file, p.size)
+        self._fds: dict[int, int] = {}  # part -> fd, opened on first read
 
     @property
     def manifest(self) -> Manifest:
         return self._manifest
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    @property
+    def layout(self) -> RecordLayout:
+        """The record layout of the bank's mode for the config's expert shapes (built once)."""
+        return self._layout
+
+    def locate(self, layer: int, expert: int) -> RecordLocation:
+        """Where one record's bytes are: KeyError when the artifact holds no such record."""
+        r = self._records[int(layer), int(expert)]
+        start = self._manifest.sidecar.parts[r.part].data_start
+        return RecordLocation(r.part, start + r.sidecar_offset, r.sidecar_length, r.sha256)
 
     def _check_descriptor(self, where: Path) -> None:
         m, cfg = self._manifest, self._cfg
@@ -111,19 +133,14 @@ class BankExpertLayout(ExpertLayout):
             raise CheckpointError(f"{self._root}: the artifact holds no record for layer {layer} "
                                   f"(it holds routed layers {self.layers})") from None
 
-    def record_location(self, layer: int, expert: int) -> tuple[Path, int, int, str | None]:
-        """(bank part path, absolute byte offset, length, sha256 or None) of one record."""
-        r = self._record(layer, expert)
-        p = self._manifest.sidecar.parts[r.part]
-        return (self._root / p.file, p.data_start + r.sidecar_offset, r.sidecar_length,
-                r.sha256)
-
     def read_bytes(self, layer: int, expert: int, *, verify_sha256: bool | None = None) -> bytes:
         """The record's raw bytes with one positional read; sha256 checked when asked (or when
         the layout was opened with verify_sha256)."""
         r = self._record(layer, expert)
         p = self._manifest.sidecar.parts[r.part]
         offset = p.data_start + r.sidecar_offset
+        if r.part not in self._fds:
+            self._fds[r.part] = _open_part(self._root / p.file, p.size)
         data = os.pread(self._fds[r.part], r.sidecar_length, offset)
         if len(data) != r.sidecar_length:
             raise CheckpointError(f"{self._root / p.file}: short read of record (layer {layer}, "
@@ -150,9 +167,25 @@ class BankExpertLayout(ExpertLayout):
             for proj, comps in parts.items()})
 
     def close(self) -> None:
-        fds, self._fds = self._fds, []
-        for fd in fds:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
             os.close(fd)
+
+
+def _check_part(path: Path, size: int) -> None:
+    """A bank part must be a regular file (not a symlink, FIFO or device) of the manifest's size;
+    checked with lstat so nothing is opened (opening a FIFO would block)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: bank part named by the manifest is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: bank part cannot be examined: {e}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(f"{path}: bank part is a symlink")
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"{st.st_size} bytes"
+        raise CheckpointError(f"{path}: bank part is {what}; the manifest says {size} bytes")
 
 
 def _open_part(path: Path, size: int) -> int:
@@ -170,3 +203,55 @@ def _open_part(path: Path, size: int) -> int:
         what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"{st.st_size} bytes"
         raise CheckpointError(f"{path}: bank part is {what}; the manifest says {size} bytes")
     return fd
+
+
+def open_artifact(path: str | os.PathLike, *, manifest: Manifest | None = None,
+                  verify_sha256: bool = False) -> Checkpoint:
+    """Open a streaming artifact: its manifest (parsed here once, unless given), the resident
+    shards through the checkpoint reader, the bank checked against config and manifest. The
+    returned Checkpoint's `experts` is the BankExpertLayout (`locate`, `layout`, `manifest`)."""
+    root = Path(path)
+    if manifest is None:
+        manifest = load_manifest(root / MANIFEST_NAME)  # ManifestError is a CheckpointError
+
+    def bank(config: ModelConfig, where: dict) -> BankExpertLayout:
+        _check_manifest_residents(manifest, where, root)
+        return BankExpertLayout(config, root, manifest, verify_sha256=verify_sha256)
+
+    return open_checkpoint(root, experts=bank)
+
+
+def open_source(path: str | os.PathLike, *, verify_sha256: bool = False) -> Checkpoint:
+    """Any model directory: a streaming artifact (it holds expert-manifest.json) or a checkpoint
+    the reader accepts."""
+    root = Path(path)
+    if is_artifact(root):
+        return open_artifact(root, verify_sha256=verify_sha256)
+    return open_checkpoint(root)
+
+
+def is_artifact(path: str | os.PathLike) -> bool:
+    """Whether `path` holds an expert manifest (a symlink in its place counts: load refuses it)."""
+    m = Path(path) / MANIFEST_NAME
+    return m.exists() or m.is_symlink()
+
+
+def _check_manifest_residents(manifest: Manifest, where: dict, root: Path) -> None:
+    """Each manifest resident tensor is where the shard headers put it (same shard, absolute
+    extent, dtype, shape); no routed-expert tensor sits beside the bank."""
+    for t in manifest.resident_tensors:
+        holder = where.get(t.tensor)
+        if holder is None or holder.path.name != t.shard:
+            raise CheckpointError(f"{root / MANIFEST_NAME}: resident tensor {t.tensor!r} is not "
+                                  f"in {t.shard} according to the index")
+        info = holder.tensors[t.tensor]
+        if (info.start, info.nbytes, info.dtype, info.shape) != (t.offset, t.length, t.dtype,
+                                                                  tuple(t.shape)):
+            raise CheckpointError(
+                f"{holder.path}: tensor {t.tensor!r} is {info.dtype}{list(info.shape)} at "
+                f"[{info.start}, {info.end}), {MANIFEST_NAME} says {t.dtype}{list(t.shape)} at "
+                f"[{t.offset}, {t.offset + t.length})")
+    for name, shard in where.items():
+        if is_expert_tensor(name):
+            raise CheckpointError(f"{shard.path}: routed-expert tensor {name!r} beside the "
+                                  f"bank parts of a streaming artifact")

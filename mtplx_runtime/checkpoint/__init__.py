@@ -2,6 +2,7 @@
 
 from .config import ConfigError, ModelConfig
 from .layouts import ExpertRecord, ProjectionRecord
+from .reader import Checkpoint, open_checkpoint
 from .residents import resident_tensor_specs
 from .safetensors_io import CheckpointError
 
@@ -16,13 +17,3 @@ __all__ = [
     "resident_tensor_specs",
 ]
 
-
-def __getattr__(name: str):
-    # The reader reaches storage.bank (streaming artifacts), and storage.manifest imports
-    # this package's safetensors_io: loading the reader on first use keeps either side
-    # importable first.
-    if name in ("Checkpoint", "open_checkpoint"):
-        from . import reader
-
-        return getattr(reader, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

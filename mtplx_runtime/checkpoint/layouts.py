@@ -78,6 +78,9 @@ class ExpertLayout(ABC):
     def read(self, layer: int, expert: int) -> ExpertRecord:
         """Read one expert's bytes (blocking) into an ExpertRecord."""
 
+    def close(self) -> None:  # noqa: B027 (a deliberate no-op default, not an abstract method)
+        """Release what the layout holds open itself (shards belong to the Checkpoint)."""
+
 
 def _fail(shard: SafetensorsFile, name: str, why: str) -> CheckpointError:
     return CheckpointError(f"{shard.path}: tensor {name!r} {why}")

@@ -2,11 +2,10 @@
 
     config.json + index (or one model.safetensors) -> shard headers -> expert layout -> residents
 
-A streaming artifact (FORMAT.md "Streaming artifact") is a checkpoint whose routed experts live in
-bank parts named by `expert-manifest.json`: the manifest is loaded (digest and structure checked),
-its resident tensors must be exactly where the safetensors headers put them, and experts are read
-by bank_experts.py. Bank parts, `*.partial` files or build journals without the manifest are an
-unfinished build and are refused.
+A streaming artifact (FORMAT.md "Streaming artifact") keeps its resident tensors in shards like a
+checkpoint but its routed experts in bank parts: `artifact.open` opens it through this reader with
+an `experts` layout of its own. Without one, a directory holding an expert manifest, or bank
+parts, `*.partial` files or build journals without it (an unfinished build), is refused.
 
 At open only headers are read: the index is checked against the shard headers, the routed-expert
 layout is detected and checked against the config (layouts.py), and the resident text tensors are
@@ -20,10 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifact.open import BankExpertLayout
 from ..formats import Codec
 from .config import ModelConfig, load_json
-from .layouts import ExpertLayout, ExpertRecord, detect_expert_layout, is_expert_tensor
+from .layouts import ExpertLayout, ExpertRecord, detect_expert_layout
 from .residents import check_residents
 from .safetensors_io import CheckpointError, SafetensorsFile, TensorInfo
 
@@ -49,18 +47,12 @@ class Checkpoint:
         # "mxfp4" | "w3" | "t158" | "bf16"; "bank-{mode}" for a streaming artifact
         self.layout: str = self._experts.name
         self.codec: Codec = self._experts.codec
-        # The streaming artifact's manifest (storage.manifest.Manifest); None for a checkpoint.
-        self.manifest = experts.manifest if isinstance(experts, BankExpertLayout) else None
         check_residents(config, where, str(path))
 
-    def record_location(self, layer: int, expert: int) -> tuple[Path, int, int, str | None]:
-        """Streaming artifacts only: (bank part path, absolute offset, length, sha256 or None)
-        of one expert record, for readers that move the bytes themselves."""
-        if not isinstance(self._experts, BankExpertLayout):
-            raise TypeError(f"{self.path}: not a streaming artifact (layout {self.layout}); "
-                            f"only bank records have a location")
-        self.config.check_expert_key(layer, expert)
-        return self._experts.record_location(layer, expert)
+    @property
+    def expert_layout(self) -> ExpertLayout:
+        """Where the routed experts are read from (a BankExpertLayout for an artifact)."""
+        return self._experts
 
     def tensor_names(self) -> list[str]:
         return sorted(self._where)
@@ -91,8 +83,7 @@ class Checkpoint:
     def close(self) -> None:
         for shard in self._shards:
             shard.close()
-        if isinstance(self._experts, BankExpertLayout):
-            self._experts.close()
+        self._experts.close()
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -101,16 +92,21 @@ class Checkpoint:
         self.close()
 
 
-def open_checkpoint(path: str | os.PathLike, *, verify_sha256: bool = False) -> Checkpoint:
-    """Open and validate a checkpoint directory or streaming artifact; errors are CheckpointError
-    naming the file. `verify_sha256`: artifacts only, hash every expert record on read."""
+def open_checkpoint(path: str | os.PathLike, *, experts=None) -> Checkpoint:
+    """Open and validate a checkpoint directory; errors are CheckpointError naming the file.
+
+    `experts`: for models whose routed experts live outside the shards (a streaming artifact:
+    `artifact.open.open_artifact` passes it), a function `(config, {tensor: shard}) ->
+    ExpertLayout`. Without it a directory holding an expert manifest, or an unfinished build of
+    one, is refused with a message saying how to open it."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory")
-    manifest = _artifact_manifest(root)
+    if experts is None:
+        _refuse_artifact(root)
     config = ModelConfig.from_file(root / CONFIG)
     shards: list[SafetensorsFile] = []
-    experts = None
+    layout = None
     try:
         weight_map = _read_index(root)
         names = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE]
@@ -119,54 +115,28 @@ def open_checkpoint(path: str | os.PathLike, *, verify_sha256: bool = False) -> 
                 raise CheckpointError(f"{root / INDEX}: shard {name!r} is missing from {root}")
             shards.append(SafetensorsFile(root / name))
         where = _locate(shards, weight_map, root)
-        if manifest is not None:
-            _check_manifest_residents(manifest, where, root)
-            experts = BankExpertLayout(config, root, manifest, verify_sha256=verify_sha256)
-        return Checkpoint(root, config, shards, where, experts)
+        layout = experts(config, where) if experts is not None else None
+        return Checkpoint(root, config, shards, where, layout)
     except BaseException:
         for shard in shards:
             shard.close()
-        if experts is not None:
-            experts.close()
+        if layout is not None:
+            layout.close()
         raise
 
 
-def _artifact_manifest(root: Path):
-    """The loaded manifest of a streaming artifact, None for a plain checkpoint; refuses an
-    unfinished artifact (build leftovers without the manifest, which is published last)."""
-    path = root / MANIFEST
-    if path.exists() or path.is_symlink():
-        from ..artifact.manifest import load_manifest
-
-        return load_manifest(path)  # ManifestError is a CheckpointError
+def _refuse_artifact(root: Path) -> None:
+    """A streaming artifact is opened through `artifact.open`; build leftovers without the
+    manifest (which a finished build writes last) are an unfinished artifact."""
+    if (root / MANIFEST).exists() or (root / MANIFEST).is_symlink():
+        raise CheckpointError(f"{root}: a streaming artifact ({MANIFEST}): open it with "
+                              f"mtplx_runtime.artifact.open.open_source or mtplx_runtime.load")
     leftovers = sorted({p.name for pattern in _BUILD_LEFTOVERS for p in root.glob(pattern)})
     if leftovers:
         shown = ", ".join(leftovers[:4]) + (", ..." if len(leftovers) > 4 else "")
         raise CheckpointError(f"{root}: unfinished streaming artifact: it holds build output "
                               f"({shown}) but no {MANIFEST}, which a finished build writes last; "
                               f"rerun `mtplx build-manifest` to finish it")
-    return None
-
-
-def _check_manifest_residents(manifest, where: dict[str, SafetensorsFile], root: Path) -> None:
-    """Each manifest resident tensor is where the shard headers put it (same shard, absolute
-    extent, dtype, shape); no routed-expert tensor sits beside the bank."""
-    for t in manifest.resident_tensors:
-        holder = where.get(t.tensor)
-        if holder is None or holder.path.name != t.shard:
-            raise CheckpointError(f"{root / MANIFEST}: resident tensor {t.tensor!r} is not in "
-                                  f"{t.shard} according to {INDEX}")
-        info = holder.tensors[t.tensor]
-        if (info.start, info.nbytes, info.dtype, info.shape) != (t.offset, t.length, t.dtype,
-                                                                  tuple(t.shape)):
-            raise CheckpointError(
-                f"{holder.path}: tensor {t.tensor!r} is {info.dtype}{list(info.shape)} at "
-                f"[{info.start}, {info.end}), {MANIFEST} says {t.dtype}{list(t.shape)} at "
-                f"[{t.offset}, {t.offset + t.length})")
-    for name, shard in where.items():
-        if is_expert_tensor(name):
-            raise CheckpointError(f"{shard.path}: routed-expert tensor {name!r} beside the "
-                                  f"bank parts of a streaming artifact")
 
 
 def _read_index(root: Path) -> dict[str, str] | None:

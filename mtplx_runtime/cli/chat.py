@@ -46,9 +46,9 @@ def main(args: argparse.Namespace) -> int:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            prompt = render_chat(rt.tok, messages, thinking=thinking)
-            ids, stats = run_turn(rt, args, prompt, ReplyPrinter(rt.tok, thinking))
-            reply = parse_assistant(ids, rt.tok, thinking=thinking)
+            prompt = render_chat(rt.tokenizer, messages, thinking=thinking)
+            ids, stats = run_turn(rt, args, prompt, ReplyPrinter(rt.tokenizer, thinking))
+            reply = parse_assistant(ids, rt.tokenizer, thinking=thinking)
             messages.append({"role": "assistant", "content": reply["content"],
                              "reasoning_content": reply["reasoning"]})
             print(f"{PROG}: {stats_line(rt, stats)}", file=sys.stderr)

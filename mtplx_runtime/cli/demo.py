@@ -42,39 +42,23 @@ def ensure_artifact(root: Path, seed: int, rebuild: bool) -> tuple[Path, bool]:
     """(artifact dir, built now?): the tiny t158 checkpoint and its streaming artifact under
     `root`. A present manifest marks a finished build; the bank part sizes are checked too."""
     from ..artifact.build import build_artifact
-    from ..artifact.manifest import load_manifest
+    from ..artifact.manifest import ManifestError, load_manifest
     from ..fixtures.codec_table import fixture
 
     out = root / f"tiny-t158-seed{seed}-stream"
     manifest = out / "expert-manifest.json"
     if not rebuild and manifest.is_file():
-        try:
-            parts = load_manifest(manifest).sidecar.parts
-            if all((out / p.file).stat().st_size == p.size for p in parts):
+        try:  # a damaged or half-deleted earlier build is rebuilt, not reused
+            sidecar = load_manifest(manifest).sidecar
+            if sidecar is not None and all((out / p.file).stat().st_size == p.size
+                                           for p in sidecar.parts):
                 return out, False
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ManifestError):
             pass
     shutil.rmtree(out, ignore_errors=True)
     info, _ = fixture(root, "t158", "t158", {}, seed, rebuild)
     build_artifact(info.path, out, progress=False)
     return out, True
-
-
-def attach_small_cache(model, artifact: Path, args):
-    """A StreamingExpertProvider with `args` slots per layer, attached to `model`."""
-    from ..formats.record import record_layout
-    from ..offload.provider import StreamingExpertProvider, attach
-
-    n_layers = len(model.cfg.moe_layers)
-    manifest = model.checkpoint.manifest  # load_model opened the artifact
-    q = manifest.quantization
-    stride = record_layout(model.cfg, q["mode"], q["bits"]).logical_bytes
-    provider = StreamingExpertProvider(
-        artifact, model.cfg, model.dtype, device_bytes=args.slots_per_layer * n_layers * stride,
-        host_bytes=args.host_slots_per_layer * n_layers * stride, lookahead=args.lookahead,
-        manifest=manifest, kernels=args.kernels)
-    attach(model, provider)
-    return provider
 
 
 def stream_generate(model, tok, prompt_ids: list[int], max_tokens: int, out, provider=None):
@@ -219,9 +203,8 @@ def one_compute_thread():
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..engine.tokenizer import load_tokenizer
+    from ..engine.runtime import load, load_model
     from ..kernels import name_of
-    from ..model.kimi_k3 import load_model
 
     root = Path(args.cache_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -232,17 +215,18 @@ def _run(args: argparse.Namespace) -> int:
     print(f"mtplx demo: tiny Kimi K3, t158 experts streamed from {artifact}/ "
           f"({'built' if built else 'reused'} in {time.perf_counter() - t0:.2f} s, "
           f"{size / 2**20:.1f} MiB)")
-    tok = load_tokenizer(artifact)
-    model = load_model(artifact, dtype="float32")
+    try:  # a deliberately small cache: args' slots per MoE layer
+        rt = load(artifact, dtype="float32", kernels=args.kernels, lookahead=args.lookahead,
+                  cache_slots=(args.slots_per_layer, args.host_slots_per_layer))
+    except (ValueError, RuntimeError) as e:  # an unavailable --kernels backend
+        print(f"mtplx demo: error: {e}", file=sys.stderr)
+        return 2
+    tok, model, provider = rt.tokenizer, rt.model, rt.provider
     cfg = model.cfg
     prompt = tok.encode(args.prompt)
     if not prompt:
+        rt.close()
         print("mtplx demo: error: the prompt encodes to no tokens", file=sys.stderr)
-        return 2
-    try:
-        provider = attach_small_cache(model, artifact, args)
-    except (ValueError, RuntimeError) as e:  # an unavailable --kernels backend
-        print(f"mtplx demo: error: {e}", file=sys.stderr)
         return 2
     try:
         print(f"model: {cfg.num_hidden_layers} layers, {len(cfg.moe_layers)} MoE layers x "
@@ -262,7 +246,7 @@ def _run(args: argparse.Namespace) -> int:
         print()
         print_stats(model, provider, stats, after_prefill, measure_disk_rate(artifact), out)
     finally:
-        provider.close()
+        rt.close()
     print()
     print(EXPLAIN.format(k=cfg.num_experts_per_token, e=cfg.num_experts,
                          n=len(cfg.moe_layers)))

@@ -1,14 +1,13 @@
 """`mtplx generate`: continue a prompt (or answer it as a one-message chat), streaming text.
 
-    --model DIR -> tokenizer + model (+ streaming provider sized by the memory plan)
+    --model DIR -> engine.runtime.load (tokenizer, model, expert provider, memory plan)
         -> prompt ids -> generate_step -> text to stdout as produced; one stats line to stderr
 
 Routed experts stream from disk when `--memory-budget` is given or DIR is a streaming artifact
-(`expert-manifest.json`): `plan.make_plan` splits the budget into device/host cache slots and
-`streaming.StreamingExpertProvider` is attached to the model. Without a budget an artifact gets
-the memory the OS reports available (MemAvailable). Otherwise experts are decoded once and kept
-resident (tiny models, tests). `load_runtime`, `run_turn` and `ReplyPrinter` are shared with
-`mtplx chat` (`chat_cli`).
+(`expert-manifest.json`): the memory plan splits the budget into cache slots (without a budget
+an artifact gets the memory the OS reports available, MemAvailable). Otherwise experts are
+decoded once and kept resident (tiny models, tests). `load_runtime`, `run_turn` and
+`ReplyPrinter` are shared with `mtplx chat` and `mtplx serve`.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 PROG = "mtplx generate"
 
@@ -62,89 +59,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
 
 
-@dataclass
-class Runtime:
-    """What a generation run needs, loaded once."""
-
-    tok: object  # tokenizer.Tokenizer
-    model: object  # model.kimi_k3.KimiK3
-    provider: object | None = None  # the streaming provider, None when resident
-    trace: object | None = None  # trace.RouteTrace
-    plan: object | None = None  # plan.MemoryPlan when streaming
-
-    def close(self) -> None:
-        if self.trace is not None:
-            self.trace.close()
-        if self.provider is not None:
-            self.provider.close()
-
-
-def _mem_available_bytes() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    raise CliError("cannot read MemAvailable; give --memory-budget")
-
-
-def _attach_streaming(args, model, kernels):
-    """(provider, plan): the streaming provider sized by the memory plan, attached to model."""
-    from ..artifact.manifest import MANIFEST_NAME
-    from ..engine.plan import PlanError, make_plan
-    from ..offload import provider as streaming
-
-    if not (Path(args.model) / MANIFEST_NAME).is_file():
-        raise CliError(f"{args.model} is not a streaming artifact (no {MANIFEST_NAME}); build "
-                       "one with `mtplx build-manifest`, or drop --memory-budget")
-    budget = args.memory_budget or _mem_available_bytes()
-    # load_model opened the artifact: reuse its manifest instead of parsing it twice more.
-    manifest = getattr(model.checkpoint, "manifest", None)
-    try:
-        plan = make_plan(args.model, memory_budget=budget, host_budget=args.host_budget,
-                         context=args.context, dtype=args.dtype,
-                         prefill_chunk=args.prefill_chunk, manifest=manifest)
-    except PlanError as e:
-        raise CliError(str(e)) from None
-    try:
-        provider = streaming.StreamingExpertProvider(
-            args.model, model.cfg, model.dtype,
-            device_bytes=plan.device_slots * plan.record_stride,
-            host_bytes=plan.host_slots * plan.record_stride,
-            policy=args.cache_policy, lookahead=args.lookahead, manifest=manifest,
-            kernels=kernels)
-    except ValueError as e:  # a bank the chosen kernels cannot run, or an inconsistent bank
-        raise CliError(str(e)) from None
-    streaming.attach(model, provider)
-    return provider, plan
-
-
-def _kernels(name: str | None):
-    """The kernel backend module for --kernels (select_backend's errors as CliError)."""
-    from ..kernels import select_backend
-
-    try:
-        return select_backend(name)
-    except (ValueError, RuntimeError) as e:
-        raise CliError(str(e)) from None
-
-
-def _record_bytes(model_dir: str) -> int | None:
-    """Logical bytes of one expert record, for the trace header; None if it cannot be told."""
+def load_runtime(args):
+    """`engine.runtime.load` from parsed flags, plus the route trace (--trace-routes)."""
+    from ..artifact.open import is_artifact
     from ..engine.plan import PlanError, facts_from_dir
-
-    try:
-        return facts_from_dir(model_dir).record_bytes
-    except (PlanError, ValueError, OSError, KeyError):
-        return None
-
-
-def load_runtime(args) -> Runtime:
-    """Tokenizer, model, optional streaming provider and route trace from parsed flags."""
-    from ..artifact.manifest import MANIFEST_NAME
-    from ..engine.tokenizer import load_tokenizer
-    from ..model.kimi_k3 import load_model
+    from ..engine.runtime import load
+    from ..kernels import ENV, cuda, name_of
 
     for flag, v, low in (("--max-tokens", args.max_tokens, 0), ("--top-k", args.top_k, 0),
                          ("--prefill-chunk", args.prefill_chunk, 1),
@@ -153,31 +73,31 @@ def load_runtime(args) -> Runtime:
             raise CliError(f"{flag} must be >= {low}, got {v}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise CliError("--temperature must be >= 0 and --top-p in (0, 1]")
-    tok = load_tokenizer(args.model)
-    streamed = args.memory_budget is not None or (Path(args.model) / MANIFEST_NAME).is_file()
-    if not streamed and args.kernels not in (None, "auto", "reference"):
+    if (args.kernels not in (None, "auto", "reference") and args.memory_budget is None
+            and not is_artifact(args.model)):
         raise CliError(f"--kernels {args.kernels} runs on streamed experts: give a streaming "
                        "artifact (mtplx build-manifest) or drop --kernels")
-    kernels = _kernels(args.kernels) if streamed else None
-    from ..kernels import ENV, cuda, name_of
-
+    try:
+        rt = load(args.model, dtype=args.dtype, memory_budget=args.memory_budget,
+                  host_budget=args.host_budget, kernels=args.kernels, lookahead=args.lookahead,
+                  cache_policy=args.cache_policy, context=args.context,
+                  prefill_chunk=args.prefill_chunk)
+    except (PlanError, ValueError, RuntimeError) as e:  # budget, bank/kernel mismatch, kernels
+        raise CliError(str(e)) from None
     chosen_by = args.kernels or os.environ.get(ENV) or "auto"
-    if kernels is not None and chosen_by == "auto" and kernels.DEVICE != "cuda":
+    if rt.streamed and chosen_by == "auto" and rt.kernels.DEVICE != "cuda":
         # The one line a user on a host without a usable GPU sees about the fallback.
-        print(f"mtplx: expert kernels: {name_of(kernels)} (CUDA unavailable: "
+        print(f"mtplx: expert kernels: {name_of(rt.kernels)} (CUDA unavailable: "
               f"{cuda.unavailable_reason()})", file=sys.stderr)
-    # With the CUDA kernels the resident tensors (attention, router, shared experts...) live on
-    # the GPU too, next to the expert slots; every other backend runs the model on the CPU.
-    on_gpu = kernels is not None and kernels.DEVICE == "cuda"
-    model = load_model(args.model, dtype=args.dtype, device="cuda" if on_gpu else "cpu")
-    rt = Runtime(tok, model)
-    if streamed:
-        rt.provider, rt.plan = _attach_streaming(args, model, kernels)
     if args.trace_routes:
         from ..engine.trace import RouteTrace
 
-        record = rt.plan.record_bytes if rt.plan is not None else _record_bytes(args.model)
-        rt.trace = RouteTrace(args.trace_routes, model, model_name=str(args.model),
+        try:
+            record = (rt.plan.record_bytes if rt.plan is not None
+                      else facts_from_dir(args.model).record_bytes)
+        except PlanError:  # a checkpoint layout the plan cannot size: the header says null
+            record = None
+        rt.trace = RouteTrace(args.trace_routes, rt.model, model_name=str(args.model),
                               record_bytes=record)
     return rt
 
@@ -216,7 +136,7 @@ class ReplyPrinter:
         return self._dec.flush()
 
 
-def run_turn(rt: Runtime, args, prompt_ids: list[int], printer, out=None):
+def run_turn(rt, args, prompt_ids: list[int], printer, out=None):
     """Generate from prompt_ids, writing printer text to `out` as produced; (ids, stats)."""
     from ..engine.generate import GenerationStats, generate_step
 
@@ -226,7 +146,7 @@ def run_turn(rt: Runtime, args, prompt_ids: list[int], printer, out=None):
     out.write(getattr(printer, "prefix", ""))
     for t in generate_step(rt.model, prompt_ids, max_tokens=args.max_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                           seed=args.seed, stop_ids=rt.tok.stop_ids,
+                           seed=args.seed, stop_ids=rt.tokenizer.stop_ids,
                            prefill_chunk=args.prefill_chunk, trace=rt.trace, stats=stats):
         ids.append(t)
         out.write(printer.push(t))
@@ -249,11 +169,11 @@ def hit_rate(provider) -> float | None:
     return None if rate is None else float(rate)
 
 
-def stats_line(rt: Runtime, stats) -> str:
+def stats_line(rt, stats) -> str:
     from ..kernels import name_of
 
     line = stats.summary()
-    if rt.provider is not None:
+    if rt.streamed:
         rate = hit_rate(rt.provider)
         line += "; cache hit rate " + ("n/a" if rate is None else f"{100 * rate:.1f}%")
         line += f"; kernels {name_of(rt.provider.kernels)}"
@@ -273,18 +193,18 @@ def main(args: argparse.Namespace) -> int:
     try:
         thinking = not args.no_thinking
         if args.chat:
-            prompt = render_chat(rt.tok, [{"role": "user", "content": args.prompt}],
+            prompt = render_chat(rt.tokenizer, [{"role": "user", "content": args.prompt}],
                                  thinking=thinking)
-            printer = ReplyPrinter(rt.tok, thinking)
+            printer = ReplyPrinter(rt.tokenizer, thinking)
         else:
-            prompt = rt.tok.encode(args.prompt)
-            printer = rt.tok.stream_decoder()
+            prompt = rt.tokenizer.encode(args.prompt)
+            printer = rt.tokenizer.stream_decoder()
         if not prompt:
             print(f"{PROG}: error: the prompt encodes to no tokens", file=sys.stderr)
             return 2
         ids, stats = run_turn(rt, args, prompt, printer)
         if args.chat:
-            reply = parse_assistant(ids, rt.tok, thinking=thinking)
+            reply = parse_assistant(ids, rt.tokenizer, thinking=thinking)
             print(f"[reply: {len(reply['reasoning'])} chars reasoning, "
                   f"{len(reply['content'])} chars content, {len(reply['tool_calls'])} tool calls]",
                   file=sys.stderr)

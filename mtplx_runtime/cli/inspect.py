@@ -49,9 +49,9 @@ def describe(ckpt) -> list[tuple[str, str]]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..checkpoint import open_checkpoint
+    from ..artifact.open import open_source
 
-    with open_checkpoint(args.model) as ckpt:
+    with open_source(args.model) as ckpt:
         for key, value in describe(ckpt):
             print(f"{key:<13} {value}")
         cfg = ckpt.config

@@ -28,7 +28,7 @@ def main(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from ..model.kimi_k3 import load_model
+    from ..engine.runtime import load_model
 
     model = load_model(args.model, dtype=args.dtype)
     vocab = model.cfg.vocab_size

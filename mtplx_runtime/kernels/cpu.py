@@ -80,3 +80,9 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots,
         if dst is not out:
             out.copy_(dst)
     return out if acc is not None else out.to(x.dtype)
+
+
+def unsupported(layout) -> str | None:
+    """Why this backend cannot run `layout`'s bank mode (bf16 banks fall back to the reference
+    decode inside `expert_mlp`, so none is refused)."""
+    return None

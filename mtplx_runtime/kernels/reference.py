@@ -11,14 +11,57 @@ Shape legend: T tokens, R latent (3584), I expert width (3072), K top-k (16), U 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..formats.record import PROJECTIONS, record_parts
-from ..model.layers import SITU_BETA, SITU_LINEAR_BETA, glu_mlp
 
 DEVICE = "cpu"  # slot bytes are decoded on the host (results land on x's device)
+SITU_BETA = 4.0  # SiTU-GLU constants (FORMAT.md "SiTU-GLU")
+SITU_LINEAR_BETA = 25.0
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = SITU_BETA,
+             beta_lin: float = SITU_LINEAR_BETA) -> torch.Tensor:
+    """`SiTU(gate) ⊙ β_lin·tanh(up/β_lin)` (§4.2), computed in fp32 and cast to gate's dtype.
+
+    SiTU(g) = β·tanh(g/β)·σ(g). gate, up: [..., I] in the model dtype -> [..., I].
+    """
+    g, u = gate.float(), up.float()  # fp32 island: the reference's SituAndMul upcasts here
+    h = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
+    return h.to(gate.dtype)
+
+
+def glu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+            beta: float = SITU_BETA, beta_lin: float = SITU_LINEAR_BETA) -> torch.Tensor:
+    """SiTU-GLU MLP `W_down · situ_glu(W_gate x, W_up x)`.
+
+    x: [T, Din]; w_gate, w_up: [I, Din]; w_down: [Dout, I]; all in the model dtype -> [T, Dout].
+    The three GEMMs run in the model dtype (bf16 GEMM in a bf16 model, §6).
+    """
+    h = situ_glu(F.linear(x, w_gate), F.linear(x, w_up), beta, beta_lin)  # [T, I]
+    return F.linear(h, w_down)  # [T, Dout]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """One routed expert in the model dtype: gate, up [I, R]; down [R, I] (w1, w3, w2)."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+def expert_weights(arrays: Mapping, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> ExpertWeights:
+    """Decoded float arrays {"gate", "up", "down"} -> ExpertWeights in `dtype` (exact: every
+    codec's decoded values are bf16-representable, so the cast from fp32 loses nothing)."""
+    t = {p: torch.from_numpy(np.ascontiguousarray(arrays[p], dtype=np.float32))
+         .to(device=device, dtype=dtype) for p in PROJECTIONS}
+    return ExpertWeights(t["gate"], t["up"], t["down"])
 
 
 def record_view(storage, slot: int):
@@ -46,16 +89,15 @@ def expert_slots(ids: torch.Tensor, slots) -> dict[int, int]:
 
 
 def decode_record(buf, layout, shapes: Mapping, dtype: torch.dtype,
-                  device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """One record's bytes -> {"gate", "up": [I, R], "down": [R, I]} in `dtype` (exact: every
-    codec's decoded values are bf16-representable, so the cast from fp32 loses nothing)."""
+                  device: torch.device | str = "cpu") -> ExpertWeights:
+    """One record's bytes -> ExpertWeights (gate, up [I, R]; down [R, I]) in `dtype`: the mode
+    codec's NumPy reference decode, then `expert_weights`."""
     if hasattr(buf, "get") and not isinstance(buf, np.ndarray):  # cupy -> host
         buf = buf.get()
     parts = record_parts(layout, np.asarray(buf, dtype=np.uint8)[: layout.logical_bytes])
     codec = layout.codec
-    return {p: torch.from_numpy(np.ascontiguousarray(
-                codec.decode(parts[p], tuple(shapes[p])), dtype=np.float32)
-            ).to(device=device, dtype=dtype) for p in PROJECTIONS}
+    return expert_weights({p: codec.decode(parts[p], tuple(shapes[p])) for p in PROJECTIONS},
+                          dtype, device)
 
 
 def check_acc(acc: torch.Tensor | None, x: torch.Tensor) -> None:
@@ -82,7 +124,7 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots,
       with ids.
     storage: the slot bytes: a SlotTier (`view(slot) -> uint8 [record bytes]`, numpy or cupy)
       or an indexable `storage[slot]` (e.g. uint8 [num_slots, slot_bytes]).
-    layout: the RecordLayout of the bank mode (`storage.bank.record_layout`); its codec decodes.
+    layout: the RecordLayout of the bank mode (`formats.record.record_layout`); its codec decodes.
     shapes: {"gate", "up": (I, R), "down": (R, I)} (`ModelConfig.expert_shapes`).
     beta, beta_lin: the SiTU-GLU constants (`cfg.activation_situ_beta`, `..._linear_beta`).
     acc: None, or an fp32 [T, R] running sum: the routed products are added into it in
@@ -101,15 +143,33 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots,
     missing = [e for e in needed if e not in by_id]
     if missing:
         raise KeyError(f"no slot given for experts {missing}")
-    ys = {}
-    for e in needed:  # each expert once over all the tokens that chose it, as LatentMoE does
-        w = decode_record(record_view(storage, by_id[e]), layout, shapes, x.dtype, x.device)
-        tok, k = torch.nonzero(ids == e, as_tuple=True)  # [n] each, tok distinct
-        ys[e] = tok, k, glu_mlp(x[tok], w["gate"], w["up"], w["down"], beta, beta_lin)  # [n, R]
-    # Combine exactly as LatentMoE: each y_e -> fp32, times its fp32 weight, added in ascending
-    # expert id (index_add_ of distinct tokens = per-token left-to-right fp32 sum).
+    experts = {e: decode_record(record_view(storage, by_id[e]), layout, shapes, x.dtype, x.device)
+               for e in needed}
+    return routed_sum(x, ids, weights, experts, beta=beta, beta_lin=beta_lin, acc=acc)
+
+
+def routed_sum(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               experts: Mapping[int, ExpertWeights], *, beta: float = SITU_BETA,
+               beta_lin: float = SITU_LINEAR_BETA,
+               acc: torch.Tensor | None = None) -> torch.Tensor:
+    """`expert_mlp` on experts already decoded: {expert id: ExpertWeights} covering every id >= 0
+    of `ids`. Same arguments, order and result otherwise (this is LatentMoE's routed sum).
+
+    Each needed expert runs once over all the tokens that chose it; the products combine in fp32
+    in ascending expert id: each y_e -> fp32, times its fp32 weight, index_add_ of distinct tokens
+    (= the per-token left-to-right fp32 sum, whatever the batch; FORMAT.md "LatentMoE").
+    """
+    check_acc(acc, x)
+    needed = [e for e in torch.unique(ids).tolist() if e >= 0]  # [U] ascending
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if acc is None else acc
     for e in needed:
-        tok, k, y = ys[e]
+        w = experts[e]
+        tok, k = torch.nonzero(ids == e, as_tuple=True)  # [n] each, tok distinct
+        y = glu_mlp(x[tok], w.gate, w.up, w.down, beta, beta_lin)  # [n, R]
         out.index_add_(0, tok, y.float() * weights[tok, k].unsqueeze(-1))
     return out if acc is not None else out.to(x.dtype)
+
+
+def unsupported(layout) -> str | None:
+    """Why this backend cannot run `layout`'s bank mode; None: the reference runs every mode."""
+    return None

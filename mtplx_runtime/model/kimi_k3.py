@@ -85,7 +85,6 @@ class KimiK3:
     def __init__(self, cfg: ModelConfig, top: dict[str, torch.Tensor],
                  layers: list[DecoderLayer], dtype: torch.dtype):
         self.cfg, self.top, self.layers, self.dtype = cfg, top, layers, dtype
-        self.checkpoint = None  # the open Checkpoint when built by load_model (its manifest etc.)
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, top: dict[str, torch.Tensor],
@@ -93,7 +92,19 @@ class KimiK3:
                      dtype: torch.dtype) -> KimiK3:
         """Every layer from resident weights (`load.load_residents`) and an expert provider."""
         layers = [build_decoder_layer(cfg, i, w, provider) for i, w in enumerate(layer_weights)]
+        moes = [layer.mlp for layer in layers if isinstance(layer.mlp, LatentMoE)]
+        for i, moe in enumerate(moes):
+            moe.later = moes[i + 1:]  # lookahead routes through these
         return cls(cfg, top, layers, dtype)
+
+    def moe_blocks(self) -> list[LatentMoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, LatentMoE)]
+
+    def use_provider(self, provider: ExpertProvider) -> None:
+        """Make every MoE block use `provider` (tests and benchmarks that compare providers on
+        one model; `engine.runtime.load` builds the model with its provider in place)."""
+        for moe in self.moe_blocks():
+            moe.provider = provider
 
     def new_state(self) -> SequenceState:
         device = self.top["embed_tokens.weight"].device
@@ -130,17 +141,3 @@ class KimiK3:
         """Logits [V] of one next token."""
         return self.forward(torch.tensor([token_id], dtype=torch.long), state)[0]
 
-
-def load_model(path, device: str = "cpu", dtype: str = "float32") -> KimiK3:
-    """A K3 model from any checkpoint the reader accepts, experts resident (decoded once)."""
-    from ..checkpoint import open_checkpoint
-    from .load import load_residents, model_dtype
-    from .moe import ResidentExpertProvider
-
-    torch_dtype = model_dtype(dtype)
-    ckpt = open_checkpoint(path)
-    top, layers = load_residents(ckpt, torch_dtype, device)
-    provider = ResidentExpertProvider(ckpt, torch_dtype, device)
-    model = KimiK3.from_weights(ckpt.config, top, layers, provider, torch_dtype)
-    model.checkpoint = ckpt
-    return model

@@ -14,10 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 
-SITU_BETA = 4.0  # k3-model.md §4.2
-SITU_LINEAR_BETA = 25.0
+from ..kernels.reference import SITU_BETA, SITU_LINEAR_BETA, glu_mlp, situ_glu
+
+__all__ = ["ATTN_RES_EPS", "GluMLP", "SITU_BETA", "SITU_LINEAR_BETA", "attn_res_mix", "glu_mlp",
+           "rms_norm", "situ_glu"]
+
 ATTN_RES_EPS = 1e-5  # §4.7: fixed, not a config field
 
 
@@ -31,28 +33,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., D] fp32
     return w * y.to(x.dtype)
-
-
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = SITU_BETA,
-             beta_lin: float = SITU_LINEAR_BETA) -> torch.Tensor:
-    """`SiTU(gate) ⊙ β_lin·tanh(up/β_lin)` (§4.2), computed in fp32 and cast to gate's dtype.
-
-    SiTU(g) = β·tanh(g/β)·σ(g). gate, up: [..., I] in the model dtype -> [..., I].
-    """
-    g, u = gate.float(), up.float()  # fp32 island: the reference's SituAndMul upcasts here
-    h = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
-    return h.to(gate.dtype)
-
-
-def glu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-            beta: float = SITU_BETA, beta_lin: float = SITU_LINEAR_BETA) -> torch.Tensor:
-    """SiTU-GLU MLP `W_down · situ_glu(W_gate x, W_up x)`.
-
-    x: [T, Din]; w_gate, w_up: [I, Din]; w_down: [Dout, I]; all in the model dtype -> [T, Dout].
-    The three GEMMs run in the model dtype (bf16 GEMM in a bf16 model, §6).
-    """
-    h = situ_glu(F.linear(x, w_gate), F.linear(x, w_up), beta, beta_lin)  # [T, I]
-    return F.linear(h, w_down)  # [T, Dout]
 
 
 class GluMLP:

@@ -1,11 +1,11 @@
 """Stable LatentMoE (k3-model.md §4.5-4.6): the sigmoid router and the routed/shared expert block.
 
-    x -> route -> provider.experts(layer, needed ids) -> latent down -> experts -> combine
+    x -> route -> provider.hint (lookahead) -> latent down -> provider.run_experts (routed sum)
       -> latent RMSNorm -> latent up -> + SharedMLP(x)
 
-The block never knows where expert bytes come from: it asks an `ExpertProvider` for the
-experts its tokens selected (resident decode here; later a streaming cache). Each needed expert
-runs once over all the tokens that chose it.
+The block never knows where expert bytes come from: an `ExpertProvider` computes the routed sum
+of the experts its tokens selected (resident weights here; offload/provider.py streams them
+through a cache). Each needed expert runs once over all the tokens that chose it.
 
 Shape legend: T tokens, D hidden (7168), R latent (3584), I expert width (3072), E experts (896),
 K top-k (16), U distinct experts selected by the T tokens.
@@ -14,14 +14,22 @@ K top-k (16), U distinct experts selected by the T tokens.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .layers import GluMLP, glu_mlp, rms_norm
+from ..kernels.reference import (
+    SITU_BETA,
+    SITU_LINEAR_BETA,
+    ExpertWeights,
+    expert_weights,
+    routed_sum,
+)
+from .layers import GluMLP, rms_norm
+
+__all__ = ["ExpertProvider", "ExpertWeights", "LatentMoE", "ResidentExpertProvider", "predict",
+           "route"]
 
 RENORM_EPS = 1e-20  # §4.5 step 4: added to the weight sum before dividing
 
@@ -52,62 +60,84 @@ def route(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, top_k: in
     return ids, weights * scaling
 
 
-@dataclass(frozen=True, slots=True)
-class ExpertWeights:
-    """One routed expert in the model dtype: gate, up [I, R]; down [R, I] (w1, w3, w2)."""
-
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+def predict(x: torch.Tensor, later: Sequence[LatentMoE]) -> dict[int, torch.Tensor]:
+    """Lookahead: route `x` [T, D] (this layer's normed MoE input) through each later layer's
+    router, {layer: ids [T, K]} (exactly `route` with that router: ids sorted ascending). A later
+    router applied to the current hidden state recovers most of its real top-k (ARCHITECTURE.md
+    "Lookahead"); the provider prefetches the guesses."""
+    return {m.layer: route(x, m.router, m.bias, m.cfg.num_experts_per_token)[0] for m in later}
 
 
 class ExpertProvider(Protocol):
-    """Where routed experts come from. The MoE block asks only for the ids it needs.
+    """Where routed experts come from and who computes their sum: the one thing LatentMoE asks
+    (structural: offload/provider.py implements it without importing the model).
 
-    Optional streaming methods, used when present (mtplx_runtime/streaming.py):
-    `hint(layer, hidden [T, D], ids [T, K])` right after routing (lookahead for later layers,
-    scoring of earlier guesses), and
-    `run_experts(layer, r [T, R], ids [T, K], weights [T, K]) -> [T, R]`, which replaces
-    the block's own expert loop: the provider runs a kernel backend (mtplx_runtime/kernels)
-    straight on its cached record bytes and returns the combined routed sum in r.dtype.
+    `run_experts(layer, r [T, R], ids [T, K], weights [T, K]) -> [T, R]` in r.dtype: the routed
+    sum sum_k weights[t, k] * expert_{ids[t, k]}(r_t) with the reference's fp32 combine order.
+    `hint(layer, actual ids [T, K], predicted {later layer: ids [T, K]})` comes right after
+    routing, before `run_experts`: a streaming provider scores earlier guesses and prefetches
+    the new ones. `lookahead`: how many later MoE layers the provider wants guesses for (the
+    block predicts only in one-token decode steps).
     """
 
-    def experts(self, layer: int, ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
-        """Weights of experts `ids` (distinct) of MoE layer `layer` (0-based). May block on I/O."""
-        ...
+    lookahead: int
+
+    def hint(self, layer: int, actual: torch.Tensor, predicted: Mapping[int, torch.Tensor]
+             ) -> None: ...
+
+    def run_experts(self, layer: int, r: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor: ...
 
 
 class ResidentExpertProvider:
-    """Every expert decoded once through the checkpoint's reference codec and kept in memory.
+    """Every expert decoded once to the model dtype and kept in memory; the sum is the reference
+    kernel's (`kernels.reference.routed_sum`).
 
-    Decoding is lazy (first request of an (layer, expert) pair) unless `preload` is set; decoded
-    values of every codec are exactly representable in bf16 (§6, t158-and-streaming §2), so the
-    cast to the model dtype is exact. Meant for tiny models and tests, not the full 1.4 TB bank.
+    `source`: an open Checkpoint (experts decoded through its reference codec) or a function
+    `(layer, expert) -> ExpertWeights`. Decoding is lazy (first request of an (layer, expert)
+    pair) unless `preload` is set; decoded values of every codec are exactly representable in
+    bf16, so the cast to the model dtype is exact. `cfg` gives the SiTU-GLU constants (default:
+    the checkpoint's config, else K3's). Meant for tiny models and tests, not the 1.4 TB bank.
     """
 
-    def __init__(self, ckpt, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-                 preload: bool = False):
-        self._ckpt, self.dtype, self.device = ckpt, dtype, device
+    def __init__(self, source, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+                 preload: bool = False, cfg=None):
+        if callable(source):
+            self._load = source
+        else:
+            ckpt = source
+            cfg = cfg if cfg is not None else ckpt.config
+            self._load = lambda layer, e: expert_weights(
+                ckpt.expert(layer, e).decode(), dtype, device)  # float32 numpy -> dtype
+        self.dtype, self.device = dtype, device
+        self._beta = dict(beta=cfg.activation_situ_beta if cfg is not None else SITU_BETA,
+                          beta_lin=(cfg.activation_situ_linear_beta if cfg is not None
+                                    else SITU_LINEAR_BETA))
         self._cache: dict[tuple[int, int], ExpertWeights] = {}
         if preload:
-            cfg = ckpt.config
             for layer in cfg.moe_layers:
                 self.experts(layer, range(cfg.num_experts))
 
-    def experts(self, layer: int, ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
+    lookahead = 0  # every expert is in memory: nothing to prefetch
+
+    def hint(self, layer: int, actual: torch.Tensor, predicted: Mapping[int, torch.Tensor]
+             ) -> None:
+        pass
+
+    def experts(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertWeights]:
+        """Weights of experts `ids` of MoE layer `layer` (0-based), decoded on first use."""
         out = {}
         for e in ids:
             key = (layer, int(e))
             if key not in self._cache:
-                self._cache[key] = self._decode(*key)
+                self._cache[key] = self._load(*key)
             out[int(e)] = self._cache[key]
         return out
 
-    def _decode(self, layer: int, expert: int) -> ExpertWeights:
-        dec = self._ckpt.expert(layer, expert).decode()  # {"gate","up","down"}: float32 numpy
-        t = {p: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
-             .to(device=self.device, dtype=self.dtype) for p, a in dec.items()}
-        return ExpertWeights(t["gate"], t["up"], t["down"])
+    def run_experts(self, layer: int, r: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        needed = [e for e in torch.unique(ids).tolist() if e >= 0]  # [U] ascending
+        return routed_sum(r, ids, weights, self.experts(layer, needed), **self._beta)
 
 
 class LatentMoE:
@@ -135,6 +165,7 @@ class LatentMoE:
         self.last_ids: torch.Tensor | None = None
         self.last_weights: torch.Tensor | None = None
         self.forced_ids: torch.Tensor | None = None
+        self.later: list[LatentMoE] = []  # the later MoE blocks, in order (set by KimiK3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] post_attention_layernorm output, model dtype -> [T, D] model dtype."""
@@ -143,38 +174,16 @@ class LatentMoE:
                        cfg.moe_renormalize, cfg.routed_scaling_factor,
                        self.forced_ids)  # [T, K] each
         self.last_ids, self.last_weights = ids, w
-        hint = getattr(self.provider, "hint", None)
-        if hint is not None:  # lookahead for later layers goes out before this layer computes
-            hint(self.layer, x, ids)
+        # Lookahead guesses for later layers go out before this layer's experts compute.
+        depth = self.provider.lookahead if x.shape[0] == 1 else 0
+        self.provider.hint(self.layer, ids, predict(x, self.later[:depth]) if depth else {})
         r = F.linear(x, self.down_lat)  # [T, R]
-        run = getattr(self.provider, "run_experts", None)
-        if run is not None:  # a kernel backend computes the sum straight from the cache slots
-            routed = run(self.layer, r, ids, w)  # [T, R]
-        else:
-            routed = self._routed_sum(r, ids, w)  # [T, R]
+        routed = self.provider.run_experts(self.layer, r, ids, w)  # [T, R]
         if self.norm is not None:
             routed = rms_norm(routed, self.norm, cfg.rms_norm_eps)
         out = F.linear(routed, self.up_lat)  # [T, D]
         if self.shared is not None:
             out = out + self.shared.forward(x)  # shared MLP sees the full-width input
         return out
-
-    def _routed_sum(self, r: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """sum_k w[t, k] * expert_k(r_t) from decoded ExpertWeights: r [T, R] -> [T, R] r.dtype."""
-        cfg = self.cfg
-        needed = torch.unique(ids).tolist()  # [U] ascending
-        experts = self.provider.experts(self.layer, needed)
-        # Combine (§4.6 step 3): each bf16 y_e -> fp32, × its fp32 weight, summed in fp32.
-        # Experts combine in ascending id and each token's ids are sorted and distinct, so every
-        # token's products land in acc in sorted-id order: the same left-to-right fp32 sum as a
-        # per-token loop (0 + a is exact), whatever the batch.
-        acc = torch.zeros(r.shape, dtype=torch.float32, device=r.device)  # [T, R]
-        for e in needed:
-            ew = experts[e]
-            tok, slot = torch.nonzero(ids == e, as_tuple=True)  # [n] each, tok distinct
-            y = glu_mlp(r[tok], ew.gate, ew.up, ew.down, cfg.activation_situ_beta,
-                        cfg.activation_situ_linear_beta)  # [n, R]
-            acc.index_add_(0, tok, y.float() * w[tok, slot].unsqueeze(-1))
-        return acc.to(r.dtype)
 
     __call__ = forward

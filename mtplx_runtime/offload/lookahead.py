@@ -1,12 +1,12 @@
-"""Residual-stream lookahead: guess the experts of layers l+1..l+d before their routers run.
+"""Residual-stream lookahead, the offload side: turn guesses into prefetch keys and score them.
 
-    hidden at layer l -> [norm_j] -> router_j (j = l+1..l+d) -> top-k ids -> speculate(keys)
-                                          ... later: actual route of layer j -> LookaheadScore
+    model (moe.predict): hidden at layer l -> router_j (j = l+1..l+d) -> ids -> provider.hint
+        -> predicted_keys -> speculate(keys)     ... later: actual route of layer j -> score
 
-Applying a later layer's router to the current hidden state recovers most of its top-k (Hy3:
-74.3% / 66.1% / 60.8% overlap at 1 / 2 / 3 layers ahead, spec/targets.md "Prediction and
-overlap"). `predict` is exactly `moe.route` with another layer's router; `LookaheadScore` keeps
-the recall / precision counters per depth that the trace writer and profiler report.
+Applying a later layer's router to the current hidden state recovers most of its top-k
+(ARCHITECTURE.md "Lookahead"); the model makes the guesses (it owns the routers), this module
+orders them for the prefetcher, and `LookaheadScore` keeps the recall / precision counters per
+depth that the trace writer and profiler report.
 
 Shape legend: T tokens, D hidden (7168), E experts (896), K top-k (16).
 """
@@ -19,27 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from mtplx_runtime.model.layers import rms_norm
-from mtplx_runtime.model.moe import route
-
-__all__ = ["predict", "predicted_keys", "LookaheadScore", "DepthCounts"]
-
-
-def predict(hidden: torch.Tensor, routers: Sequence[tuple]) -> list[torch.Tensor]:
-    """Route `hidden` [T, D] through each later layer's router; one ids [T, K_j] int64 per entry.
-
-    `routers[j-1]` is layer l+j's `(w_router [E, D], bias [E], top_k)`, optionally followed by
-    `(norm_weight [D], eps)`: that layer's post-attention RMSNorm, applied to `hidden` first (pass
-    the raw residual then; without a norm, pass an already-normed MoE input). Ids are sorted
-    ascending per token, exactly as `route` returns them. Pure compute, no blocking.
-    """
-    out = []
-    for spec in routers:
-        w, bias, top_k, *norm = spec
-        x = rms_norm(hidden, norm[0], norm[1]) if norm else hidden  # [T, D]
-        ids, _ = route(x, w, bias, int(top_k))  # [T, K]
-        out.append(ids)
-    return out
+__all__ = ["predicted_keys", "LookaheadScore", "DepthCounts"]
 
 
 def predicted_keys(layers: Sequence[int], preds: Sequence[torch.Tensor]

@@ -1,16 +1,16 @@
 """StreamingExpertProvider: routed experts read from an artifact's bank through a small cache.
 
-    LatentMoE -> hint(l, x): routers of l+1..l+d on x -> speculate(keys), cancel stale guesses
+    LatentMoE -> hint(l, ids, guesses): score earlier guesses; speculate(keys), cancel stale ones
               -> run_experts(l, r, ids, w): per window of ascending expert ids: lookup (pin
                  hits) -> demand(misses) -> wait -> kernel backend on the slot bytes -> fp32 sum
 
 The ExpertCache owns the slots, the Prefetcher moves bytes, the kernel backend (mtplx_runtime/
-kernels, chosen once at construction) computes; this module only wires them to the model
-(STYLE.md principle 3). Under the `reference` backend streamed and resident logits are
-bit-identical; `cpu` and `cuda` differ by fp32 summation order. Prefill (tokens > 1) reads each
-needed expert once for all its tokens into transient slots, in windows no larger than the
-transient pool, so it never evicts decode experts (on the GPU it shares the device tier).
-`experts` still hands out decoded ExpertWeights for callers that want the weights.
+kernels, chosen once at construction) computes; this module only wires them to the model's
+`ExpertProvider` protocol (ARCHITECTURE.md "Data path"). Under the `reference` backend streamed
+and resident logits are bit-identical; `cpu` and `cuda` differ by fp32 summation order. Prefill
+(tokens > 1) reads each needed expert once for all its tokens into transient slots, in windows
+no larger than the transient pool, so it never evicts decode experts (on the GPU it shares the
+device tier). `experts` still hands out decoded ExpertWeights for callers that want the weights.
 """
 
 from __future__ import annotations
@@ -22,34 +22,34 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import torch
 
-from ..artifact.manifest import load_manifest
-from ..formats.record import PROJECTIONS, record_layout, record_parts
+from ..artifact.manifest import MANIFEST_NAME, load_manifest
+from ..artifact.open import BankExpertLayout, RecordLocation
 from ..kernels import select_backend
-from ..model.moe import ExpertWeights, LatentMoE
+from ..kernels.reference import ExpertWeights, decode_record
 from .cache import ExpertCache
 from .device_io import DeviceReader, SlotGuard
-from .lookahead import LookaheadScore, predict, predicted_keys
+from .lookahead import LookaheadScore, predicted_keys
 from .prefetch import Prefetcher
 from .reader import from_manifest
 
-__all__ = ["StreamingExpertProvider", "attach", "MANIFEST_NAME"]
+__all__ = ["StreamingExpertProvider"]
 
-MANIFEST_NAME = "expert-manifest.json"
 ExpertKey = tuple[int, int]
 
 
 class StreamingExpertProvider:
-    """An `ExpertProvider` over a built artifact (`artifact_dir` holds the manifest and parts).
+    """An `ExpertProvider` over a built artifact's bank.
 
+    bank: the artifact's BankExpertLayout (`artifact.open.open_artifact(...).expert_layout`: its
+    manifest, record layout and record index are used as they are, nothing is parsed twice), or
+    the artifact directory (the bank is opened here).
     cfg: the ModelConfig (expert shapes, top-k); dtype / device: what the returned weights are.
     device_bytes / host_bytes / transient_bytes: cache tier budgets (transient None: room for
     max(top_k, 4) records; 0 disables transient slots and prefill then uses the device tier).
     policy, scope: ExpertCache replacement ('lru' | 'freq', 'layer' | 'global').
-    lookahead: how many later MoE layers `hint` speculates for (0: off); routers
-    {layer: (w_router, bias, top_k[, norm_weight, eps])}, normally set by `attach`.
+    lookahead: how many later MoE layers the model guesses for in decode (`hint`; 0: off).
     threads, max_inflight_bytes, direct, verify_sha256: reader and prefetcher settings.
     timeout_s: longest a forward waits for one batch of reads before TimeoutError.
     kernels: the expert kernel backend `run_experts` computes with: a name ('reference' | 'cpu'
@@ -57,38 +57,29 @@ class StreamingExpertProvider:
     `kernels.select_backend`). Chosen once, here.
     """
 
-    def __init__(self, artifact_dir: str | os.PathLike, cfg, dtype: torch.dtype = torch.float32,
-                 *, device_bytes: int, host_bytes: int = 0, transient_bytes: int | None = None,
-                 policy: str = "lru", scope: str = "layer", lookahead: int = 1,
-                 routers: Mapping[int, tuple] | None = None, threads: int = 4,
-                 max_inflight_bytes: int | None = None, direct: bool | str = "auto",
-                 verify_sha256: bool = False, device: str = "cpu", timeout_s: float = 120.0,
-                 manifest=None, kernels: str | ModuleType | None = None):
+    def __init__(self, bank: BankExpertLayout | str | os.PathLike, cfg,
+                 dtype: torch.dtype = torch.float32, *, device_bytes: int, host_bytes: int = 0,
+                 transient_bytes: int | None = None, policy: str = "lru", scope: str = "layer",
+                 lookahead: int = 1, threads: int = 4, max_inflight_bytes: int | None = None,
+                 direct: bool | str = "auto", verify_sha256: bool = False, device: str = "cpu",
+                 timeout_s: float = 120.0, kernels: str | ModuleType | None = None):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
-        root = Path(artifact_dir)
+        if not isinstance(bank, BankExpertLayout):
+            root = Path(bank)
+            bank = BankExpertLayout(cfg, root, load_manifest(root / MANIFEST_NAME))
+        self.bank, self.manifest, self.layout = bank, bank.manifest, bank.layout
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.kernels = kernels if isinstance(kernels, ModuleType) else select_backend(kernels)
         self._kernel_args = dict(shapes=cfg.expert_shapes, beta=cfg.activation_situ_beta,
                                  beta_lin=cfg.activation_situ_linear_beta)
         self.lookahead, self.timeout_s = int(lookahead), float(timeout_s)
-        # A caller that already loaded the manifest passes it: at K3 size it is ~117 MB of JSON.
-        self.manifest = manifest if manifest is not None else load_manifest(root / MANIFEST_NAME)
-        q = self.manifest.quantization
-        self.layout = record_layout(cfg, q["mode"], q["bits"])
-        why = getattr(self.kernels, "unsupported", lambda layout: None)(self.layout)
+        why = self.kernels.unsupported(self.layout)
         if why:
-            raise ValueError(f"{root}: {why}")
+            raise ValueError(f"{bank.root}: {why}")
         self.codec = self.layout.codec
         self.stride_bytes = self.layout.logical_bytes
-        self._records = {}
-        for r in self.manifest.records:
-            if r.logical_bytes != self.stride_bytes or r.sidecar_offset is None:
-                raise ValueError(f"{root}: record ({r.layer}, {r.expert}) is "
-                                 f"{r.logical_bytes} B, the {q['mode']} layout needs "
-                                 f"{self.stride_bytes} B in a bank part")
-            self._records[(r.layer, r.expert)] = r
-        layers = sorted({k[0] for k in self._records})
+        layers = bank.layers
         # CUDA kernels address slots as base + index * stride of ONE device buffer, so on the
         # GPU prefill shares the device tier instead of a separate transient pool.
         self.on_gpu = self.kernels.DEVICE == "cuda"
@@ -101,8 +92,10 @@ class StreamingExpertProvider:
                                  device="cuda" if self.on_gpu else "cpu")
         self._transient_slots = self.cache.capacity()["transient"]
         self.verify_sha256 = verify_sha256
-        self.reader = from_manifest(root, self.manifest, direct=direct, threads=threads,
-                                    verify_sha256=verify_sha256)
+        # Every part may be open at once: each is opened once, on its first read.
+        self.reader = from_manifest(bank.root, self.manifest, direct=direct, threads=threads,
+                                    verify_sha256=verify_sha256,
+                                    max_open_files=max(64, len(self.manifest.sidecar.parts)))
         self.guard = SlotGuard()  # CUDA events of the kernels reading each device slot
         if self.on_gpu:
             self.reader = DeviceReader(self.reader, staging_bytes=self.stride_bytes,
@@ -113,8 +106,8 @@ class StreamingExpertProvider:
         self.prefetcher = Prefetcher(self.reader, self.locate, self.cache,
                                      max_inflight_bytes=max_inflight_bytes,
                                      speculative_fraction=0.5, threads=threads)
-        self.routers: dict[int, tuple] = dict(routers or {})
         self.score = LookaheadScore()
+        self._first_layer = min(layers) if layers else 0
         # layer -> {depth: ids [T, K]}: this forward's guesses, for the route trace.
         self.last_predictions: dict[int, dict[int, torch.Tensor]] = {}
         self._spec_keys: set[ExpertKey] = set()  # guesses issued and not yet consumed
@@ -125,12 +118,10 @@ class StreamingExpertProvider:
 
     # ---- the ExpertProvider contract -----------------------------------------------------
 
-    def locate(self, key: ExpertKey) -> tuple[int, int, int, str | None]:
-        """(part, absolute offset, length, sha256 | None) of one record; KeyError if absent."""
-        r = self._records[(int(key[0]), int(key[1]))]
-        start = self.manifest.sidecar.parts[r.part].data_start
-        return r.part, start + r.sidecar_offset, r.sidecar_length, (
-            r.sha256 if self.verify_sha256 else None)
+    def locate(self, key: ExpertKey) -> RecordLocation:
+        """Where one record is (the digest only when reads are verified); KeyError if absent."""
+        loc = self.bank.locate(*key)
+        return loc if self.verify_sha256 else loc._replace(sha256=None)
 
     def experts(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertWeights]:
         """Weights of experts `ids` (distinct) of `layer`, decoded from their slots (the
@@ -225,38 +216,24 @@ class StreamingExpertProvider:
         return acc
 
     def decode(self, buf) -> ExpertWeights:
-        """Record bytes -> ExpertWeights: the mode codec's reference decode to float32, then the
-        same cast as ResidentExpertProvider (exact: decoded values fit bf16)."""
-        if hasattr(buf, "get") and not isinstance(buf, np.ndarray):  # a device slot (cupy)
-            buf = buf.get()
-        parts = record_parts(self.layout, np.asarray(buf)[: self.stride_bytes])
-        t = {}
-        for p in PROJECTIONS:
-            a = self.codec.decode(parts[p], tuple(self.cfg.expert_shapes[p]))  # [rows, cols]
-            t[p] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(
-                device=self.device, dtype=self.dtype)
-        return ExpertWeights(t["gate"], t["up"], t["down"])
+        """Record bytes -> ExpertWeights: the reference decode, as ResidentExpertProvider."""
+        return decode_record(buf, self.layout, self.cfg.expert_shapes, self.dtype, self.device)
 
     # ---- lookahead -----------------------------------------------------------------------
 
-    def ahead(self, layer: int) -> list[int]:
-        """The next `lookahead` MoE layers after `layer` that have a router."""
-        return [la for la in sorted(self.routers) if la > layer][: self.lookahead]
-
-    def hint(self, layer: int, hidden: torch.Tensor, actual: torch.Tensor | None = None
+    def hint(self, layer: int, actual: torch.Tensor, predicted: Mapping[int, torch.Tensor]
              ) -> list[ExpertKey]:
-        """Speculate the experts of the next `lookahead` MoE layers from `hidden` [T, D] (this
-        layer's normed MoE input) and cancel queued guesses no longer predicted. `actual`
-        [T, K]: this layer's route, scored against earlier guesses. Returns the keys issued."""
-        if actual is not None:
-            self.score.add_actual(layer, actual)
-        if self.routers and layer == min(self.routers):
+        """Score earlier guesses against `actual` [T, K] (this layer's route), speculate the
+        experts of `predicted` ({later layer: ids [T, K]}, depth 1 first: the model guesses in
+        one-token decode steps only) and cancel queued guesses no longer predicted. Returns the
+        keys issued."""
+        self.score.add_actual(layer, actual)
+        if layer == self._first_layer:
             self.last_predictions = {}  # a new forward: the trace wants this forward's guesses
-        # Prefill (T > 1) does not guess: its reads go to transient slots, not the decode set.
-        targets = self.ahead(layer) if self.lookahead and hidden.shape[0] == 1 else []
-        if not targets:
+        if not predicted:
             return []
-        preds = predict(hidden, [self.routers[la] for la in targets])  # [T, K_j] each
+        targets = sorted(predicted)
+        preds = [predicted[t] for t in targets]  # [T, K] each
         self.score.add_predictions(targets, preds)
         for depth, (target, p) in enumerate(zip(targets, preds), 1):
             self.last_predictions.setdefault(target, {})[depth] = p
@@ -304,19 +281,3 @@ class StreamingExpertProvider:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def attach(model, provider) -> dict[int, object]:
-    """Make every LatentMoE of `model` (a KimiK3) use `provider`; when the provider takes
-    routers (lookahead), give it each MoE layer's (router weight, correction bias, top_k).
-    Returns the previous providers by layer, so a caller can swap them back."""
-    previous: dict[int, object] = {}
-    routers: dict[int, tuple] = {}
-    for layer in model.layers:
-        moe = layer.mlp
-        if isinstance(moe, LatentMoE):
-            previous[moe.layer] = moe.provider
-            moe.provider = provider
-            routers[moe.layer] = (moe.router, moe.bias, model.cfg.num_experts_per_token)
-    if hasattr(provider, "routers"):
-        provider.routers.update(routers)
-    return previous

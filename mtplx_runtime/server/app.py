@@ -36,7 +36,7 @@ class ServerConfig:
 
 
 class App:
-    """ASGI 3 application; `engine.rt.tok` encodes prompts."""
+    """ASGI 3 application; `engine.rt.tokenizer` encodes prompts."""
 
     def __init__(self, engine, cfg: ServerConfig):
         self.engine, self.cfg, self.created = engine, cfg, int(time.time())
@@ -81,7 +81,7 @@ class App:
             return await _json(send, 200, {"object": "list", "data": [self._model_card()]})
         body = await self._body(scope, receive)
         chat = path == "/v1/chat/completions"
-        p = (chat_params if chat else completion_params)(body, self.cfg, self.engine.rt.tok)
+        p = (chat_params if chat else completion_params)(body, self.cfg, self.engine.rt.tokenizer)
         await self._generate(p, chat, receive, send)
 
     def _model_card(self) -> dict:

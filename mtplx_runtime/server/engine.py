@@ -215,7 +215,7 @@ class Engine:
     def _run(self, req: Request) -> None:
         from ..engine.generate import GenerationStats, generate_step
 
-        tok, c = self.rt.tok, self.counters
+        tok, c = self.rt.tokenizer, self.counters
         text = ChannelText(tok, req.thinking) if req.chat else PlainText(tok)
         stop = StopFilter(req.stop, lambda kind, s: req.emit("delta", kind, s))
         stats = GenerationStats()

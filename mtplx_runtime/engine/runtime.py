@@ -1,0 +1,157 @@
+"""`load()`: the one door from a model directory to a runnable model (ARCHITECTURE.md "Loading").
+
+    path -> tokenizer
+         -> streaming artifact (or a memory budget given):
+              manifest parsed once -> bank (record layout, record index; parts checked, not
+              opened) -> memory plan -> StreamingExpertProvider (opens each part once, on its
+              first read) -> model built with the provider in place
+         -> plain checkpoint: experts decoded once, kept resident (ResidentExpertProvider)
+
+`generate`, `chat`, `serve`, `demo`, `tools/bench_decode.py` and the Python API all load through
+here; `load_model` is the resident-model door of the same path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ..artifact.open import is_artifact, open_artifact, open_source
+from ..kernels import select_backend
+from ..model.kimi_k3 import KimiK3
+from ..model.load import load_residents, model_dtype
+from ..model.moe import ResidentExpertProvider
+from ..offload.provider import StreamingExpertProvider
+from .plan import MemoryPlan, PlanError, make_plan
+from .tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["Runtime", "load", "load_model", "mem_available_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    """What a generation run needs, loaded once: the model with its expert provider in place,
+    the tokenizer, and for streamed experts the memory plan. `trace` (engine.trace.RouteTrace)
+    is set by callers that record routes; `close()` closes it and the provider."""
+
+    model: KimiK3
+    tokenizer: Tokenizer | None
+    provider: StreamingExpertProvider | ResidentExpertProvider
+    plan: MemoryPlan | None = None
+    trace: object | None = None
+
+    @property
+    def streamed(self) -> bool:
+        return isinstance(self.provider, StreamingExpertProvider)
+
+    @property
+    def kernels(self) -> ModuleType | None:
+        """The expert kernel backend of a streamed model; None when experts are resident."""
+        return self.provider.kernels if self.streamed else None
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+        if self.streamed:
+            self.provider.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (the default budget of a streaming artifact)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise PlanError("cannot read MemAvailable from /proc/meminfo; give a memory budget")
+
+
+def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None,
+         host_budget=0, kernels: str | ModuleType | None = None, lookahead: int = 1,
+         cache_policy: str = "lru", context: int = 4096, prefill_chunk: int = 64,
+         cache_slots: tuple[int, int] | None = None, tokenizer: bool = True,
+         verify_sha256: bool = False, device: str | None = None) -> Runtime:
+    """Load the model at `path` (a streaming artifact or any checkpoint the reader accepts).
+
+    Experts stream from the bank when `path` is a streaming artifact or `memory_budget` is given
+    (a budget needs an artifact): `memory_budget` (bytes or "24GiB"; None: MemAvailable) and
+    `host_budget` are split by the memory plan (`engine.plan`) for `context` tokens and
+    `prefill_chunk`; `cache_slots=(device, host)` per MoE layer sizes the cache directly instead
+    (demos, benchmarks). `kernels`: 'reference' | 'cpu' | 'cuda' | 'auto' | None ($MTPLX_KERNELS,
+    else the best available); with the cuda kernels the residents live on the GPU. Otherwise
+    every expert is decoded once and kept resident (tiny models, tests).
+    `dtype`: "bfloat16" | "float32". `tokenizer=False` skips the tokenizer (logits-only use).
+    Raises CheckpointError / PlanError / ValueError / RuntimeError with a one-line reason.
+    """
+    root = Path(path)
+    torch_dtype = model_dtype(dtype)
+    tok = load_tokenizer(root) if tokenizer else None
+    streamed = memory_budget is not None or cache_slots is not None or is_artifact(root)
+    if not streamed:
+        if kernels not in (None, "auto", "reference"):
+            raise ValueError(f"kernels {kernels!r} run on streamed experts: give a streaming "
+                             "artifact (mtplx build-manifest) or leave the kernels unset")
+        ckpt = open_source(root)
+        dev = device or "cpu"
+        provider = ResidentExpertProvider(ckpt, torch_dtype, dev)
+        return Runtime(_build(ckpt, torch_dtype, dev, provider), tok, provider)
+    if not is_artifact(root):
+        raise ValueError(f"{root} is not a streaming artifact (no expert-manifest.json): build "
+                         "one with `mtplx build-manifest`, or load it without a memory budget")
+    backend = kernels if isinstance(kernels, ModuleType) else select_backend(kernels)
+    # With the CUDA kernels the residents (attention, router, shared experts...) live on the GPU
+    # next to the expert slots; every other backend runs the model on the CPU.
+    dev = device or ("cuda" if backend.DEVICE == "cuda" else "cpu")
+    ckpt = open_artifact(root, verify_sha256=verify_sha256)
+    try:
+        bank, cfg = ckpt.expert_layout, ckpt.config
+        stride = bank.layout.logical_bytes
+        plan = None
+        if cache_slots is not None:
+            n = len(bank.layers)
+            device_bytes, host_bytes = cache_slots[0] * n * stride, cache_slots[1] * n * stride
+        else:
+            plan = make_plan(root, memory_budget=memory_budget or mem_available_bytes(),
+                             host_budget=host_budget, context=context, dtype=dtype,
+                             prefill_chunk=prefill_chunk, manifest=bank.manifest)
+            device_bytes = plan.device_slots * plan.record_stride
+            host_bytes = plan.host_slots * plan.record_stride
+        provider = StreamingExpertProvider(
+            bank, cfg, torch_dtype, device_bytes=device_bytes, host_bytes=host_bytes,
+            policy=cache_policy, lookahead=lookahead, verify_sha256=verify_sha256,
+            kernels=backend)
+        try:
+            model = _build(ckpt, torch_dtype, dev, provider)
+        except BaseException:
+            provider.close()
+            raise
+    finally:
+        ckpt.close()  # residents are in memory now; the provider has its own reader
+    return Runtime(model, tok, provider, plan)
+
+
+def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str = "float32") -> KimiK3:
+    """The reference model with every expert resident (decoded once): `load` without streaming,
+    for any checkpoint or artifact the reader accepts."""
+    ckpt = open_source(path)
+    torch_dtype = model_dtype(dtype)
+    return _build(ckpt, torch_dtype, device, ResidentExpertProvider(ckpt, torch_dtype, device))
+
+
+def _build(ckpt, dtype: torch.dtype, device: str, provider) -> KimiK3:
+    top, layers = load_residents(ckpt, dtype, device)
+    return KimiK3.from_weights(ckpt.config, top, layers, provider, dtype)
