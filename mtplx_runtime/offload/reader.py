@@ -255,9 +255,11 @@ class RecordReader:
         path = self.root / name
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
-            if self._direct is None:
-                self._direct = self._probe_direct(path, flags)
-            fd = os.open(path, flags | (os.O_DIRECT if self._direct else 0))
+            fd = self._probe_direct(path, flags) if self._direct is None else None
+            if self._direct is None:  # the probe's fd is the part's fd: one open per part
+                self._direct = fd is not None
+            if fd is None:
+                fd = os.open(path, flags | (os.O_DIRECT if self._direct else 0))
         except ReadError:
             raise
         except OSError as e:
@@ -271,28 +273,28 @@ class RecordReader:
                             f"found {found}")
         return fd
 
-    def _probe_direct(self, path: Path, flags: int) -> bool:
-        """One O_DIRECT open and one aligned 4 KiB read; False (logged once) when unsupported."""
+    def _probe_direct(self, path: Path, flags: int) -> int | None:
+        """One O_DIRECT open and one aligned 4 KiB read: the open fd when that works, None
+        (logged once) when the platform or file system does not support it."""
         if not hasattr(os, "O_DIRECT"):
             log.warning("O_DIRECT unavailable on this platform; bank reads are buffered")
-            return False
+            return None
         try:
             fd = os.open(path, flags | os.O_DIRECT)
         except OSError as e:
             if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise
             log.warning("O_DIRECT open of %s failed (%s); bank reads are buffered", path, e)
-            return False
+            return None
         try:
             os.preadv(fd, [aligned_buffer(PAGE_BYTES)], 0)
         except OSError as e:
+            os.close(fd)
             if e.errno != errno.EINVAL:
                 raise
             log.warning("O_DIRECT probe read of %s failed (%s); bank reads are buffered", path, e)
-            return False
-        finally:
-            os.close(fd)
-        return True
+            return None
+        return fd
 
     def _run(self, group: list[_Req], futs: list[Future]) -> None:
         """Pool task: one (possibly coalesced) read, then per-request digest and result."""
