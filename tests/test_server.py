@@ -26,9 +26,10 @@ pytest.importorskip("uvloop")
 from mtplx_runtime.artifact.build import build_artifact  # noqa: E402
 from mtplx_runtime.cli import main as cli_main  # noqa: E402
 from mtplx_runtime.cli.serve import add_args, build, make_server  # noqa: E402
+from mtplx_runtime.engine.chat import ChannelText  # noqa: E402
 from mtplx_runtime.engine.generate import generate  # noqa: E402
 from mtplx_runtime.fixtures.tiny import make_tiny  # noqa: E402
-from mtplx_runtime.server.engine import ChannelText, StopFilter  # noqa: E402
+from mtplx_runtime.server.engine import StopFilter  # noqa: E402
 
 KEY = "sk-test-123"
 MODEL = "tiny"

@@ -103,37 +103,34 @@ def load_runtime(args):
 
 
 class ReplyPrinter:
-    """Streams a chat reply as text: the think channel shows as `<think>` ... `</think>`, the
-    response channel bare, other XTML tags (tool calls) as `<tag attrs>` / `</tag>`."""
+    """Streams a chat reply as text (`engine.chat.ChannelText` underneath): the think channel
+    shows as `<think>` ... `</think>`, the response channel bare, other XTML tags (tool calls)
+    as `<tag attrs>` / `</tag>`."""
 
     def __init__(self, tok, thinking: bool):
-        from ..engine.chat import CLOSE, OPEN, SEP
+        from ..engine.chat import ChannelText
 
-        self._tok, self._dec = tok, tok.stream_decoder(skip_special=True)
-        self._open, self._close, self._sep = tok.special(OPEN), tok.special(CLOSE), tok.special(SEP)
-        self._header: list[int] | None = None  # ids between a marker and its <|sep|>
-        self._closing = False
+        self._channels = ChannelText(tok, thinking)
+        self._kind = self._channels.kind
         self.prefix = "<think>\n" if thinking else ""  # the prompt opened this channel
 
+    def _render(self, pieces: list[tuple[str, str]]) -> str:
+        out = []
+        for kind, text in pieces:
+            if kind != self._kind:
+                out.append("<think>\n" if kind == "reasoning" else "\n</think>\n")
+                self._kind = kind
+            out.append(text)
+        return "".join(out)
+
     def push(self, t: int) -> str:
-        if t in (self._open, self._close):
-            self._header, self._closing = [], t == self._close
-            return self._dec.flush()
-        if self._header is None:
-            return self._dec.push(t)
-        if t != self._sep:
-            self._header.append(t)
-            return ""
-        head, self._header = self._tok.decode(self._header), None
-        tag = head.split(" ", 1)[0]
-        if tag == "think":
-            return "\n</think>\n" if self._closing else "<think>\n"
-        if tag in ("response", "message"):
-            return ""
-        return f"</{tag}>" if self._closing else f"<{head}>"
+        pieces = self._channels.push(t)
+        if self._channels.kind != self._kind:  # a channel switch with no text yet shows now
+            pieces = [*pieces, (self._channels.kind, "")]
+        return self._render(pieces)
 
     def flush(self) -> str:
-        return self._dec.flush()
+        return self._render(self._channels.flush())
 
 
 def run_turn(rt, args, prompt_ids: list[int], printer, out=None):

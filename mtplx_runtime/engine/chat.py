@@ -454,3 +454,40 @@ def parse_assistant(
     while stack:  # unfinished reply: keep the partial channels
         finish(*stack.pop())
     return out
+
+
+class ChannelText:
+    """Token ids of a generated chat reply -> (kind, text) pieces: the think channel as
+    "reasoning", response and message channels as "content", other XTML tags (tool calls) as
+    `<tag attrs>` / `</tag>` content. The one channel state machine of the package: the server
+    keeps the kinds apart, `mtplx generate --chat` / `mtplx chat` print them with think tags.
+    `thinking`: the prompt opened the think channel (the reply starts in it)."""
+
+    def __init__(self, tok, thinking: bool):
+        self._tok, self._dec = tok, tok.stream_decoder(skip_special=True)
+        self._open, self._close, self._sep = tok.special(OPEN), tok.special(CLOSE), tok.special(SEP)
+        self._header: list[int] | None = None  # ids between a marker and its <|sep|>
+        self._closing = False
+        self.kind = "reasoning" if thinking else "content"
+
+    def push(self, t: int) -> list[tuple[str, str]]:
+        if t in (self._open, self._close):
+            self._header, self._closing = [], t == self._close
+            return [(self.kind, self._dec.flush())]
+        if self._header is None:
+            return [(self.kind, self._dec.push(t))]
+        if t != self._sep:
+            self._header.append(t)
+            return []
+        head, self._header = self._tok.decode(self._header), None
+        tag = head.split(" ", 1)[0]
+        if tag == "think":
+            self.kind = "content" if self._closing else "reasoning"
+        elif tag in ("response", "message"):
+            self.kind = "content"
+        else:
+            return [("content", f"</{tag}>" if self._closing else f"<{head}>")]
+        return []
+
+    def flush(self) -> list[tuple[str, str]]:
+        return [(self.kind, self._dec.flush())]

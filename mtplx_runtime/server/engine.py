@@ -18,6 +18,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..engine.chat import ChannelText
+
 # Events put on a request's asyncio queue: ("delta", kind, text) with kind "content" or
 # "reasoning"; ("done", finish_reason, usage dict); ("error", message).
 
@@ -49,43 +51,6 @@ class Request:
                 self.loop.call_soon_threadsafe(self.events.put_nowait, event)
             except RuntimeError:  # the loop closed between the check and the call
                 pass
-
-
-class ChannelText:
-    """Token ids of a chat reply -> (kind, text): the think channel as "reasoning", response
-    and message channels as "content", other XTML tags (tool calls) as `<tag attrs>` content.
-    Same channel logic as `generate_cli.ReplyPrinter`, with the channel kept apart."""
-
-    def __init__(self, tok, thinking: bool):
-        from ..engine.chat import CLOSE, OPEN, SEP
-
-        self._tok, self._dec = tok, tok.stream_decoder(skip_special=True)
-        self._open, self._close, self._sep = tok.special(OPEN), tok.special(CLOSE), tok.special(SEP)
-        self._header: list[int] | None = None  # ids between a marker and its <|sep|>
-        self._closing = False
-        self.kind = "reasoning" if thinking else "content"
-
-    def push(self, t: int) -> list[tuple[str, str]]:
-        if t in (self._open, self._close):
-            self._header, self._closing = [], t == self._close
-            return [(self.kind, self._dec.flush())]
-        if self._header is None:
-            return [(self.kind, self._dec.push(t))]
-        if t != self._sep:
-            self._header.append(t)
-            return []
-        head, self._header = self._tok.decode(self._header), None
-        tag = head.split(" ", 1)[0]
-        if tag == "think":
-            self.kind = "content" if self._closing else "reasoning"
-        elif tag in ("response", "message"):
-            self.kind = "content"
-        else:
-            return [("content", f"</{tag}>" if self._closing else f"<{head}>")]
-        return []
-
-    def flush(self) -> list[tuple[str, str]]:
-        return [(self.kind, self._dec.flush())]
 
 
 class PlainText:
