@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SRC_DIR = Path(__file__).resolve().parents[2] / "native" / "cpu"
+SRC_DIR = Path(__file__).resolve().parent / "native" / "cpu"
 # -ffp-contract=off: a*b + c stays two roundings as written; the kernels promise bit-identical
 # results across ISA-independent code (e.g. codec dequant) and fused ops would break that.
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-fno-strict-aliasing",

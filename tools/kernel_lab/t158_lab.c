@@ -10,7 +10,7 @@
  * group uses digits 0..3 only; bytes 243..255 decode by the same rule.
  *   y[r] = sum_g fp32(scale[r,g]) * sum_i trit(r,g,i) * x[64g+i]      (x stays fp32)
  *
- * Every variant has the signature of native/cpu/t158_cpu.c's row functions plus a `prep`
+ * Every variant has the signature of kernels/native/cpu/t158_cpu.c's row functions plus a `prep`
  * pointer (per-input precomputation shared by all rows; NULL for variants that need none):
  *   rows(packed, scales, G, x, y, r0, r1, prep)
  * and an optional prep builder run (split over threads) once per input vector.
