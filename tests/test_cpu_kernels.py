@@ -1,4 +1,5 @@
-"""Native CPU expert kernels for every codec (cpu_native, native/cpu/*.c) and the `cpu` backend.
+"""Native CPU expert kernels for every codec (cpu_native, kernels/native/cpu/*.c) and the `cpu`
+backend.
 
 Every codec configuration runs on every ISA path this CPU has:
 * decode exactness: gemm with X = identity returns the NumPy codec's decoded matrix bit for bit

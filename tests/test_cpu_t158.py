@@ -1,5 +1,5 @@
-"""CPU t158 kernels (native/cpu/t158_cpu.c through cpu_native) vs "decode_t158 then matmul" in
-float64 (spec §1.10), and the native build cache (cpu_build). The other codecs and the n-token
+"""CPU t158 kernels (kernels/native/cpu/t158.c, through cpu_native) vs "decode_t158 then matmul"
+in float64 (spec §1.10), and the native build cache (cpu_build). The other codecs and the n-token
 API for every codec: tests/test_cpu_kernels.py."""
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def test_expert_mlp_matches_torch(isa, restore_isa):
 
 
 def test_thread_pool_handoffs_fork_and_concurrent_callers():
-    """The pool's spin-then-block hand-off (native/cpu/expert_common.h): regions that hand out
+    """The pool's spin-then-block hand-off (native/cpu/thread_pool.c): regions that hand out
     fewer chunks than there are workers (so idle workers skip generations), calls after the pool
     has gone to sleep, concurrent callers (ctypes drops the GIL) and a forked child (no workers
     inherited) all give the one-thread bits."""
@@ -232,11 +232,18 @@ def test_env_forces_lower_isa(tmp_path):
         assert out == [name, name]
 
 
+def _copy_sources(dst):
+    dst.mkdir()
+    for f in cpu_build.SRC_DIR.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
 def test_build_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MTPLX_NATIVE_DIR", str(tmp_path / "cache"))
-    src = tmp_path / "t158_cpu.c"
-    src.write_bytes((cpu_build.SRC_DIR / "t158_cpu.c").read_bytes())
-    first = cpu_build.build("t158_cpu", src)
+    srcdir = _copy_sources(tmp_path / "src")
+    src = srcdir / "t158.c"
+    first = cpu_build.build(srcdir)
     mtime = first.stat().st_mtime_ns
     calls = []
     real_run = subprocess.run
@@ -246,10 +253,10 @@ def test_build_cache(tmp_path, monkeypatch):
         return real_run(cmd, **kw)
 
     monkeypatch.setattr(subprocess, "run", spy)
-    assert cpu_build.build("t158_cpu", src) == first and first.stat().st_mtime_ns == mtime
+    assert cpu_build.build(srcdir) == first and first.stat().st_mtime_ns == mtime
     assert not [c for c in calls if "-shared" in c]  # only `gcc --version`, no compile
     src.write_text(src.read_text() + "\n/* changed */\n")
-    second = cpu_build.build("t158_cpu", src)
+    second = cpu_build.build(srcdir)
     assert second != first and second.is_file()
     assert [c for c in calls if "-shared" in c]
     assert not list((tmp_path / "cache").glob("*.tmp"))
@@ -257,19 +264,19 @@ def test_build_cache(tmp_path, monkeypatch):
 
 def test_build_error_names_command(tmp_path, monkeypatch):
     monkeypatch.setenv("MTPLX_NATIVE_DIR", str(tmp_path / "cache"))
-    src = tmp_path / "broken.c"
-    src.write_text("int f( {\n")
+    srcdir = tmp_path / "src"
+    srcdir.mkdir()
+    (srcdir / "broken.c").write_text("int f( {\n")
     with pytest.raises(cpu_build.BuildError, match=r"-shared.*broken\.c[\s\S]*error"):
-        cpu_build.build("broken", src)
+        cpu_build.build(srcdir)
     assert not list((tmp_path / "cache").glob("*"))
 
 
 def test_header_edit_changes_library_key(tmp_path, monkeypatch):
-    """The codec sources include native/cpu/*.h, so a header edit must build a new library."""
-    for f in cpu_build.SRC_DIR.iterdir():
-        (tmp_path / f.name).write_bytes(f.read_bytes())
-    monkeypatch.setattr(cpu_build, "SRC_DIR", tmp_path)
-    before = cpu_build.library_path("mxfp4_cpu")
-    header = tmp_path / "expert_common.h"
+    """The sources include native/cpu/*.h, so a header edit must build a new library."""
+    srcdir = _copy_sources(tmp_path / "src")
+    monkeypatch.setattr(cpu_build, "SRC_DIR", srcdir)
+    before = cpu_build.library_path()
+    header = srcdir / "cpu_common.h"
     header.write_text(header.read_text() + "\n/* changed */\n")
-    assert cpu_build.library_path("mxfp4_cpu") != before
+    assert cpu_build.library_path() != before

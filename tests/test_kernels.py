@@ -140,8 +140,8 @@ def test_native_sources_compile_without_spills():
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.splitlines()
-    assert len(lines) == 2 * len(list((ROOT / "native").glob("*.cu"))) and all(
-        " ok: " in ln for ln in lines)
+    sources = list((ROOT / "mtplx_runtime" / "kernels" / "native").glob("*.cu"))
+    assert len(lines) == 2 * len(sources) and all(" ok: " in ln for ln in lines)
 
 
 def test_parse_ptxas():

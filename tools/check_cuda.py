@@ -1,4 +1,5 @@
-"""Compile-check every `native/*.cu` with nvcc for sm_80 and sm_90 (no GPU needed).
+"""Compile-check every `mtplx_runtime/kernels/native/*.cu` with nvcc for sm_80 and sm_90 (no GPU
+needed).
 
 Each file is compiled to a cubin with `-Xptxas -v`; the per-kernel register and spill counts are
 parsed from ptxas' report. Every codec a file instantiates (`MTPLX_KERNELS(prefix, ...)`) must
@@ -19,13 +20,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-NATIVE = Path(__file__).resolve().parent.parent / "native"
+NATIVE = Path(__file__).resolve().parent.parent / "mtplx_runtime" / "kernels" / "native"
 ARCHS = ("sm_80", "sm_90")
 _FUNC = re.compile(r"Compiling entry function '(\w+)'|Function properties for (\w+)")
 _REGS = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _CODEC = re.compile(r"^MTPLX_KERNELS\((\w+),", re.M)
-# entry points per codec (native/grouped.cuh; mtplx_runtime/kernels/cuda.py SUFFIXES, COMBINE)
+# entry points per codec (kernels/native/grouped.cuh; kernels/cuda.py SUFFIXES, COMBINE)
 SUFFIXES = ("gate_up", "down_combine", "gate_up_grouped", "down_grouped")
 COMBINE = "mtplx_combine"
 

@@ -4,7 +4,8 @@
 
 Steps, each reported on its own lines, then one summary line:
   env       device, CUDA / cupy / torch / kvikio versions, kvikio GDS or compat (POSIX) mode
-  compile   every native/*.cu through cupy RawModule (NVRTC), each entry point loaded; registers
+  compile   every kernels/native/*.cu through cupy RawModule (NVRTC), each entry point loaded;
+            registers
   tests     pytest -q -m cuda tests/ (cuda vs kernels/reference.py for every codec at T = 1, 5,
             40 in fp32 and bf16, decode vs grouped, the acc keyword: tests/test_cuda_kernels.py)
   timing    K3 geometry (R 3584, I 3072, K 16) per codec at T = 1, 8, 64 (decode and grouped

@@ -1,14 +1,15 @@
-"""The native CPU expert kernels (`native/cpu/*.c`, built by `cpu_build`) through ctypes: one
-loader for every codec library and the entry points they share.
+"""The native CPU expert kernels (`native/cpu/*.c`, built by `cpu_build` into one library,
+`mtplx_cpu`) through ctypes.
 
     m = ctint(packed, scale, zero, bits=3)      # or t158(...), mxfp4(...), record_matrices(...)
     Y = gemm(m, X)                              # Y[n, rows] = X[n, cols] · Wᵀ
     out = expert(gate, up, down, X, beta, beta_lin, round_model=False)   # [n, R]
     layer(layout, records, offsets, index, weight, X, acc, beta, beta_lin)  # acc[T, R] +=
 
-Each codec is one library (t158_cpu, mxfp4_cpu, ctint_cpu) exporting the same C ABI
-(native/cpu/expert_common.h). The weights stay packed: a call reads each matrix once for all n
-token rows of X. `isa()` names the SIMD path ("avx512", "avx2" or "scalar"), the best this CPU
+One library serves every codec (C ABI: native/cpu/mtplx_cpu.h): each entry point takes the
+codec's index in CODECS, the library's codec table, as its first argument; it has one thread
+pool and one ISA switch. The weights stay packed: a call reads each matrix once for all n token
+rows of X. `isa()` names the SIMD path ("avx512", "avx2" or "scalar"), the best this CPU
 supports unless `MTPLX_CPU_ISA` or `set_isa` asks for a lower one; the choice applies to every
 codec. Arrays are checked for dtype, C-contiguity and shape before any call (TypeError for a wrong
 type or dtype, ValueError for layout and shape), because the C code trusts its pointers.
@@ -27,14 +28,14 @@ import numpy as np
 from . import cpu_build
 
 ISAS = ("scalar", "avx2", "avx512")
-LIBRARIES = {"t158": "t158_cpu", "mxfp4": "mxfp4_cpu", "ct-int": "ctint_cpu"}
+CODECS = ("t158", "mxfp4", "ct-int")  # index = the C codec enum (mtplx_cpu.h)
 LAYOUTS = ("dense", "legacy")
 BLOCK = 64  # the C driver decodes 64 columns at a time: cols must be a multiple
 _ERRORS = {-1: "bad shape or parameter", -2: "out of memory",
            -3: "weight_scale holds E8M0 0xFF (NaN), which the mxfp4 decoder rejects"}
 _lock = threading.Lock()
-_libs: dict[str, ctypes.CDLL] = {}
-_errors: dict[str, str] = {}
+_lib: list[ctypes.CDLL] = []  # the loaded library, once
+_error: list[str] = []  # why it did not load, once
 _vp, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
@@ -45,36 +46,36 @@ def _forced_isa() -> int:
     return ISAS.index(forced) if forced else -1
 
 
-def _load(codec: str) -> ctypes.CDLL:
-    """The library of `codec`, built on first use; a failure is remembered and re-raised."""
-    name = LIBRARIES[codec]
+def _load() -> ctypes.CDLL:
+    """The kernel library, built on first use; a failure is remembered and re-raised."""
     with _lock:
-        if codec in _libs:
-            return _libs[codec]
-        if codec in _errors:
-            raise RuntimeError(_errors[codec])
+        if _lib:
+            return _lib[0]
+        if _error:
+            raise RuntimeError(_error[0])
         try:
-            lib = ctypes.CDLL(str(cpu_build.build(name)))
+            lib = ctypes.CDLL(str(cpu_build.build()))
+            lib.mtplx_cpu_codec_name.restype = ctypes.c_char_p
+            names = [lib.mtplx_cpu_codec_name(i) for i in range(len(CODECS) + 1)]
+            if names != [c.encode() for c in CODECS] + [None]:
+                raise OSError(f"codec table {names} does not match {CODECS}")
         except (cpu_build.BuildError, OSError) as exc:
-            _errors[codec] = f"{codec} CPU kernel unavailable: {exc}"
-            raise RuntimeError(_errors[codec]) from exc
-        lib.mtplx_cpu_gemm.argtypes = [_vp, _vp, _vp, _i, _i, _i, _i, _vp, _i, _vp, _i]
-        lib.mtplx_cpu_expert.argtypes = [_vp, _i, _i, _i, _i, _vp, _i, _vp, _f, _f, _i, _i]
-        lib.mtplx_cpu_layer.argtypes = [_vp, _i, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _i, _vp,
-                                        _f, _f, _i, _i]
+            _error.append(f"CPU kernel library unavailable: {exc}")
+            raise RuntimeError(_error[0]) from exc
+        lib.mtplx_cpu_gemm.argtypes = [_i, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _i, _vp, _i]
+        lib.mtplx_cpu_expert.argtypes = [_i, _vp, _i, _i, _i, _i, _vp, _i, _vp, _f, _f, _i, _i]
+        lib.mtplx_cpu_layer.argtypes = [_i, _vp, _i, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _i,
+                                        _vp, _f, _f, _i, _i]
         lib.mtplx_cpu_set_isa.argtypes = [_i]
-        # A new library follows the ISA already chosen for the others.
-        current = next(iter(_libs.values())).mtplx_cpu_get_isa() if _libs else _forced_isa()
-        lib.mtplx_cpu_set_isa(current)
-        _libs[codec] = lib
+        lib.mtplx_cpu_set_isa(_forced_isa())
+        _lib.append(lib)
         return lib
 
 
 def available() -> tuple[bool, str]:
-    """(True, path in use) when every codec library loads, else (False, the first reason)."""
+    """(True, path in use) when the library loads, else (False, the reason)."""
     try:
-        for codec in LIBRARIES:
-            _load(codec)
+        _load()
     except RuntimeError as exc:
         return False, str(exc)
     return True, isa()
@@ -82,21 +83,18 @@ def available() -> tuple[bool, str]:
 
 def isa() -> str:
     """The path in use: "avx512", "avx2" or "scalar"."""
-    return ISAS[_load("t158").mtplx_cpu_get_isa()]
+    return ISAS[_load().mtplx_cpu_get_isa()]
 
 
 def best_isa() -> str:
     """The best path this CPU supports."""
-    return ISAS[_load("t158").mtplx_cpu_best_isa()]
+    return ISAS[_load().mtplx_cpu_best_isa()]
 
 
 def set_isa(name: str | None) -> str:
     """Use `name` (clamped to what the CPU supports; None = best) for every codec; returns the
     path now in use."""
-    want = -1 if name is None else ISAS.index(name)
-    for codec in LIBRARIES:
-        got = _load(codec).mtplx_cpu_set_isa(want)
-    return ISAS[got]
+    return ISAS[_load().mtplx_cpu_set_isa(-1 if name is None else ISAS.index(name))]
 
 
 def default_threads() -> int:
@@ -234,9 +232,9 @@ def gemm(m: Matrix, X: np.ndarray, threads: int | None = None) -> np.ndarray:
     """Y[n, rows] = X[n, cols] · Wᵀ in fp32 (X float32 [n, cols]); the weights are read once."""
     _tokens(X, m.cols, "X")
     Y = np.empty((X.shape[0], m.rows), np.float32)
-    rc = _load(m.codec).mtplx_cpu_gemm(
-        *m.pointers(), m.rows, m.cols, m.bits, LAYOUTS.index(m.layout), X.ctypes.data,
-        X.shape[0], Y.ctypes.data, threads or default_threads())
+    rc = _load().mtplx_cpu_gemm(
+        CODECS.index(m.codec), *m.pointers(), m.rows, m.cols, m.bits, LAYOUTS.index(m.layout),
+        X.ctypes.data, X.shape[0], Y.ctypes.data, threads or default_threads())
     _raise(rc, f"{m.codec} gemm")
     return Y
 
@@ -255,9 +253,10 @@ def expert(gate: Matrix, up: Matrix, down: Matrix, X: np.ndarray, beta: float, b
     _tokens(X, R, "X")
     out = np.empty((X.shape[0], R), np.float32)
     mats = (ctypes.c_void_p * 9)(*(p for m in (gate, up, down) for p in m.pointers()))
-    rc = _load(gate.codec).mtplx_cpu_expert(
-        mats, R, I, gate.bits, LAYOUTS.index(gate.layout), X.ctypes.data, X.shape[0],
-        out.ctypes.data, beta, beta_lin, int(round_model), threads or default_threads())
+    rc = _load().mtplx_cpu_expert(
+        CODECS.index(gate.codec), mats, R, I, gate.bits, LAYOUTS.index(gate.layout),
+        X.ctypes.data, X.shape[0], out.ctypes.data, beta, beta_lin, int(round_model),
+        threads or default_threads())
     _raise(rc, f"{gate.codec} expert")
     return out
 
@@ -325,8 +324,9 @@ def layer(layout, records, tok_offsets: np.ndarray, tok_index: np.ndarray,
         raws.append(raw)
         base = raw.ctypes.data
         ptrs += [None if o is None else base + o for o in plan.offsets]
-    rc = _load(plan.codec).mtplx_cpu_layer(
-        (ctypes.c_void_p * len(ptrs))(*ptrs), n, tok_offsets.ctypes.data, tok_index.ctypes.data,
-        tok_weight.ctypes.data, R, I, plan.bits, 0, X.ctypes.data, T,  # 0: dense, as banks hold
-        acc.ctypes.data, beta, beta_lin, int(round_model), threads or default_threads())
+    rc = _load().mtplx_cpu_layer(
+        CODECS.index(plan.codec), (ctypes.c_void_p * len(ptrs))(*ptrs), n,
+        tok_offsets.ctypes.data, tok_index.ctypes.data, tok_weight.ctypes.data, R, I, plan.bits,
+        0, X.ctypes.data, T, acc.ctypes.data,  # 0: the dense layout, as banks hold it
+        beta, beta_lin, int(round_model), threads or default_threads())
     _raise(rc, f"{plan.codec} layer")

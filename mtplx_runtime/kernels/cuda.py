@@ -23,7 +23,7 @@ import torch
 from ..model.layers import SITU_BETA, SITU_LINEAR_BETA
 from .reference import check_acc, expert_slots
 
-NATIVE = Path(__file__).resolve().parents[2] / "native"
+NATIVE = Path(__file__).resolve().parent / "native"
 DEVICE = "cuda"  # where inputs, slots and results live (StreamingExpertProvider reads it)
 WARPS = 8  # MTPLX_WARPS in native/common.cuh: one output row per warp
 # Smallest T that takes the grouped path. Below it the decode GEMV should win: the grouped path

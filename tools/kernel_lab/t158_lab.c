@@ -10,7 +10,7 @@
  * group uses digits 0..3 only; bytes 243..255 decode by the same rule.
  *   y[r] = sum_g fp32(scale[r,g]) * sum_i trit(r,g,i) * x[64g+i]      (x stays fp32)
  *
- * Every variant has the signature of native/cpu/t158_cpu.c's row functions plus a `prep`
+ * Every variant has the signature of kernels/native/cpu/t158.c's row functions plus a `prep`
  * pointer (per-input precomputation shared by all rows; NULL for variants that need none):
  *   rows(packed, scales, G, x, y, r0, r1, prep)
  * and an optional prep builder run (split over threads) once per input vector.
@@ -1121,7 +1121,7 @@ static void rows_t16f(const uint8_t *pk, const uint16_t *sc, int G, const float 
 }
 
 /* ---------------------------------------------------------------- 13: t16f, self-contained */
-/* Variant 12 with the signature of t158_cpu.c's row functions: each call builds its own tables
+/* Variant 12 with the signature of t158.c's row functions: each call builds its own tables
  * for x in a per-thread buffer (1.6 us per 3584 inputs, ~5 us per expert per thread) instead
  * of a shared prep phase. This is the form to port. */
 static void rows_t16f_self(const uint8_t *pk, const uint16_t *sc, int G, const float *x,

@@ -1,4 +1,5 @@
-/* mxfp4 CPU kernels on the packed bytes (FORMAT.md "mxfp4", spec/t158-and-streaming.md §2).
+/* mxfp4 CPU kernels on the packed bytes (FORMAT.md "mxfp4"): the codec hooks mxfp4_prepare,
+ * mxfp4_rows of the CPU expert library.
  *
  * Row r of a [rows, cols] matrix: weight_packed u8 [rows, cols/2] (byte j: column 2j in the low
  * nibble, 2j+1 in the high; nibble = E2M1, bit 3 the sign) and weight_scale u8 [rows, cols/32]
@@ -8,6 +9,7 @@
  * nibbles up in it. Paths: scalar, avx2 (two 8-entry permutes), avx512 (one 16-entry permute).
  * Requires cols % 64 == 0 (the driver's block; K3's 3584 and 3072 are).
  */
+#include "block_rows.h"
 #include "lut_decode.h"
 
 static const float E2M1[16] __attribute__((aligned(64))) = {
@@ -68,7 +70,7 @@ __attribute__((target(AVX512_TARGET))) static void rows_avx512(const mat_t *m, c
     rows_tpl_avx512(decode_avx512, m, X, ldx, n, Y, ldy, r0, r1, w);
 }
 
-static int codec_prepare(mat_t *m) {
+int mxfp4_prepare(mat_t *m) {
     m->row_bytes = (size_t)m->cols / 2;
     m->scale_row_bytes = (size_t)m->cols / 32;
     /* E8M0 0xFF is NaN in OCP MX; the NumPy decoder refuses it, so the kernel does too. */
@@ -76,7 +78,7 @@ static int codec_prepare(mat_t *m) {
     return 0;
 }
 
-static rows_fn codec_rows(const mat_t *m, int isa) {
+rows_fn mxfp4_rows(const mat_t *m, int isa) {
     (void)m;
     return isa >= 2 ? rows_avx512 : isa == 1 ? rows_avx2 : rows_scalar;
 }

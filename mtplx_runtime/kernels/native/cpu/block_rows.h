@@ -1,7 +1,11 @@
-/* Generic row kernels of the CPU expert driver: decode a block of rows once, then a
- * register-tiled dot over it for every tile of tokens. Included by expert_common.h at this point
- * (it relies on mat_t, the numeric helpers and the ISA targets defined before it); not a
- * standalone header. */
+/* Generic row kernels of the CPU expert library: decode a block of rows once, then a
+ * register-tiled dot over it for every tile of tokens. Inline templates: each codec source
+ * instantiates them with its own decoders (decode_fn), so the decoder inlines into the loop. */
+#ifndef MTPLX_BLOCK_ROWS_H
+#define MTPLX_BLOCK_ROWS_H
+
+#include "cpu_common.h"
+
 /* ---- generic row kernels ----
  * A block of RB rows is decoded once into a float buffer (RB x cols, ~57 KB at K3: it stays in
  * L2), then every tile of up to TT tokens (4 on avx512, 2 on avx2) runs a register-tiled dot
@@ -11,8 +15,6 @@
  * depend on n, the tile a token falls in, or the rows around it (n tokens == n one-token calls,
  * bit for bit).
  * Rows past r1 in the last block decode as zeros and their results are dropped. */
-
-#define RB 4 /* rows per decoded block */
 
 /* Decode rows [r, r + rb) into w (RB rows of stride ldw; missing rows zero). */
 static inline __attribute__((always_inline)) void
@@ -26,11 +28,6 @@ decode_rows(decode_fn dec, const mat_t *m, int r, int rb, float *w, int ldw) {
             dec(m, r + i, b, w + (size_t)i * ldw + (size_t)b * BLOCK);
     }
 }
-
-/* One decoded row block: the stride cols + 16 keeps the RB rows off a 4 KiB multiple so they
- * do not alias in L1. */
-static inline int block_stride(int cols) { return cols + 16; }
-static inline size_t scratch_floats(int cols) { return (size_t)RB * block_stride(cols); }
 
 static inline __attribute__((always_inline)) void
 rows_tpl_scalar(decode_fn dec, const mat_t *m, const float *X, int ldx, int n, float *Y,
@@ -48,13 +45,6 @@ rows_tpl_scalar(decode_fn dec, const mat_t *m, const float *X, int ldx, int n, f
                 Y[(size_t)t * ldy + r + i] = (s[0] + s[1]) + (s[2] + s[3]);
             }
     }
-}
-
-__attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_add_ss(a, _mm_movehdup_ps(a));
-    return _mm_cvtss_f32(a);
 }
 
 /* RB rows x TT tokens (TT a constant at each call site, so acc stays in registers). */
@@ -124,12 +114,6 @@ rows_tpl_avx2(decode_fn dec, const mat_t *m, const float *X, int ldx, int n, flo
             tile_avx2(w, ldw, X + (size_t)t * ldx, ldx, 1, m->cols, Y + (size_t)t * ldy + r, ldy,
                       rb);
     }
-}
-
-#define AVX512_TARGET "avx512f,avx512dq,avx512bw,avx2,fma"
-
-__attribute__((target(AVX512_TARGET))) static inline float hsum512(__m512 v) {
-    return hsum256(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 
 __attribute__((target(AVX512_TARGET))) static inline __attribute__((always_inline)) void
@@ -202,3 +186,5 @@ rows_tpl_avx512(decode_fn dec, const mat_t *m, const float *X, int ldx, int n, f
         }
     }
 }
+
+#endif

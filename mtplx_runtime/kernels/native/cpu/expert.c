@@ -1,118 +1,34 @@
-/* Shared driver of the CPU expert kernels: thread pool, ISA choice, bf16 rounding, SiTU-GLU and
- * the multi-token GEMM / expert-MLP pipeline. Each codec source (t158_cpu.c, mxfp4_cpu.c,
- * ctint_cpu.c) includes this header once and defines the two hooks declared below; everything
- * else, including the exported C ABI, lives here (with block_rows.h, the generic decode-then-dot
- * row kernels, and thread_pool.h, the worker pool, included in place) so every codec shares one
- * behaviour.
- *
- * Exported ABI (same names in every codec library; ctypes loads each library RTLD_LOCAL):
- *   int mtplx_cpu_gemm(packed, scale, zero, rows, cols, bits, layout, X, n, Y, threads)
- *       Y[n, rows] = X[n, cols] · Wᵀ, W one codec matrix.
- *   int mtplx_cpu_expert(mats[9], R, I, bits, layout, X, n, out, beta, beta_lin, round_model,
- *                        threads)
- *       out[n, R] = down · SiTU-GLU(gate·x_t, up·x_t) for every token row x_t of X[n, R];
- *       mats = {gate packed, scale, zero, up packed, scale, zero, down packed, scale, zero}.
- *   int mtplx_cpu_layer(mats[9 * n_experts], n_experts, tok_offsets[n_experts + 1], tok_index,
- *                       tok_weight, R, I, bits, layout, X, T, acc, beta, beta_lin,
- *                       round_model, threads)
- *       For each expert e in the given order (the caller's ascending id), over its tokens
- *       j in [tok_offsets[e], tok_offsets[e + 1]): y = that expert on row tok_index[j] of
- *       X[T, R], then acc[tok_index[j], :] += y * tok_weight[j] (fp32 product, then fp32 add:
- *       the reference's combine). acc [T, R] fp32 is added into; tok_offsets[0] must be 0.
- *   int mtplx_cpu_best_isa(void), mtplx_cpu_get_isa(void), mtplx_cpu_set_isa(int want)
- *       0 scalar, 1 avx2, 2 avx512 (the best the CPU supports unless lowered).
- * Return codes: 0 ok, -1 bad shape or parameter, -2 out of memory, -3 invalid scale byte.
- *
- * Numerics: every dot product accumulates in fp32. The weights a kernel multiplies are the
- * exact values the NumPy codec decodes, so only the fp32 summation order differs from "decode,
- * then matmul". Per token the arithmetic does not depend on n, the thread count or the row
- * chunking, so an n-token call equals n one-token calls bit for bit. round_model = 1 mirrors a
- * bf16 model (model/layers.py glu_mlp): gate·x and up·x rounded to bf16, SiTU-GLU in fp32 then
- * rounded, down·h rounded; round_model = 0 is an fp32 model (nothing rounded).
- */
-#ifndef MTPLX_EXPERT_COMMON_H
-#define MTPLX_EXPERT_COMMON_H
-
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE /* sched_getaffinity / CPU_COUNT (the pool's spin decision) */
-#endif
-#include <immintrin.h>
-#include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define BLOCK 64       /* columns per decode block: every codec's group size divides it */
-#define XPAD 16        /* zero floats after each input row: t158's SIMD paths read 8 past it */
-#define MAX_THREADS 256
-
-/* One quantized matrix [rows, cols] as the codec stores it (pointers into record bytes). */
-typedef struct {
-    const uint8_t *packed, *scale, *zero; /* zero: ct-int-asym zero points, else NULL */
-    int rows, cols, bits, layout;         /* bits, layout: ct-int only (layout 1 = legacy 3-bit) */
-    size_t row_bytes, scale_row_bytes;    /* filled in by codec_prepare */
-} mat_t;
-
-/* Y[t*ldy + r] = row r of m · X[t*ldx ...] for t < n, r in [r0, r1). `scratch` holds
- * scratch_floats(m->cols) floats, 64-byte aligned, private to the calling thread. */
-typedef void (*rows_fn)(const mat_t *m, const float *X, int ldx, int n, float *Y, int ldy,
-                        int r0, int r1, float *scratch);
-/* The exact decoded weights of columns [64b, 64b + 64) of row r into w (64-byte aligned). */
-typedef void (*decode_fn)(const mat_t *m, int r, int b, float *w);
-
-/* Hooks each codec source defines. codec_prepare checks bits/layout/shape and fills the row
- * strides (0, or a negative return code); codec_rows picks the row kernel for an ISA. */
-static int codec_prepare(mat_t *m);
-static rows_fn codec_rows(const mat_t *m, int isa);
-
-/* ---- small numeric helpers ---- */
-
-static inline float bits_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static inline float bf16f(uint16_t u) { return bits_f32((uint32_t)u << 16); }
-
-/* fp32 -> nearest-even bf16 -> fp32, the formula of formats/base.py f32_to_bf16_bits (no NaN
- * case): used where the codec itself rounds (ct-int dequant), so the weights match bit for bit. */
-static inline float rne_bf16_codec(float f) {
-    uint32_t u = f32_bits(f);
-    return bits_f32((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
-}
-
-/* What torch's float -> bfloat16 cast does (nearest even, NaN kept NaN): model rounding. */
-static inline float round_bf16(float f) {
-    if (f != f) return f;
-    return rne_bf16_codec(f);
-}
-
-static inline uint32_t load_u32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4); /* record bytes carry no alignment promise */
-    return v;
-}
-
-static inline uint64_t load_u64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-    return v;
-}
+/* The driver of the CPU expert library: the codec table, the ISA switch, and the multi-token
+ * GEMM / expert-MLP / layer pipeline behind the exported C ABI (mtplx_cpu.h). A codec source
+ * (t158.c, mxfp4.c, ctint.c) supplies two hooks, prepare and rows (cpu_common.h); everything
+ * else (threads through thread_pool.c, SiTU-GLU, model rounding) is shared, so every codec
+ * behaves the same. */
+#include "cpu_common.h"
+#include "thread_pool.h"
 
 /* SiTU-GLU in fp32 with the reference's operation order (model/layers.py situ_glu). */
 static inline float situ_glu(float g, float u, float beta, float beta_lin) {
     float sig = 1.0f / (1.0f + expf(-g));
     return beta * tanhf(g / beta) * sig * (beta_lin * tanhf(u / beta_lin));
 }
+
+/* ---- the codec table: index = enum mtplx_codec, every entry point's first argument ---- */
+
+static const struct {
+    const char *name; /* the name cpu_native.py uses */
+    int (*prepare)(mat_t *m);
+    rows_fn (*rows)(const mat_t *m, int isa);
+} CODECS[MTPLX_CODECS] = {
+    [MTPLX_CODEC_T158] = {"t158", t158_prepare, t158_rows},
+    [MTPLX_CODEC_MXFP4] = {"mxfp4", mxfp4_prepare, mxfp4_rows},
+    [MTPLX_CODEC_CTINT] = {"ct-int", ctint_prepare, ctint_rows},
+};
+
+const char *mtplx_cpu_codec_name(int codec) {
+    return codec >= 0 && codec < MTPLX_CODECS ? CODECS[codec].name : NULL;
+}
+
+static rows_fn codec_rows(const mat_t *m, int isa) { return CODECS[m->codec].rows(m, isa); }
 
 /* ---- ISA selection: one portable build, variants behind per-function target attributes ---- */
 
@@ -136,10 +52,6 @@ int mtplx_cpu_get_isa(void) {
     if (g_isa < 0) mtplx_cpu_set_isa(-1);
     return g_isa;
 }
-
-#include "block_rows.h"
-
-#include "thread_pool.h"
 
 /* ---- the pipeline ---- */
 
@@ -191,13 +103,14 @@ static void gemm_chunk(void *arg, int c) {
 }
 
 static int prepare(mat_t *m) {
+    if (m->codec < 0 || m->codec >= MTPLX_CODECS) return -1;
     if (m->rows <= 0 || m->cols <= 0 || m->cols % BLOCK) return -1;
-    return codec_prepare(m);
+    return CODECS[m->codec].prepare(m);
 }
 
-int mtplx_cpu_gemm(const void *packed, const void *scale, const void *zero, int rows, int cols,
-                   int bits, int layout, const float *X, int n, float *Y, int threads) {
-    mat_t m = {packed, scale, zero, rows, cols, bits, layout, 0, 0};
+int mtplx_cpu_gemm(int codec, const void *packed, const void *scale, const void *zero, int rows,
+                   int cols, int bits, int layout, const float *X, int n, float *Y, int threads) {
+    mat_t m = {packed, scale, zero, rows, cols, bits, layout, 0, 0, codec};
     int rc = prepare(&m);
     if (rc) return rc;
     if (n <= 0) return -1;
@@ -279,11 +192,11 @@ static void down_chunk(void *arg, int c) {
 }
 
 /* gate, up, down of one expert from mats[9], checked. */
-static int prepare_expert(const void *const *mats, int R, int I, int bits, int layout,
+static int prepare_expert(int codec, const void *const *mats, int R, int I, int bits, int layout,
                           mat_t m[3]) {
-    m[0] = (mat_t){mats[0], mats[1], mats[2], I, R, bits, layout, 0, 0};
-    m[1] = (mat_t){mats[3], mats[4], mats[5], I, R, bits, layout, 0, 0};
-    m[2] = (mat_t){mats[6], mats[7], mats[8], R, I, bits, layout, 0, 0};
+    m[0] = (mat_t){mats[0], mats[1], mats[2], I, R, bits, layout, 0, 0, codec};
+    m[1] = (mat_t){mats[3], mats[4], mats[5], I, R, bits, layout, 0, 0, codec};
+    m[2] = (mat_t){mats[6], mats[7], mats[8], R, I, bits, layout, 0, 0, codec};
     int rc;
     if ((rc = prepare(&m[0])) || (rc = prepare(&m[1])) || (rc = prepare(&m[2]))) return rc;
     return 0;
@@ -321,11 +234,11 @@ static void job_run(expert_job *j, const mat_t *m, int n) {
     run_chunks(down_chunk, j, j->nchunks);
 }
 
-int mtplx_cpu_expert(const void *const *mats, int R, int I, int bits, int layout,
+int mtplx_cpu_expert(int codec, const void *const *mats, int R, int I, int bits, int layout,
                      const float *X, int n, float *out, float beta, float beta_lin,
                      int round_model, int threads) {
     mat_t m[3];
-    int rc = prepare_expert(mats, R, I, bits, layout, m);
+    int rc = prepare_expert(codec, mats, R, I, bits, layout, m);
     if (rc) return rc;
     if (n <= 0) return -1;
     expert_job j = {.R = R, .I = I, .round_model = round_model, .beta = beta,
@@ -337,14 +250,14 @@ int mtplx_cpu_expert(const void *const *mats, int R, int I, int bits, int layout
     return 0;
 }
 
-/* A layer window in one call. It replaces cpu.py's per-expert Python loop around
- * mtplx_cpu_expert (40-60 us of Python per expert; bench_kernels' t158 K3 layer at T = 1 went
- * from ~14.6 to ~11.7 ms on the 2-vCPU host). Every matrix is checked before acc is touched. */
-int mtplx_cpu_layer(const void *const *mats, int n_experts, const int *tok_offsets,
+/* A layer window in one call, so the caller makes no per-expert round trip (why: BENCHMARKS.md,
+ * "CPU kernel notes"). Every matrix is checked before acc is touched. */
+int mtplx_cpu_layer(int codec, const void *const *mats, int n_experts, const int *tok_offsets,
                     const int *tok_index, const float *tok_weight, int R, int I, int bits,
                     int layout, const float *X, int T, float *acc, float beta, float beta_lin,
                     int round_model, int threads) {
-    if (n_experts < 0 || T <= 0 || tok_offsets[0] != 0) return -1;
+    if (codec < 0 || codec >= MTPLX_CODECS || n_experts < 0 || T <= 0 || tok_offsets[0] != 0)
+        return -1;
     if (n_experts == 0) return 0;
     int nmax = 0;
     for (int e = 0; e < n_experts; e++) {
@@ -358,7 +271,7 @@ int mtplx_cpu_layer(const void *const *mats, int n_experts, const int *tok_offse
     if (!m) return -2;
     int rc = 0;
     for (int e = 0; e < n_experts && !rc; e++)
-        rc = prepare_expert(mats + (size_t)9 * e, R, I, bits, layout, m + 3 * e);
+        rc = prepare_expert(codec, mats + (size_t)9 * e, R, I, bits, layout, m + 3 * e);
     expert_job j = {.R = R, .I = I, .round_model = round_model, .beta = beta,
                     .beta_lin = beta_lin, .acc = acc};
     if (!rc && nmax && !(rc = job_alloc(&j, nmax, threads))) {
@@ -379,5 +292,3 @@ int mtplx_cpu_layer(const void *const *mats, int n_experts, const int *tok_offse
     free(m);
     return rc;
 }
-
-#endif

@@ -1,4 +1,4 @@
-/* t16f: the t158 GEMV row kernel of t158_cpu.c's avx512 path ("transposed T-MAC"), promoted
+/* t16f: the t158 GEMV row kernel of t158.c's avx512 path ("transposed T-MAC"), promoted
  * from tools/kernel_lab (variant 12 / t16f_port.h; design and measurements in
  * tools/kernel_lab/README.md). Needs AVX-512 F/BW/DQ only; the target attribute lets it sit in a
  * file compiled without -march flags.
@@ -12,7 +12,7 @@
  * up for 16 rows at once; the rows' bytes are transposed 16 x 16 dwords at a time, so dword
  * lane i holds 4 columns of row i. Digit 4 of byte 12 is ignored because that chunk's table has
  * x4 = 0. Tables: t16f_tables(x) once per input vector (48 floats per chunk, T16F_TAB_FLOATS(G)
- * floats, 140 KB at 3584 inputs, ~1.6 us), read-only afterwards.
+ * floats, 140 KB at 3584 inputs), read-only afterwards.
  *
  * Every operation is lane-wise, so a row's result does not depend on the 16-row block it sits
  * in, nor on the other rows of that block: t16f_span pads a tail of < 16 rows to a full block
@@ -20,18 +20,11 @@
  * the same arithmetic whatever r0, r1 (thread count, row chunking) are. There is no limit on G
  * (the lab's stack buffer, which capped G at 1024, is in the caller's scratch here).
  */
-#ifndef T158_T16F_H
-#define T158_T16F_H
+#include "t158_t16f.h"
+
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
-
-#define T16F_TGT __attribute__((target("avx512f,avx512bw,avx512dq")))
-#define T16F_TAB_FLOATS(G) ((size_t)(G) * 13 * 48) /* tables of one input vector */
-/* scratch t16f_span needs, in floats: transposed scales 16 x (G rounded up to 4) fp32, then a
- * zero-padded 16-row copy of a tail block (16 x 13G bytes + 16 x G bf16). */
-#define T16F_ST_FLOATS(G) ((size_t)16 * (((G) + 3) / 4 * 4))
-#define T16F_SCRATCH_FLOATS(G) (T16F_ST_FLOATS(G) + ((size_t)16 * (G) * 15 + 3) / 4)
 
 static const int T16F_BITREV4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 /* register of t16f_tp16 output that holds dword column m (found by running it on labels) */
@@ -40,7 +33,7 @@ static const int T16F_DREG[16] = {0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 
 /* trit of input k (0..4) for table entry e (0..47: Tlo at 0..15, Thi at 16..47) */
 static float T16F_TC[5][48] __attribute__((aligned(64)));
 
-static void t16f_init(void) { /* once (pthread_once) before use */
+void t16f_init(void) {
     for (int e = 0; e < 48; e++) {
         for (int k = 0; k < 5; k++) T16F_TC[k][e] = 0.0f;
         if (e < 9) {
@@ -55,7 +48,7 @@ static void t16f_init(void) { /* once (pthread_once) before use */
 
 /* tab[(13g + j) * 48 + e]: Tlo (e < 16) and Thi (16 <= e < 48) of chunk (g, j), g < G; tab is
  * 64-byte aligned. Reads x[0 .. 64G-1] only. */
-T16F_TGT static void t16f_tables(const float *x, int G, float *tab) {
+T16F_TGT void t16f_tables(const float *x, int G, float *tab) {
     const __m512 c0 = _mm512_load_ps(T16F_TC[0]), c1 = _mm512_load_ps(T16F_TC[1]);
     const __m512 c2a = _mm512_load_ps(T16F_TC[2] + 16), c2b = _mm512_load_ps(T16F_TC[2] + 32);
     const __m512 c3a = _mm512_load_ps(T16F_TC[3] + 16), c3b = _mm512_load_ps(T16F_TC[3] + 32);
@@ -162,8 +155,8 @@ T16F_TGT static inline void t16f_block16(const uint8_t *p, size_t stride, int g0
 }
 
 /* The 16 rows at p (row stride 13G bytes; scales at sc, row stride G) -> one fp32 per lane.
- * next: the following 16-row block, prefetched into L1 evenly over this block's steps (from
- * DRAM 1.9 -> 1.3 ms per expert single-threaded in the lab), or NULL. */
+ * next: the following 16-row block, prefetched into L1 evenly over this block's steps (it paid
+ * off in the lab: BENCHMARKS.md, "CPU kernel notes"), or NULL. */
 T16F_TGT static inline __m512 t16f_rows16(const uint8_t *p, const uint16_t *sc, int G,
                                           const float *tab, float *st, const uint8_t *next) {
     size_t stride = (size_t)G * 13, steps = (size_t)(G + 3) / 4;
@@ -187,8 +180,8 @@ T16F_TGT static inline __m512 t16f_rows16(const uint8_t *p, const uint16_t *sc, 
  * same code (lane-wise, so each row's result is the same as in any other block). pf_end: rows
  * below it may be prefetched (the caller's whole row range). scratch: T16F_SCRATCH_FLOATS(G)
  * floats, 64-byte aligned. */
-T16F_TGT static void t16f_span(const uint8_t *pk, const uint16_t *sc, int G, const float *tab,
-                               float *y, int r0, int r1, int pf_end, float *scratch) {
+T16F_TGT void t16f_span(const uint8_t *pk, const uint16_t *sc, int G, const float *tab, float *y,
+                        int r0, int r1, int pf_end, float *scratch) {
     size_t stride = (size_t)G * 13;
     float *st = scratch;
     int r = r0;
@@ -210,4 +203,3 @@ T16F_TGT static void t16f_span(const uint8_t *pk, const uint16_t *sc, int G, con
         _mm512_mask_storeu_ps(y + r, (__mmask16)((1u << k) - 1), a);
     }
 }
-#endif

@@ -1,7 +1,7 @@
 /* t158 CPU kernels: GEMV and the K3 expert MLP computed directly on the packed bytes.
  *
- * Format: FORMAT.md "t158" (spec/t158-and-streaming.md §1, §1.10). Row r of a [rows, cols]
- * projection is G = cols/64 groups of 13 base-3 bytes plus one bf16 scale:
+ * Format: FORMAT.md "t158". Row r of a [rows, cols] projection is G = cols/64 groups of 13
+ * base-3 bytes plus one bf16 scale:
  *   y[r] = Σ_g fp32(scale[r,g]) · Σ_i trit(r,g,i) · x[64g+i],  trit = floor(b/3^k) mod 3 − 1,
  * with bytes 0..11 holding 5 trits and byte 12 holding 4 (its digit 4 is ignored; bytes 243..255
  * decode by the same rule). fp32 accumulation throughout; no dequantized copy is made.
@@ -9,15 +9,17 @@
  * Paths (picked at run time with __builtin_cpu_supports, forced lower by mtplx_cpu_set_isa):
  *   0 scalar  : 256x5 float trit table, one row at a time.
  *   1 avx2    : 256x8 float table (5 trits + 3 zeros) times 8 unaligned inputs, FMA per byte.
- *   2 avx512  : t16f ("transposed T-MAC", t158_t16f.h, from tools/kernel_lab): 16 rows in the
+ *   2 avx512  : t16f ("transposed T-MAC", t158_t16f.c, from tools/kernel_lab): 16 rows in the
  *               zmm lanes, per-input-vector fp32 tables of every 5-trit partial dot product,
  *               looked up with vpermps / vpermi2ps. Needs AVX-512 F/BW/DQ (else avx2).
  * scalar / avx2: n tokens (prefill) loop over the tokens inside each row pair, so the weights are
- * read from memory once per call. avx512: see t158_rows_avx512. Threads, SiTU-GLU, model
- * rounding and the exported ABI come from expert_common.h. Built by
- * mtplx_runtime/kernels/cpu_build.py.
+ * read from memory once per call. avx512: see t158_rows_avx512. This file supplies the codec's
+ * hooks (t158_prepare, t158_rows); threads, SiTU-GLU, model rounding and the exported ABI are
+ * the driver's (expert.c).
  */
-#include "expert_common.h"
+#include <pthread.h>
+
+#include "cpu_common.h"
 #include "t158_t16f.h"
 
 #define GB 13 /* bytes per group */
@@ -114,11 +116,10 @@ static void t158_rows_avx2(const mat_t *m, const float *X, int ldx, int n, float
 }
 
 /* avx512 (t16f). Each call builds the tables of its input vectors itself, per thread, into a
- * per-thread buffer that persists across calls (freed at thread exit): ~1.6 us per 3584-input
- * vector, three per expert per thread (gate and up each build x's, down builds h's), under 1%
- * of the ~0.7 ms an expert takes, and it keeps the driver unchanged (no input stage before the
- * parallel region, no per-call allocation: per call, a buffer of n tables would be an mmap plus
- * page faults). Tables are per token and a token's rows see only its own tables, so per token
+ * per-thread buffer that persists across calls (freed at thread exit): three tables per expert
+ * per thread (gate and up each build x's, down builds h's), a small cost (BENCHMARKS.md, "CPU
+ * kernel notes") that keeps the driver unchanged (no input stage before the parallel region, no
+ * per-call allocation: per call, a buffer of n tables would be an mmap plus page faults). Tables are per token and a token's rows see only its own tables, so per token
  * the arithmetic is that of a one-token call whatever n, r0, r1 are; t16f_span sends every row
  * through the same 16-lane code (tails padded), so no row alignment of the chunks is needed.
  * n > 1: tokens go in batches of T16F_TOKENS (one table each, 140 KB at K3), and within a batch
@@ -193,7 +194,7 @@ static void init_once(void) {
     pthread_key_create(&t16f_key, t16f_buf_free);
 }
 
-static int codec_prepare(mat_t *m) {
+int t158_prepare(mat_t *m) {
     pthread_once(&lut_once, init_once);
     m->row_bytes = (size_t)m->cols / GE * GB;
     m->scale_row_bytes = (size_t)m->cols / GE * 2;
@@ -209,7 +210,7 @@ static int has_t16f(void) { /* AVX-512 F/DQ (isa 2) and BW */
     return ok;
 }
 
-static rows_fn codec_rows(const mat_t *m, int isa) {
+rows_fn t158_rows(const mat_t *m, int isa) {
     /* the driver's per-thread scratch (scratch_floats) covers t16f_span's (asserted here) */
     if (isa >= 2 && has_t16f() && T16F_SCRATCH_FLOATS(m->cols / GE) <= scratch_floats(m->cols))
         return t158_rows_avx512;

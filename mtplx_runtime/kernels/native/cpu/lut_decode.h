@@ -1,4 +1,4 @@
-/* Table decoders shared by mxfp4_cpu.c and ctint_cpu.c: codes are indexes into a small
+/* Table decoders shared by mxfp4.c and ctint.c: codes are indexes into a small
  * per-group table of the exact decoded weights (built by the codec once per group), so one
  * decode step serves every code value and the result is the codec's value bit for bit.
  *
@@ -10,7 +10,7 @@
 #ifndef MTPLX_LUT_DECODE_H
 #define MTPLX_LUT_DECODE_H
 
-#include "expert_common.h"
+#include "cpu_common.h"
 
 /* 32 nibble codes of p[0..16) through lut[16]. */
 static inline void nib32_scalar(const uint8_t *p, const float *lut, float *w) {

@@ -1,44 +1,42 @@
-/* The CPU expert driver's persistent thread pool. Included by expert_common.h at this point
- * (it relies on MAX_THREADS and the headers included before it); not a standalone header. */
-/* ---- persistent thread pool ----
+/* The persistent thread pool (thread_pool.h).
  * A region runs fn(arg, chunk) for chunk 0..n-1; the caller runs chunk 0, worker i runs chunk
  * i. Regions are serialized by `call_mu`, so concurrent callers (ctypes drops the GIL) simply
- * queue. A T=1 expert is two regions of ~0.3 ms each, and a decode step makes dozens of them
- * back to back, so the hand-off latency matters: sleeping on condition variables alone cost
- * two futex wake-ups per region (worker start, caller resume), ~0.1 ms per K3 expert on the
- * 2-vCPU VM (0.88 vs the lab's 0.68 ms with a spinning pool). So both sides first spin on an
- * atomic for up to POOL_SPIN_NS and only then block on the condition variable: back-to-back
- * regions hand off in well under a microsecond, and an idle pool still sleeps (it never burns a
- * core for longer than POOL_SPIN_NS after its last region). Spinning only pays when every chunk
- * has a CPU of its own: with more chunks than the CPUs this process may run on, a spinning
- * thread holds a CPU that a thread with work needs (measured: 4 threads on 2 vCPUs went from
- * 0.9 to 1.6 ms per expert), so such regions block at once; and only the workers that ran a
- * chunk of the last region spin after it (after a 2-thread region following an 8-thread one,
- * six idle spinners would otherwise crowd the one worker that has work). The spin does not
- * sched_yield: tried every ~6 us, it cost bench_kernels' t158 T=1 layer ~1.5 ms (13.0 ->
- * 14.5 ms).
+ * queue. A decode step makes dozens of short regions back to back, so the hand-off latency
+ * matters: both sides first spin on an atomic for up to POOL_SPIN_NS and only then block on the
+ * condition variable, so back-to-back regions hand off in well under a microsecond and an idle
+ * pool still sleeps (why not condition variables alone, and why no sched_yield in the spin:
+ * BENCHMARKS.md, "CPU kernel notes"). Spinning only pays when every chunk has a CPU of its own,
+ * so regions with more chunks than the CPUs this process may run on block at once; and only the
+ * workers that ran a chunk of the last region spin after it (idle spinners would crowd the
+ * workers that have work).
  *
  * Hand-off: `ticket` packs (generation << 32 | spin flag << 31 | chunks run) in one atomic word,
  * published with release after fn/arg are written, so a worker that reads a new generation with
  * acquire also sees that region's chunk count and spin flag, and fn/arg when its id is in range.
  * A worker that is not handed a chunk only reads the ticket; one that is handed a chunk is
- * waited for, so fn/arg cannot change under it. Sleepers are counted under `mu` (worker: sleepers++, then
- * re-check the ticket, then wait; caller: publish the ticket under `mu`, broadcast if any
- * sleep), and the caller's own wait is the same pattern with `caller_waits`, so no wake-up is
- * lost. */
+ * waited for, so fn/arg cannot change under it. Sleepers are counted under `mu` (worker:
+ * sleepers++, then re-check the ticket, then wait; caller: publish the ticket under `mu`,
+ * broadcast if any sleep), and the caller's own wait is the same pattern with `caller_waits`,
+ * so no wake-up is lost. */
 
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* sched_getaffinity / CPU_COUNT (the pool's spin decision) */
+#endif
+#include "thread_pool.h"
+
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <time.h>
 
-/* Spin window: several times the gap between two native calls in the runtime (cpu.py's
- * per-expert Python work, when it called mtplx_cpu_expert per expert, measured ~40 us), short
- * next to the rest of a decode step. */
+/* Spin window: several times the gap between two native calls of a decode step, short next to
+ * the step itself. */
 #define POOL_SPIN_NS 200000
 #define TICKET_SPIN (1u << 31) /* the region's chunks fit on the CPUs: its workers may spin */
 #define TICKET_CHUNKS(t) ((int)((uint32_t)(t) & ~TICKET_SPIN))
 #define TICKET_GEN(t) ((uint32_t)((t) >> 32))
-
-typedef void (*chunk_fn)(void *arg, int chunk);
 
 static struct {
     pthread_mutex_t call_mu, mu;
@@ -83,13 +81,13 @@ static void pool_init(void) {
 
 static inline uint64_t pool_now_ns(void) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts); /* vDSO: ~30 ns, read once per 16 pauses */
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* vDSO, read once per 16 pauses */
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 /* One step of a bounded spin (i counts from 0): 0 once POOL_SPIN_NS have passed since i = 0. */
 static inline int pool_spin_step(unsigned i, uint64_t *t0) {
-    if (i % 16 == 0) { /* the clock every 16 pauses (~0.4 us on Zen 4) */
+    if (i % 16 == 0) { /* the clock every 16 pauses */
         uint64_t now = pool_now_ns();
         if (i == 0) *t0 = now;
         else if (now - *t0 > POOL_SPIN_NS) return 0;
@@ -137,7 +135,7 @@ static void *pool_worker(void *p) {
     return NULL;
 }
 
-static void run_chunks(chunk_fn fn, void *arg, int n) {
+void run_chunks(chunk_fn fn, void *arg, int n) {
     if (n <= 1) {
         fn(arg, 0);
         return;

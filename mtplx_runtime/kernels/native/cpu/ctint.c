@@ -1,5 +1,6 @@
-/* compressed-tensors int CPU kernels on the packed words (FORMAT.md "compressed-tensors int",
- * spec/w3-and-io.md), symmetric and asymmetric, 3 and 4 bits, group 64.
+/* compressed-tensors int CPU kernels on the packed words (FORMAT.md "compressed-tensors int"),
+ * symmetric and asymmetric, 3 and 4 bits, group 64: the codec hooks ctint_prepare, ctint_rows
+ * of the CPU expert library.
  *
  * weight_packed i32 [rows, W]: unsigned codes u = q + 2^(b-1) LSB-first. layout 0 "dense":
  * one bit stream per row (4-bit: 8 codes a word; 3-bit: 32 codes in 3 words, codes straddle
@@ -14,6 +15,7 @@
  * the dense layout with permutes; the legacy layout decodes with scalar code on every path
  * (checkpoint conversion only) but still multiplies with the path's SIMD dot.
  */
+#include "block_rows.h"
 #include "lut_decode.h"
 
 /* Code idx of a packed stream whose consecutive words are `stride` words apart (1 along a
@@ -158,7 +160,7 @@ __attribute__((target(AVX512_TARGET))) static void rows_legacy_avx512(const mat_
     rows_tpl_avx512(decode_legacy, m, X, ldx, n, Y, ldy, r0, r1, w);
 }
 
-static int codec_prepare(mat_t *m) {
+int ctint_prepare(mat_t *m) {
     if ((m->bits != 3 && m->bits != 4) || (m->layout != 0 && m->layout != 1)) return -1;
     if (m->bits == 4) m->layout = 0; /* 4-bit packing is the same in both layouts */
     size_t words = m->layout ? ((size_t)m->cols + 9) / 10 : (size_t)m->cols * m->bits / 32;
@@ -167,7 +169,7 @@ static int codec_prepare(mat_t *m) {
     return 0;
 }
 
-static rows_fn codec_rows(const mat_t *m, int isa) {
+rows_fn ctint_rows(const mat_t *m, int isa) {
     if (m->layout)
         return isa >= 2 ? rows_legacy_avx512 : isa == 1 ? rows_legacy_avx2 : rows_legacy_scalar;
     return isa >= 2 ? rows_avx512 : isa == 1 ? rows_avx2 : rows_scalar;

@@ -1,0 +1,58 @@
+/* The exported C ABI of the CPU expert kernels: one shared library (mtplx_cpu, built from every
+ * .c file in this folder by mtplx_runtime/kernels/cpu_build.py, loaded by cpu_native.py) for
+ * every codec, with one thread pool and one ISA switch. The codec of a call is its first
+ * argument, an index into the library's codec table.
+ *
+ *   int mtplx_cpu_gemm(codec, packed, scale, zero, rows, cols, bits, layout, X, n, Y, threads)
+ *       Y[n, rows] = X[n, cols] · Wᵀ, W one codec matrix.
+ *   int mtplx_cpu_expert(codec, mats[9], R, I, bits, layout, X, n, out, beta, beta_lin,
+ *                        round_model, threads)
+ *       out[n, R] = down · SiTU-GLU(gate·x_t, up·x_t) for every token row x_t of X[n, R];
+ *       mats = {gate packed, scale, zero, up packed, scale, zero, down packed, scale, zero}.
+ *   int mtplx_cpu_layer(codec, mats[9 * n_experts], n_experts, tok_offsets[n_experts + 1],
+ *                       tok_index, tok_weight, R, I, bits, layout, X, T, acc, beta, beta_lin,
+ *                       round_model, threads)
+ *       For each expert e in the given order (the caller's ascending id), over its tokens
+ *       j in [tok_offsets[e], tok_offsets[e + 1]): y = that expert on row tok_index[j] of
+ *       X[T, R], then acc[tok_index[j], :] += y * tok_weight[j] (fp32 product, then fp32 add:
+ *       the reference's combine). acc [T, R] fp32 is added into; tok_offsets[0] must be 0.
+ *   const char *mtplx_cpu_codec_name(int codec)
+ *       The codec's name ("t158", "mxfp4", "ct-int"), NULL past the table.
+ *   int mtplx_cpu_best_isa(void), mtplx_cpu_get_isa(void), mtplx_cpu_set_isa(int want)
+ *       0 scalar, 1 avx2, 2 avx512 (the best the CPU supports unless lowered); one choice for
+ *       every codec.
+ * Return codes: 0 ok, -1 bad shape, parameter or codec, -2 out of memory, -3 invalid scale byte.
+ * bits and layout are read by ct-int only (bits 3 or 4; layout 0 dense, 1 legacy 3-bit).
+ *
+ * Numerics: every dot product accumulates in fp32. The weights a kernel multiplies are the
+ * exact values the NumPy codec decodes, so only the fp32 summation order differs from "decode,
+ * then matmul". Per token the arithmetic does not depend on n, the thread count or the row
+ * chunking, so an n-token call equals n one-token calls bit for bit. round_model = 1 mirrors a
+ * bf16 model (model/layers.py glu_mlp): gate·x and up·x rounded to bf16, SiTU-GLU in fp32 then
+ * rounded, down·h rounded; round_model = 0 is an fp32 model (nothing rounded).
+ */
+#ifndef MTPLX_CPU_H
+#define MTPLX_CPU_H
+
+/* The library is built with -fvisibility=hidden: only these names are exported. */
+#define MTPLX_API __attribute__((visibility("default")))
+
+enum mtplx_codec { MTPLX_CODEC_T158, MTPLX_CODEC_MXFP4, MTPLX_CODEC_CTINT, MTPLX_CODECS };
+
+MTPLX_API int mtplx_cpu_gemm(int codec, const void *packed, const void *scale, const void *zero,
+                             int rows, int cols, int bits, int layout, const float *X, int n,
+                             float *Y, int threads);
+MTPLX_API int mtplx_cpu_expert(int codec, const void *const *mats, int R, int I, int bits,
+                               int layout, const float *X, int n, float *out, float beta,
+                               float beta_lin, int round_model, int threads);
+MTPLX_API int mtplx_cpu_layer(int codec, const void *const *mats, int n_experts,
+                              const int *tok_offsets, const int *tok_index,
+                              const float *tok_weight, int R, int I, int bits, int layout,
+                              const float *X, int T, float *acc, float beta, float beta_lin,
+                              int round_model, int threads);
+MTPLX_API const char *mtplx_cpu_codec_name(int codec);
+MTPLX_API int mtplx_cpu_best_isa(void);
+MTPLX_API int mtplx_cpu_set_isa(int want);
+MTPLX_API int mtplx_cpu_get_isa(void);
+
+#endif
