@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from mtplx_runtime.kernels import cuda, reference
-from mtplx_runtime.kernels.cuda_grouped import group_pairs
+from mtplx_runtime.kernels.cuda import group_pairs
 
 ROOT = Path(__file__).resolve().parent.parent
 R, I, E, K = 2112, 192, 8, 4  # latent, expert width, experts, top-k

@@ -25,8 +25,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from ..model.layers import SITU_BETA, SITU_LINEAR_BETA
 from . import cpu_native, reference
+from .reference import SITU_BETA, SITU_LINEAR_BETA
 
 DEVICE = "cpu"  # inputs and slot bytes in host memory
 NATIVE_MODES = frozenset({"t158", "mxfp4", "ct-int", "ct-int-asym"})

@@ -1,6 +1,6 @@
 // Grouped routed-expert kernels for prefill chunks (T > 1), and the entry-point macro.
 //
-// The host (mtplx_runtime/kernels/cuda_grouped.py group_pairs) sorts the T*K (token, k) pairs by
+// The host (mtplx_runtime/kernels/cuda.py group_pairs) sorts the T*K (token, k) pairs by
 // slot: `pairs` lists pair ids p = t * K + k grouped by slot, and cuts each slot's run into tiles
 // of at most MTPLX_TILE pairs: tile i covers pairs[tile_start[i] .. + tile_count[i]), all of
 // expert slot tile_slot[i]. One block handles one (row block, tile): every weight of its rows is
