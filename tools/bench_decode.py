@@ -14,7 +14,7 @@ posix_fadvise(DONTNEED) on every bank part before each measurement.
 
     python tools/bench_decode.py [--layers 2] [--experts 896] [--tokens 8]
                                  [--slots-per-layer 32] [--kernels auto|reference|cpu|cuda]
-                                 [--dir DIR] [--keep]
+                                 [--dir DIR] [--keep] [--config NAME|PATH]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from mtplx_runtime import load_model
 from mtplx_runtime.artifact.build import build_artifact
 from mtplx_runtime.artifact.manifest import MANIFEST_NAME, load_manifest
 from mtplx_runtime.engine.generate import GenerationStats, generate_step
+from mtplx_runtime.engine.presets import PresetError, add_config_arg, parse_args
 from mtplx_runtime.fixtures.k3_slice import make_k3_slice
 from mtplx_runtime.kernels import name_of, select_backend
 from mtplx_runtime.offload.buffers import aligned_buffer
@@ -145,8 +146,8 @@ def commit() -> str:
         return "unknown"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bench_decode.py", description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=2, help="MoE layers in the slice")
     ap.add_argument("--experts", type=int, default=896, help="routed experts per layer")
     ap.add_argument("--tokens", type=int, default=8, help="decode steps timed per config")
@@ -156,7 +157,17 @@ def main(argv=None) -> int:
                     help="where the slice and artifact go (default: a temp dir under /work)")
     ap.add_argument("--keep", action="store_true",
                     help="keep the slice in --dir and reuse an artifact already built there")
-    a = ap.parse_args(argv)
+    add_config_arg(ap)  # of a preset's keys only `kernels` is a flag here
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    try:
+        a = parse_args(ap, argv)
+    except PresetError as e:
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
     kernels = select_backend(a.kernels)
     if kernels.DEVICE != "cpu":
         ap.error("bench_decode runs the model on the CPU: use --kernels cpu or reference")

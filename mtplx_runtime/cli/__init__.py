@@ -1,6 +1,7 @@
-"""`mtplx` command line: a table of subcommands, nothing else.
+"""`mtplx` command line: a table of subcommands, and `--config` presets applied before parsing.
 
-Each subcommand lives in its own module exposing `add_args(parser)` and `main(args) -> int`.
+Each subcommand lives in its own module exposing `add_args(parser)` and `main(args) -> int`; one
+that adds `--config` (engine/presets.py) gets a preset's values as its defaults, here.
 Subcommand modules keep torch and every GPU library out of their top-level imports, so `--help`
 works (and is fast) on any machine.
 """
@@ -12,6 +13,7 @@ import importlib
 import sys
 
 from ..checkpoint.safetensors_io import CheckpointError
+from ..engine import presets
 from ..formats.base import FormatError
 
 # name -> (module, one-line help)
@@ -41,21 +43,49 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `mtplx` parser and its subparsers by name."""
     parser = argparse.ArgumentParser(
         prog="mtplx",
         description="mtplx_runtime: run Kimi K3 with routed experts streamed from disk",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subs = {}
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = subs[name] = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         importlib.import_module(module).add_args(p)
-    return parser
+    return parser, subs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return _build()[0]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse `mtplx` argv; a subcommand with `--config` gets its preset's values as defaults
+    (flags given on the command line win). Raises presets.PresetError."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, subs = _build()
+    cmd = _command(argv)
+    rest = argv[argv.index(cmd) + 1:] if cmd is not None else []
+    return presets.parse_args(parser, argv, owner=subs.get(cmd), owner_argv=rest,
+                              prog=f"mtplx {cmd}")
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand word: the top-level parser has no option taking a value, so it is the
+    first word that is not an option."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parse_args(argv)
+    except presets.PresetError as e:
+        print(f"mtplx {_command(argv)}: error: {e}", file=sys.stderr)
+        return 2
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
     except KeyboardInterrupt:

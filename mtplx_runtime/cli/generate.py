@@ -50,6 +50,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "else auto: cuda with a GPU, else the native cpu kernels)")
     p.add_argument("--trace-routes", default=None, metavar="FILE",
                    help="write the route of every token (mtplx-route-trace-v1 JSON lines)")
+    from ..engine.presets import add_config_arg
+
+    add_config_arg(p)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

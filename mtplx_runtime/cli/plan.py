@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..engine.presets import add_config_arg
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, required=True, metavar="DIR",
@@ -23,6 +25,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                         help="tokens per prefill step (default: the largest that fits)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_config_arg(parser)
 
 
 def main(args: argparse.Namespace) -> int:
