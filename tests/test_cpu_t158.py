@@ -1,5 +1,5 @@
 """CPU t158 kernels (native/cpu/t158_cpu.c through cpu_native) vs "decode_t158 then matmul" in
-float64 (spec §1.10), and the native build cache (cpu_build). The other codecs and the n-token
+float64 (FORMAT.md "t158"), and the native build cache (cpu_build). The other codecs and the n-token
 API for every codec: tests/test_cpu_kernels.py."""
 
 from __future__ import annotations

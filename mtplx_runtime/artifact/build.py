@@ -255,8 +255,8 @@ def build_artifact(src: str | os.PathLike, out: str | os.PathLike, *, codec: str
                 results = dict(zip(layer_ids, pool.map(one, layer_ids)))
         finally:
             bar.close()
-        # Publication order (FORMAT.md "Build journal"): parts, residents, metadata, index,
-        # receipt, manifest last.
+        # Publication order (FORMAT.md "Build journal, resume and publication"): parts,
+        # residents, metadata, index, receipt, manifest last.
         residents = copy_residents(ckpt, out)
         crash_point("residents")
         copy_metadata_files(ckpt, out)

@@ -1,4 +1,5 @@
-"""Page-aligned host buffers and the optional GPU read path (FORMAT.md "Reading records").
+"""Page-aligned host buffers and the optional GPU read path (FORMAT.md "Reading
+records at run time").
 
 O_DIRECT needs buffer addresses on 4 KiB boundaries; Python `bytes`/`bytearray` give no such
 guarantee, anonymous `mmap` memory always does. kvikio and cupy are optional (the `gpu` extra):
