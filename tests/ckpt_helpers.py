@@ -1,8 +1,8 @@
 """Hand-built tiny K3 checkpoints for the reader tests, one per routed-expert layout.
 
-Expert tensor shapes are written from the specs (k3-model.md §3.6, w3-and-io §1.1, t158 §4), not
-from the codecs, so the reader tests also catch a codec whose component specs drift. Contents are
-random but decodable; codec correctness is tested elsewhere.
+Expert tensor shapes are written from the specs (FORMAT.md "Checkpoint layouts the reader accepts"),
+not from the codecs, so the reader tests also catch a codec whose component specs drift. Contents
+are random but decodable; codec correctness is tested elsewhere.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ MXFP4_QC = {
 
 
 def w3_qc(num_bits: int = 3, symmetric: bool = True, version: str | None = "0.20.1") -> dict:
-    """A compressed-tensors pack-quantized block as ct writes it (w3-and-io §1.2)."""
+    """A compressed-tensors pack-quantized block as ct writes it (FORMAT.md "ct-int")."""
     qc = {
         "quant_method": "compressed-tensors", "format": "pack-quantized",
         "quantization_status": "compressed",

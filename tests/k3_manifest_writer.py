@@ -1,5 +1,5 @@
 """An independent writer of the published Kimi K3 t158 streaming manifest, straight from
-t158-and-streaming.md §3 and §5.3-§5.4: plain dicts and `json`, none of mtplx_runtime's code, so
+FORMAT.md "Bank parts" and "Manifest file": plain dicts and `json`, none of mtplx_runtime's code, so
 the loader is checked against the spec rather than against itself."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 
 RECORD_BYTES = 7_741_440
 PART_BYTES = 896 * RECORD_BYTES  # 6,936,330,240
-SEGMENTS = [  # §3: component, dtype, shape, length
+SEGMENTS = [  # K3 t158 record: component, dtype, shape, length
     ("gate_proj.packed", "U8", [3072, 728], 2_236_416),
     ("gate_proj.scales", "U16", [3072, 56], 344_064),
     ("up_proj.packed", "U8", [3072, 728], 2_236_416),
@@ -58,7 +58,7 @@ def k3_manifest_dict(layers: int = 92) -> dict:
             rec = {"layer": layer, "expert": e, "logical_bytes": RECORD_BYTES, "segments": segs,
                    "sha256": fake_hex(layer, e), "sidecar_offset": e * RECORD_BYTES,
                    "sidecar_length": RECORD_BYTES}
-            if layer - 1:  # part omitted when 0 (§5.3)
+            if layer - 1:  # part omitted when 0
                 rec["part"] = layer - 1
             records.append(rec)
     routed = len(records) * RECORD_BYTES
@@ -79,7 +79,7 @@ def k3_manifest_dict(layers: int = 92) -> dict:
 
 
 def canonical(d: dict) -> bytes:
-    """§5.4 canonical JSON."""
+    """Canonical JSON of the manifest digest."""
     return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 

@@ -264,7 +264,7 @@ def test_record_layouts():
         assert s.offset == off
         off += s.length
     assert off == asym.logical_bytes
-    # K3 geometry: t158 records need no padding (§3).
+    # K3 geometry: t158 records need no padding (FORMAT.md "Bank parts").
     k3 = dataclasses.replace(cfg, moe_intermediate_size=3072, routed_expert_hidden_size=3584)
     k3_lay = record_layout(k3, "t158")
     assert k3_lay.logical_bytes == 7_741_440 and PAD not in [s.component for s in k3_lay.segments]

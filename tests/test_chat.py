@@ -1,7 +1,7 @@
-"""K3 XTML chat rendering and reply parsing (spec k3-model.md §7), checked id by id.
+"""K3 XTML chat rendering and reply parsing (FORMAT.md "Chat format"), checked id by id.
 
-Expected sequences are written by hand from §7: markers as special ids, every other piece as
-`encode()` of its literal string. Both vocabularies are used (tiny fixture; K3-like, whose
+Expected sequences are written by hand from that section: markers as special ids, every other piece
+as `encode()` of its literal string. Both vocabularies are used (tiny fixture; K3-like, whose
 structural words are single tokens so layouts have K3's id counts).
 """
 
@@ -72,7 +72,7 @@ def test_one_message_chat_id_by_id(tok):
 
 
 def test_one_message_chat_is_22_ids_in_k3_layout(k3tok):
-    """§7: a one-message chat is 22 ids without the thinking-effort message ([BATCHGEN])."""
+    """A one-message chat is 22 ids without the thinking-effort message."""
     assert len(render_chat(k3tok, [{"role": "user", "content": "Hi"}])) == 22
 
 

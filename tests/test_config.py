@@ -14,7 +14,7 @@ MLA_1BASED = list(range(4, 93, 4)) + [93]
 
 
 def k3_official() -> dict:
-    """The published config's text fields (k3-model.md §1), in the official nested form."""
+    """The published config's text fields (FORMAT.md "Geometry"), in the official nested form."""
     text = {
         "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 7168,
         "num_hidden_layers": 93, "intermediate_size": 33792, "first_k_dense_replace": 1,
@@ -48,7 +48,7 @@ def k3_official() -> dict:
 
 
 def k3_flat() -> dict:
-    """The flattened form of t158-and-streaming.md §5.9 (no quantization_config)."""
+    """The flattened form of the t158 artifacts (no quantization_config)."""
     d = k3_official()
     flat = dict(d["text_config"])
     flat.update({k: d[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
@@ -67,7 +67,7 @@ def test_full_size_k3_both_forms():
         "gate": (3072, 3584), "up": (3072, 3584), "down": (3584, 3072)}
     assert official.attn_res_block_starts == [0, 12, 24, 36, 48, 60, 72, 84]
     specs = resident_tensor_specs(official)
-    # k3-model.md §3.7: 2,460 non-expert text tensors, 506 of them F32.
+    # FORMAT.md "Resident tensors": 2,460 non-expert text tensors, 506 of them F32.
     assert len(specs) == 2460 and sum(s.dtype == "F32" for s in specs.values()) == 506
     assert specs["language_model.model.layers.0.self_attn.A_log"].shape == (128,)
 

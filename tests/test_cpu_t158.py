@@ -1,6 +1,6 @@
 """CPU t158 kernels (kernels/native/cpu/t158.c, through cpu_native) vs "decode_t158 then matmul"
-in float64 (spec §1.10), and the native build cache (cpu_build). The other codecs and the n-token
-API for every codec: tests/test_cpu_kernels.py."""
+in float64 (FORMAT.md "t158"), and the native build cache (cpu_build). The other codecs and the
+n-token API for every codec: tests/test_cpu_kernels.py."""
 
 from __future__ import annotations
 

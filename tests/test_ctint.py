@@ -1,4 +1,4 @@
-"""compressed-tensors pack-quantized int codec (spec w3-and-io §1): worked examples, the real
+"""compressed-tensors pack-quantized int codec (FORMAT.md "ct-int"): worked examples, the real
 compressed-tensors 0.20.1 as oracle for dense 3-bit and 2/4/8-bit, goldens from 0.17.1 for the
 legacy 3-bit layout (tools/make_ct_goldens.py), layout detection, config reading."""
 
@@ -39,7 +39,7 @@ from mtplx_runtime.formats.ctint import (
 
 GOLDEN = Path(__file__).parent / "golden" / "ct0171_w3_legacy.safetensors"
 
-# spec §1.13: one 64-weight row, scale 0.01 -> BF16 0.010009765625.
+# The worked example: one 64-weight row, scale 0.01 -> BF16 0.010009765625.
 EXAMPLE_Q = np.array([
     -2, -4, -3, -1, -4, -4, -4, 1, 1, -1, -2, -1, -3, -3, -2, 1,
     3, 2, -4, 0, 0, 1, 3, 2, -4, -2, -3, -2, 2, -2, -2, 3,
@@ -98,7 +98,7 @@ def random_scale_bits(rng, rows, groups):
     return f32_to_bf16_bits(np.exp2(rng.uniform(-14, 2, (rows, groups))).astype(np.float32))
 
 
-# --- worked examples (§1.8, §1.12, §1.13) ------------------------------------------------------
+# --- worked examples (zero points, 2/4/8-bit packings, one 64-weight row) ------------------------
 
 @pytest.mark.parametrize("layout", ["dense", "legacy"])
 def test_worked_example_3bit(layout):
@@ -149,7 +149,7 @@ def test_widths(cols, dense, legacy, w4):
 
 
 def test_k3_expert_bytes():
-    """§1.1 table: bytes per expert (3 x packed + 3 x scale) in each layout."""
+    """Bytes per expert (3 x packed + 3 x scale) in each layout."""
     shapes = [(3072, 3584), (3072, 3584), (3584, 3072)]
     for bits, layout, want in ((3, "dense", 13_418_496), (3, "legacy", 14_270_464),
                                (4, "dense", 17_547_264)):
@@ -198,8 +198,9 @@ def test_decode_matches_ct_decompress(num_bits, symmetric):
 @pytest.mark.parametrize("num_bits", [3, 4, 8])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_encode_matches_ct_quantizer(num_bits, symmetric):
-    """Our §1.11 quantiser equals ct's calculate_qparams + quantize + compress on BF16 weights
-    (including an all-zero and an all-positive group); fixtures should still come from ct."""
+    """Our quantiser (FORMAT.md "ct-int") equals ct's calculate_qparams + quantize + compress on
+    BF16 weights (including an all-zero and an all-positive group); fixtures should still come from
+    ct."""
     gen = torch.Generator().manual_seed(num_bits * 2 + symmetric)
     w = torch.randn(32, 256, generator=gen) * torch.exp2(torch.rand(32, 1, generator=gen) * -10)
     w[0, :64], w[1, :64] = 0, torch.rand(64, generator=gen)
@@ -255,7 +256,7 @@ def test_legacy_golden(case):
 
 
 def test_ct_020_misdecodes_legacy_words():
-    """§1.14: current ct decodes every 3-bit tensor as dense, silently. This is why the runtime
+    """Current ct decodes every 3-bit tensor as dense, silently. This is why the runtime
     never hands a checkpoint to the installed compressed-tensors to decode."""
     f, _ = golden_cases()
     words = torch.from_numpy(f.read("example_1x64.weight_packed"))
@@ -267,7 +268,7 @@ def test_ct_020_misdecodes_legacy_words():
 
 
 def test_ct_020_ignores_g_idx():
-    """ct 0.20.1 removed actorder "group" and its decompress ignores `weight_g_idx` (§1.9): only
+    """ct 0.20.1 removed actorder "group" and its decompress ignores `weight_g_idx`: only
     our `dequantize` (or ct <= 0.18) gives an act-order checkpoint its weights."""
     f, _ = golden_cases()
     q = f.read("gidx_8x256.codes")
@@ -278,7 +279,7 @@ def test_ct_020_ignores_g_idx():
     assert (ignored != f.read("gidx_8x256.decompressed")).any()
 
 
-# --- layout detection (§1.6) ---------------------------------------------------------------------
+# --- layout detection ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("width,cols,version,want", [
     (336, 3584, None, "dense"), (359, 3584, None, "legacy"),
@@ -316,10 +317,10 @@ def test_widths_coincide_only_for_small_cols():
     assert max(same) <= 150 and not [c for c in same if c % 32 == 0]
 
 
-# --- quantization_config (§1.2) ------------------------------------------------------------------
+# --- quantization_config -------------------------------------------------------------------------
 
 def qc_020(**weights) -> dict:
-    """The block ct 0.20.1 writes for W3A16 g64 (spec §1.2), with `weights` overrides."""
+    """The block ct 0.20.1 writes for W3A16 g64, with `weights` overrides."""
     return {
         "quant_method": "compressed-tensors", "format": "pack-quantized",
         "quantization_status": "compressed", "version": "0.20.1",

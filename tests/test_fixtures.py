@@ -124,7 +124,7 @@ def test_tiny_config_has_k3_features():
     n = tok.TARGET_RANKS
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (n, n + 2, n + 255)
     assert cfg.expert_shapes == {"gate": (128, 64), "up": (128, 64), "down": (64, 128)}
-    # k3-model.md §3.7 count: KDA layers x 20 + MLA x 14 + MoE x 8 + dense MLP 3 + global 5.
+    # FORMAT.md "Resident tensors": KDA layers x 20 + MLA x 14 + MoE x 8 + dense MLP 3 + global 5.
     assert len(resident_tensor_specs(cfg)) == 4 * 20 + 2 * 14 + 5 * 8 + 3 + 5
 
 

@@ -1,6 +1,6 @@
-"""The GGUF Q2_K source reader (checkpoint/gguf_source.py, spec §6) on the tiny GGUF fixture:
-residents and experts against gguf-py's own reader and dequantizer, one pread per projection,
-and hostile files rejected with errors naming the file."""
+"""The GGUF Q2_K source reader (checkpoint/gguf_source.py, FORMAT.md "q2k") on the tiny GGUF
+fixture: residents and experts against gguf-py's own reader and dequantizer, one pread per
+projection, and hostile files rejected with errors naming the file."""
 
 import json
 import os
@@ -64,7 +64,7 @@ def test_opens_with_the_checkpoint_surface(tiny):
             info = src.tensor_info(name)
             assert (info.name, info.dtype, info.shape) == (name, dtype, arr.shape)
             np.testing.assert_array_equal(src.tensor(name), arr)
-        # Offsets and GGUF dims as gguf-py's reader sees them (shape = dims reversed, §5.9).
+        # Offsets and GGUF dims as gguf-py's reader sees them (shape = dims reversed).
         for path in src.source_files():
             for t in gguf.GGUFReader(path).tensors:
                 if t.tensor_type == gguf.GGMLQuantizationType.Q2_K:

@@ -1,4 +1,4 @@
-"""KDA layer (k3-model.md §4.3) against fla-core's naive oracle (§8.1 item 1), and the layer's
+"""KDA layer (FORMAT.md "KDA") against fla-core's naive oracle, and the layer's
 prefill-then-decode continuity in fp32 and bf16. fla is imported inside tests only."""
 
 import numpy as np

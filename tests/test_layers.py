@@ -1,5 +1,6 @@
-"""RMSNorm, SiTU-GLU and the AttnRes mix against slow per-element references (k3-model.md §4.1,
-§4.2, §4.7), in float32 and bfloat16; the bf16 references round exactly where §6 says."""
+"""RMSNorm, SiTU-GLU and the AttnRes mix against slow per-element references (FORMAT.md
+"RMSNorm", "SiTU-GLU", "Attention Residuals"), in float32 and bfloat16; the bf16 references
+round exactly where "Numerics" says."""
 
 import math
 
@@ -29,7 +30,7 @@ def bf16_ulp(v: np.ndarray) -> np.ndarray:
     return np.exp2(e - 7)
 
 
-# ---- RMSNorm (§4.1) ----
+# ---- RMSNorm ----
 
 
 def rms_norm_ref(x: np.ndarray, w: np.ndarray, eps: float, bf16: bool) -> np.ndarray:
@@ -88,7 +89,7 @@ def test_rms_norm_hand_values():
     np.testing.assert_allclose(to_np(rms_norm(x, w, 1e-6)), [[6 * inv, 2 * inv]], rtol=1e-6)
 
 
-# ---- SiTU-GLU (§4.2) ----
+# ---- SiTU-GLU ----
 
 
 def situ_ref(g: float, u: float, beta=4.0, beta_lin=25.0) -> float:
@@ -151,11 +152,12 @@ def test_glu_mlp_class_matches_function(dtype):
                                    atol=1e-4)
 
 
-# ---- AttnRes mix (§4.7) ----
+# ---- AttnRes mix ----
 
 
 def mix_ref(partial, bank, w_norm, w_proj, eps=1e-5):
-    """Per token, per entry, in float64: the formula of §4.7 with no vectorisation."""
+    """Per token, per entry, in float64: the formula of FORMAT.md "Attention Residuals" with no
+    vectorisation."""
     p = partial.double().numpy()
     bs = [b.double().numpy() for b in bank]
     w = w_norm.double().numpy().reshape(-1) * w_proj.double().numpy().reshape(-1)

@@ -1,5 +1,5 @@
-"""Manifest v1 (t158-and-streaming.md §5.3-§5.5): the published K3 manifest at full size from an
-independent writer, round trips, and a hostile set rejected with clear messages."""
+"""Manifest v1 (FORMAT.md "Manifest file", "Manifest rules"): the published K3 manifest at full size
+from an independent writer, round trips, and a hostile set rejected with clear messages."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Gated NoPE MLA (k3-model.md §4.4) and its compressed cache (§5).
+"""Gated NoPE MLA and its compressed cache (FORMAT.md "MLA").
 
 Oracles: the two computation forms against each other, incremental decode against one full
 forward, a direct recomputation of the cached rows, and transformers' Kimi-Linear MLA
-(`KimiLinearAttention`, §8.1 item 2) as an outside implementation of the same attention.
+(`KimiLinearAttention`) as an outside implementation of the same attention.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def test_cache_width_at_k3_dims():
                              num_key_value_heads=96)
     assert cache_values_per_token(k3) == 576
     assert MLACache.empty(k3, torch.bfloat16, capacity=3).buf.shape == (3, 576)
-    assert 24 * 576 * 2 == 27_648  # bytes per token over K3's 24 MLA layers in bf16 (§5)
+    assert 24 * 576 * 2 == 27_648  # bytes per token over K3's 24 MLA layers in bf16
 
 
 def test_static_cache_and_trim():
@@ -161,7 +161,7 @@ def test_weight_checks():
     MLALayer(no_gate, {k: v for k, v in w.items() if k != GATE_NAME})
 
 
-# --- outside check: transformers' Kimi-Linear MLA (§8.1 item 2) ---------------------------------
+# --- outside check: transformers' Kimi-Linear MLA -----------------------------------------------
 
 
 def hf_mla(cfg, w):
@@ -234,7 +234,8 @@ def test_matches_transformers_kimi_linear_mla():
 
 
 def test_bf16_expanded_is_bitwise_transformers_eager():
-    """§6 eager numerics: QKᵀ bf16, × scale bf16, softmax fp32 -> bf16, PV bf16, as HF eager."""
+    """Eager numerics (FORMAT.md "Numerics"): QKᵀ bf16, × scale bf16, softmax fp32 -> bf16,
+    PV bf16, as HF eager."""
     w = {k: v.to(torch.bfloat16) for k, v in random_weights(CFG, seed=3).items()}
     attn = hf_mla(CFG, w).to(torch.bfloat16)
     x = rand_x(16, seed=4, dtype=torch.bfloat16)

@@ -111,7 +111,7 @@ def _rms_normed(v):
 
 
 def _mix(partial, bank, wn, wp):
-    """§4.7 Mix for one token, in plain Python floats."""
+    """The Attention Residuals Mix for one token, in plain Python floats."""
     values = bank + [partial]
     scores = [sum(k * a * b for k, a, b in zip(_rms_normed(v), wn, wp)) for v in values]
     top = max(scores)
@@ -140,7 +140,7 @@ def test_attn_res_two_blocks_by_hand():
     model = KimiK3(cfg, top, layers, torch.float32)
     got = model.forward(torch.tensor([0]), SequenceState([None] * 4))[0]
 
-    # The same flow worked out with Python floats (k3-model.md §4.7 steps 1-7).
+    # The same flow worked out with Python floats (FORMAT.md "Attention Residuals").
     h, bank = [0.3, -1.2], []
     for i, (a, m) in enumerate(factors):
         p = h

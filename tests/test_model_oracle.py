@@ -1,7 +1,7 @@
-"""Whole-model oracle (k3-model.md §8.1 item 3): the tiny bf16 fixture through our `KimiK3`
-and through NVIDIA NeMo AutoModel 0.7.0's native K3 (`KimiK3ForCausalLM`, [AM]).
+"""Whole-model oracle: the tiny bf16 fixture through our `KimiK3`
+and through NVIDIA NeMo AutoModel 0.7.0's native K3 (`KimiK3ForCausalLM`).
 
-AutoModel is training code built on fla's Triton kernels; on CPU we follow §8.1 item 3: before
+AutoModel is training code built on fla's Triton kernels; to run it on CPU, before
 the model is built, its module-level `ShortConvolution`, `FusedRMSNormGated`, `chunk_kda` and
 `fused_recurrent_kda` become the torch stand-ins below, the `_*_OK` flags are set, the decay gate
 runs its own torch path (`kda_use_fused_gate=False`), and the backend is plain torch/eager.
@@ -10,8 +10,8 @@ final mix, head) is AutoModel's own code. Weights go through AutoModel's own
 `KimiK3StateDictAdapter.from_hf` from the fixture's safetensors, so the checkpoint name mapping
 is checked too.
 
-The KDA stand-in L2-normalises q/k in fp32 with ε inside the root, zero-pads T to the 64-token
-chunk and calls fla's `naive_chunk_kda` (the chunked form the reference prefill uses, §4.3 step
+The KDA stand-in L2-normalises q/k in fp32 with ε inside the root, zero-pads T to the 64-token chunk
+and calls fla's `naive_chunk_kda` (the chunked form the reference prefill uses, FORMAT.md "KDA" step
 6). Our prefill also runs a chunked form; chunked vs recurrent differ by fp32 rounding only.
 
 Install (not a pip extra: AutoModel's own requirements pull CUDA stacks, so it goes in with
@@ -46,11 +46,11 @@ CHUNK = 64  # fla chunk_kda's chunk length
 pytestmark = pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")
 
 
-# ---- torch stand-ins for AutoModel's fla imports (§8.1 item 3) ----
+# ---- torch stand-ins for AutoModel's fla imports ----
 
 class TorchShortConvolution(nn.Conv1d):
     """fla ShortConvolution: depthwise causal conv (weight [C, 1, W], no bias) + SiLU in fp32,
-    output in the input dtype (§4.3 step 2)."""
+    output in the input dtype (KDA step 2)."""
 
     def __init__(self, hidden_size, kernel_size, activation="silu", dtype=torch.float32, **_):
         assert activation == "silu"
@@ -67,7 +67,7 @@ class TorchShortConvolution(nn.Conv1d):
 
 class TorchRMSNormGated(nn.Module):
     """fla FusedRMSNormGated(activation="sigmoid"): fp32 norm × weight × σ(gate); the caller
-    casts the result back (§4.3 step 7)."""
+    casts the result back (KDA step 7)."""
 
     def __init__(self, hidden_size, eps=1e-5, activation="sigmoid", dtype=torch.float32, **_):
         assert activation == "sigmoid"
@@ -183,12 +183,13 @@ def test_fp32_decode_matches_automodel_prefill(automodel_factory, fixture_dir):
 
 
 def test_bf16_logits_match_automodel_bitwise(automodel_factory, fixture_dir):
-    """Precision contract (§6) at 8 tokens: AutoModel in bf16 (fp32 islands for conv, gate, β,
-    KDA, o_norm, router, expert combine, AttnRes; bf16 everywhere else) against ours in bf16,
-    on CPU. They agree bit for bit (torch 2.13), and only bitwise equality is sensitive enough to
-    catch small contract slips on this fixture: e.g. MLA LoRA-norm ε 1e-5 instead of 1e-6 (§4.1)
-    changes 47% of these bf16 logits (max 0.035) yet stays within 3e-6 relative in fp32. If a
-    different CPU GEMM back end ever breaks exactness, relax to a few bf16 ulps of the scale."""
+    """Precision contract (FORMAT.md "Numerics") at 8 tokens: AutoModel in bf16 (fp32 islands for
+    conv, gate, β, KDA, o_norm, router, expert combine, AttnRes; bf16 everywhere else) against ours
+    in bf16, on CPU. They agree bit for bit (torch 2.13), and only bitwise equality is sensitive
+    enough to catch small contract slips on this fixture: e.g. MLA LoRA-norm ε 1e-5 instead of 1e-6
+    ("RMSNorm") changes 47% of these bf16 logits (max 0.035) yet stays within 3e-6 relative in fp32.
+    If a different CPU GEMM back end ever breaks exactness, relax to a few bf16 ulps of the
+    scale."""
     ids = token_ids(8, 8)
     ref = automodel_logits(automodel_factory("bfloat16"), ids)
     ours = load_model(fixture_dir, dtype="bfloat16").logits(ids)

@@ -1,5 +1,5 @@
-"""Router and LatentMoE (k3-model.md §4.5-4.6): hand-computed examples, a naive per-token loop,
-and the resident expert provider over the tiny fixtures of every codec."""
+"""Router and LatentMoE (FORMAT.md "Router", "LatentMoE"): hand-computed examples, a naive per-token
+loop, and the resident expert provider over the tiny fixtures of every codec."""
 
 import math
 from types import SimpleNamespace
@@ -23,7 +23,7 @@ def logit(s: float) -> float:
     return math.log(s / (1 - s))
 
 
-# ---- router (§4.5) ----
+# ---- router ----
 
 SCORES = [0.5, 0.75, 0.25, 0.9, 0.1, 0.6]  # sigmoid scores of experts 0..5 for x = [1]
 W_ROUTER = torch.tensor([[logit(s)] for s in SCORES])  # [6, 1]: logits = the column
@@ -71,7 +71,7 @@ def test_router_bf16_input_runs_in_fp32_and_sorts():
         torch.testing.assert_close(w[t], picked / picked.sum(), rtol=1e-6, atol=0)
 
 
-# ---- LatentMoE against hand values and a naive loop (§4.6) ----
+# ---- LatentMoE against hand values and a naive loop ----
 
 
 class DictProvider(ResidentExpertProvider):
@@ -151,7 +151,7 @@ def random_block(cfg, dtype, seed):
 
 
 def naive_moe(cfg, weights, experts, x):
-    """§4.6 one token at a time, one selected expert at a time, in sorted-id order."""
+    """FORMAT.md "LatentMoE", one token and one selected expert at a time, in sorted-id order."""
     rows = []
     for t in range(x.shape[0]):
         xt = x[t:t + 1]  # [1, D]
@@ -253,7 +253,7 @@ def test_resident_provider_matches_decode(tiny_ckpts, codec):
                 for proj in ("gate", "up", "down"):
                     t = getattr(ew, proj)
                     assert t.dtype == dtype and tuple(t.shape) == cfg.expert_shapes[proj]
-                    # exact: decoded values are bf16-representable for every codec (§6)
+                    # exact: decoded values are bf16-representable for every codec ("Numerics")
                     np.testing.assert_array_equal(t.float().numpy(), dec[proj])
             assert prov.experts(layer, [5])[5] is got[5]  # decoded once, then cached
 

@@ -11,7 +11,7 @@ from mtplx_runtime.formats import FormatError, get_codec
 from mtplx_runtime.formats.mxfp4 import MXFP4Codec, decode_mxfp4, decode_mxfp4_torch, encode_mxfp4
 
 F32 = np.float32
-SPEC_TABLE = [0, 0.5, 1, 1.5, 2, 3, 4, 6]  # spec §2, codes 0..7; 8..15 are the negatives
+SPEC_TABLE = [0, 0.5, 1, 1.5, 2, 3, 4, 6]  # FORMAT.md "mxfp4", codes 0..7; 8..15 are the negatives
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def random_codes(rng: np.random.Generator, rows: int, cols: int, max_e: int = 25
     return packed, scale
 
 
-def test_nibble_table_and_layout():  # spec §2
+def test_nibble_table_and_layout():  # FORMAT.md "mxfp4"
     packed = np.zeros((1, 16), np.uint8)
     packed[0, :8] = [hi << 4 | lo for lo, hi in zip(range(0, 16, 2), range(1, 16, 2))]
     decoded = decode_mxfp4(packed, np.array([[127]], np.uint8))[0]
@@ -135,7 +135,7 @@ def test_torch_decode_batched_and_deterministic():
     np.testing.assert_array_equal(bits(out.numpy()), bits(ours))
 
 
-def test_e8m0_nan_is_rejected():  # spec §7 point 7
+def test_e8m0_nan_is_rejected():
     packed = np.zeros((2, 16), np.uint8)
     scale = np.array([[127], [0xFF]], np.uint8)
     with pytest.raises(FormatError, match="0xFF"):
@@ -167,7 +167,7 @@ def test_decoder_rejects_mismatched_parts():
         decode_mxfp4(np.zeros((2, 16), np.uint8), np.zeros((2, 1), np.int8))
 
 
-def test_codec_k3_geometry_and_parts():  # spec §2
+def test_codec_k3_geometry_and_parts():  # FORMAT.md "mxfp4"
     codec = get_codec("mxfp4")
     assert isinstance(codec, MXFP4Codec)
     gate = codec.components((3072, 3584))

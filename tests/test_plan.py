@@ -1,5 +1,5 @@
 """Memory plan: the items add up to the budget, refusal below the minimum, full-size K3
-arithmetic against k3-model.md §5/§9 and t158-and-streaming.md §3, byte sizes, the CLI."""
+arithmetic against FORMAT.md "Decode state", "Geometry" and "Bank parts", byte sizes, the CLI."""
 
 from __future__ import annotations
 
@@ -115,12 +115,12 @@ def test_plain_checkpoint_matches_artifact(tiny):
 
 def test_k3_state_figures_match_spec(k3):
     cfg = k3.cfg
-    assert kda_state_bytes(cfg, "bfloat16") == 449_372_160  # §5 fixed KDA cache at batch 1
+    assert kda_state_bytes(cfg, "bfloat16") == 449_372_160  # batch 1 ("Decode state")
     assert kda_state_bytes(cfg, "float32") == 434_110_464 + 2 * 15_261_696
     assert kda_state_bytes(cfg, "bfloat16", batch=3) == 3 * 449_372_160
     assert mla_token_bytes(cfg, "bfloat16") == 27_648  # 24 x 576 x 2
-    assert k3.record_bytes == 7_741_440  # t158-and-streaming §3
-    assert resident_bytes(k3, "bfloat16") == 113_509_540_864  # §9 trunk
+    assert k3.record_bytes == 7_741_440  # "Bank parts"
+    assert resident_bytes(k3, "bfloat16") == 113_509_540_864  # trunk ("Geometry")
     f32_bytes = sum(b for _, d, b in k3.residents if d == "F32")
     assert resident_bytes(k3, "float32") == 2 * (113_509_540_864 - f32_bytes) + f32_bytes
 
@@ -151,7 +151,7 @@ def test_k3_160gib(k3):
     assert p.device_slots == 6124 and p.slots_per_layer == 66
     assert p.total_records == 82_432
     ctx = plan_for(k3, memory_budget="160GiB", context=1_048_576, prefill_chunk=1)
-    assert ctx.items["mla_cache"] == 28_991_029_248  # ≈ 29.0 GB (§5)
+    assert ctx.items["mla_cache"] == 28_991_029_248  # ≈ 29.0 GB ("MLA")
     auto = plan_for(k3, memory_budget="160GiB")
     adds_up(auto)
     assert auto.prefill_chunk >= 1 and 4 * auto.device_slots >= 3 * p.device_slots

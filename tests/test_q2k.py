@@ -1,4 +1,4 @@
-"""Q2_K reference decode (formats/q2k.py, spec §6.3): bit-exact against gguf-py's dequantizer
+"""Q2_K reference decode (formats/q2k.py, FORMAT.md "q2k"): bit-exact against gguf-py's dequantizer
 on random blocks, a hand-computed block, and the codec surface."""
 
 import numpy as np
@@ -39,7 +39,7 @@ def test_bit_exact_against_gguf_on_random_blocks():
 
 def test_only_the_subtraction_rounds():
     # d * sc * q is exact in fp32 (11 + 4 + 2 significand bits), so FMA and separate
-    # multiply-subtract agree; the subtraction is the single rounding (§6.3).
+    # multiply-subtract agree; the subtraction is the single rounding.
     b = np.zeros((1, BLOCK_BYTES), np.uint8)
     b[0, :16] = 0x1F  # scale 15, min 1
     b[0, 16:80] = 0xFF  # q = 3 everywhere

@@ -1,4 +1,4 @@
-"""Exact W3 -> W4 recode (spec w3-and-io §1.15, §2.4): tensor level against compressed-tensors
+"""Exact W3 -> W4 recode (FORMAT.md "W4 recode"): tensor level against compressed-tensors
 0.20.1's 4-bit packer and decompress, and `mtplx recode-w4` on a tiny hand-made checkpoint."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_recode_equals_ct_w4(layout, symmetric, shape):
     # ct 0.20.1's 4-bit decompress of the recode equals the 3-bit source dequant, bit for bit.
     ct4 = ct_decompress(w4, shape, 4, symmetric)
     assert (ct4 == f32_to_bf16_bits(w3.decode(src, shape))).all()
-    if layout == "dense":  # ct can read only the dense 3-bit layout (§1.14)
+    if layout == "dense":  # ct can read only the dense 3-bit layout
         assert (ct4 == ct_decompress(src, shape, 3, symmetric)).all()
 
 

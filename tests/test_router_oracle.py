@@ -1,4 +1,4 @@
-"""Router oracle (k3-model.md §4.5, §8.1 item 2): our `route` against transformers'
+"""Router oracle (FORMAT.md "Router"): our `route` against transformers'
 `DeepseekV3TopkRouter`, the same "noaux_tc" sigmoid router K3 inherits.
 
 Mapping: our `w_router` [E, D] is the oracle's `weight`, our `bias` its
@@ -7,10 +7,10 @@ expert), norm_topk_prob = True and routed_scaling_factor = 1.0.
 
 What differs in K3 / in our implementation, and how the comparison allows for it:
 * ids: the oracle returns `topk(sorted=False)` order; ours are sorted ascending by expert id
-  (§6: fixes the fp32 combine order). Compared as sets per token, weights aligned by id.
-* renormalisation: K3 divides by (Σw + 1e-20) (§4.5 step 4); transformers' DeepseekV3 has the
+  (fixes the fp32 combine order). Compared as sets per token, weights aligned by id.
+* renormalisation: K3 divides by (Σw + 1e-20); transformers' DeepseekV3 has the
   same +1e-20, so the weights agree to fp32 rounding (ulps, from the summation order).
-* DeepSeek-V3 itself uses n_group 8 / topk_group 4 and scaling 2.5; K3 does not (§1).
+* DeepSeek-V3 itself uses n_group 8 / topk_group 4 and scaling 2.5; K3 does not ("Geometry").
 """
 
 import pytest
@@ -83,7 +83,7 @@ def test_bias_changes_selection_same_as_oracle():
     assert bool((ids == 3).any(-1).all()) and bool((ids == 11).any(-1).all())
     ref_ids, ref_w = run_oracle(oracle(w_router, bias, top_k), x)
     assert_same_routing(ids, w, ref_ids, ref_w)
-    # The weights are the unbiased sigmoid scores of the picks, renormalised (§4.5 step 4).
+    # The weights are the unbiased sigmoid scores of the picks, renormalised (Router step 4).
     s = torch.sigmoid(x @ w_router.T).gather(-1, ids)
     torch.testing.assert_close(w, s / (s.sum(-1, keepdim=True) + 1e-20))
 

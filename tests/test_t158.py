@@ -23,7 +23,7 @@ F32 = np.float32
 
 
 def encode_group_ref(g: np.ndarray) -> tuple[bytes, int]:
-    """The published encoder for one contiguous 64-vector, one step at a time (spec §1.5)."""
+    """The published encoder for one contiguous 64-vector, one step at a time (FORMAT.md "t158")."""
     m = np.mean(np.abs(g))  # float32, numpy's own summation order
     tau = F32(0.7) * m
     q = np.where(g > tau, 2, np.where(g < -tau, 0, 1))
@@ -40,7 +40,7 @@ def encode_group_ref(g: np.ndarray) -> tuple[bytes, int]:
 
 
 def pack_codes_ref(codes: np.ndarray) -> np.ndarray:
-    """codes `[rows, G, 64]` in {0,1,2} -> packed `[rows, 13G]`: §1.3 with Python ints."""
+    """codes `[rows, G, 64]` in {0,1,2} -> packed `[rows, 13G]` with Python ints."""
     rows, groups, _ = codes.shape
     out = np.zeros((rows, groups, 13), dtype=np.uint8)
     for r in range(rows):
@@ -54,7 +54,7 @@ def bits(x) -> np.ndarray:
     return np.asarray(x).view(np.uint32)
 
 
-def test_worked_example_bytes():  # spec §1.8
+def test_worked_example_bytes():  # FORMAT.md "t158"
     w = np.full(64, 0.10, dtype=F32)
     w[:5] = [0.30, -0.05, -0.40, 0.00, 0.12]
     w[63] = -0.20
@@ -72,7 +72,7 @@ def test_worked_example_bytes():  # spec §1.8
     np.testing.assert_array_equal(decode_t158(packed, scales)[0], expected)
 
 
-def test_constant_and_zero_groups():  # spec §1.9
+def test_constant_and_zero_groups():  # FORMAT.md "t158", edge cases
     packed, scales = encode_t158(np.full((1, 64), 0.5, dtype=F32))
     assert packed.tobytes() == bytes([0xF2] * 12 + [0x50]) and scales[0, 0] == 0x3F00
     assert (decode_t158(packed, scales) == 0.5).all()
@@ -242,7 +242,7 @@ def test_decoder_rejects_mismatched_parts():
         )
 
 
-def test_codec_k3_geometry_and_parts():  # spec §3
+def test_codec_k3_geometry_and_parts():  # FORMAT.md "Bank parts"
     codec = get_codec("t158")
     assert isinstance(codec, T158Codec)
     gate = codec.components((3072, 3584))

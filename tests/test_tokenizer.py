@@ -1,4 +1,4 @@
-"""K3 tokenizer (spec k3-model.md §7, §1): file parsing, special ids, pre-tokenizer, slicing,
+"""K3 tokenizer (FORMAT.md "Tokenizer"): file parsing, special ids, pre-tokenizer, slicing,
 special-text handling, decode with skip, streaming detokenisation.
 
 Two vocabularies: the tiny fixture's (written by `fixtures.tokenizer.write_tokenizer`, ASCII

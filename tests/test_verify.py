@@ -1,5 +1,5 @@
-"""`verify_artifact` and `mtplx verify` (t158-and-streaming.md §5.6) on a tiny artifact built by
-hand: random bank bytes laid out per `descriptor_for`, a resident shard, an index, our writer."""
+"""`verify_artifact` and `mtplx verify` (FORMAT.md "Verifying and reading") on a tiny artifact built
+by hand: random bank bytes laid out per `descriptor_for`, a resident shard, an index, our writer."""
 
 from __future__ import annotations
 

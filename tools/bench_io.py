@@ -1,13 +1,13 @@
 """Cold random record reads through RecordReader against a raw O_DIRECT sequential read.
 
-Writes a bank file of `--size-gib` GiB (K3 t158 geometry: 7,741,440-byte records, spec
-t158-and-streaming §3), then, with the page cache evicted (posix_fadvise DONTNEED) before every
+Writes a bank file of `--size-gib` GiB (K3 t158 geometry: 7,741,440-byte records,
+FORMAT.md "Bank parts"), then, with the page cache evicted (posix_fadvise DONTNEED) before every
 run: a raw single-thread O_DIRECT sequential read of the whole file in 8 MiB chunks, and
 `--records` whole records in one random order through RecordReader, O_DIRECT and buffered, at
 each `--threads` count (2 x threads reads in flight). `--repeat` rounds run every configuration
 once, interleaved, with the raw read at both ends of each round; lines give the median GB/s, the
 range, and `ratio` = median over the raw median. Cold reads on a shared VM vary up to 2x run to
-run (spec w3-and-io §4.5). The file is deleted at the end.
+run (BENCHMARKS.md "bench_io"). The file is deleted at the end.
 
 Usage: python tools/bench_io.py [--size-gib 3] [--threads 1,2,4,8] [--records N] [--repeat 3]
                                 [--path DIR]

@@ -1,14 +1,14 @@
 """CPU expert kernels per codec at K3 geometry: time per layer, GB/s and % of memory bandwidth.
 
-One layer = 16 experts of R 3584 -> I 3072 -> R 3584 (spec §3) stored as bank records, and T
-tokens that all route to those 16 experts, so every expert runs once over all T tokens (the
-prefill shape; T = 1 is decode). For each codec (t158, mxfp4, ct-int 3-bit, ct-int 4-bit) and
-T = 1, 8, 64 it times `cpu.expert_mlp` (the native multi-token kernels behind the backend API)
-and reports GB/s over the layer's packed record bytes and the share of this machine's memory
-bandwidth, measured in the same run by a large NumPy copy (read + write bytes). The reference
-path (`reference.expert_mlp`: NumPy codec decode, then torch matmuls) is timed at T = 1 on
-fewer experts and scaled to 16 (its cost is the decode, so it barely depends on T); the line
-says how many experts it timed.
+One layer = 16 experts of R 3584 -> I 3072 -> R 3584 (FORMAT.md "Bank parts") stored as bank
+records, and T tokens that all route to those 16 experts, so every expert runs once over all T
+tokens (the prefill shape; T = 1 is decode). For each codec (t158, mxfp4, ct-int 3-bit, ct-int
+4-bit) and T = 1, 8, 64 it times `cpu.expert_mlp` (the native multi-token kernels behind the backend
+API) and reports GB/s over the layer's packed record bytes and the share of this machine's memory
+bandwidth, measured in the same run by a large NumPy copy (read + write bytes). The reference path
+(`reference.expert_mlp`: NumPy codec decode, then torch matmuls) is timed at T = 1 on fewer experts
+and scaled to 16 (its cost is the decode, so it barely depends on T); the line says how many experts
+it timed.
 
     python tools/bench_kernels.py [--quick] [--repeat 3] [--threads N] [--ref-experts 2]
 

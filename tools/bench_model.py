@@ -39,7 +39,7 @@ from mtplx_runtime.model.kimi_k3 import KimiK3
 from mtplx_runtime.model.load import group_residents, model_dtype
 from mtplx_runtime.model.moe import ExpertWeights, ResidentExpertProvider
 
-# k3-model.md §1, cut to two layers: 1-based layer 1 is KDA (dense MLP), layer 2 MLA (MoE).
+# FORMAT.md "Geometry", cut to two layers: 1-based layer 1 is KDA (dense MLP), layer 2 MLA (MoE).
 K3_TWO_LAYERS = dict(
     vocab_size=163840, hidden_size=7168, num_hidden_layers=2, intermediate_size=33792,
     first_k_dense_replace=1, num_experts=16, num_experts_per_token=16,

@@ -1,7 +1,7 @@
 """Write tests/golden/ct0171_w3_legacy.safetensors with the REAL compressed-tensors 0.17.1.
 
-ct >= 0.18 packs 3-bit weights in the dense layout and cannot write the legacy one (spec
-w3-and-io §1.5, §1.14), so the legacy goldens come from the last release that wrote it. For each
+ct >= 0.18 packs 3-bit weights in the dense layout and cannot write the legacy one
+(FORMAT.md "ct-int"), so the legacy goldens come from the last release that wrote it. For each
 case the file holds the inputs (`codes` I8 [rows, cols], `weight_scale` BF16 [rows, G], and for
 asymmetric cases `zero_point_codes` I8 [rows, G]; `weight_g_idx` I32 [cols] for the act-order
 case), what 0.17.1's `pack_to_int32` made of them (`weight_packed`, `weight_zero_point`,
@@ -32,7 +32,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "golden" / "ct0171_w3_legacy.safetensors"
 
-# The one-group worked example of spec §1.13 (scale 0.01 -> BF16 0.010009765625).
+# The one-group worked example of FORMAT.md "ct-int" (scale 0.01 -> BF16 0.010009765625).
 EXAMPLE = [
     -2, -4, -3, -1, -4, -4, -4, 1, 1, -1, -2, -1, -3, -3, -2, 1,
     3, 2, -4, 0, 0, 1, 3, 2, -4, -2, -3, -2, 2, -2, -2, 3,

@@ -1,5 +1,5 @@
 """Streaming artifact builder: any checkpoint -> bank parts + residents + manifest (FORMAT.md
-"Streaming artifact", "Build journal, resume and publication"; spec t158-and-streaming.md §5).
+"Streaming artifact", "Build journal, resume and publication").
 
     source experts -> (copy | dense repack | t158 encode) -> bank parts (journal, resume)
       -> resident shards -> official files -> index -> build-receipt.json -> expert-manifest.json
@@ -85,7 +85,7 @@ class ExpertSource:
         layout = ckpt.layout
         self.bits = None
         if codec == "t158" or layout not in (*KEEP_MODES, "w3"):
-            # Q2_K (GGUF) always converts to t158 (§6.4); t158 -> t158 copies the records.
+            # Q2_K (GGUF) always converts to t158; t158 -> t158 copies the records.
             self.mode = "t158"
             self.conversion = "copy" if layout == "t158" else "encode-t158"
         elif layout == "w3":
@@ -246,7 +246,8 @@ def build_artifact(src: str | os.PathLike, out: str | os.PathLike, *, codec: str
                 results = dict(zip(layer_ids, pool.map(one, layer_ids)))
         finally:
             bar.close()
-        # Publication order (§5.9): parts, residents, metadata, index, receipt, manifest last.
+        # Publication order (FORMAT.md "Build journal, resume and publication"): parts,
+        # residents, metadata, index, receipt, manifest last.
         residents = copy_residents(ckpt, out)
         crash_point("residents")
         copy_metadata_files(ckpt, out)

@@ -1,5 +1,5 @@
 """Bank part build journal: canonical JSON lines, torn-line-tolerant parsing, resume checks
-(FORMAT.md "Build journal, resume and publication"; spec t158-and-streaming.md §5.7, §5.8).
+(FORMAT.md "Build journal, resume and publication").
 
     <part>.journal.jsonl = header line, one line per record (ordinal 0, 1, ...), completion line
 
@@ -26,7 +26,7 @@ class BuildError(RuntimeError):
 
 
 def canonical_line(obj: dict) -> bytes:
-    """Canonical compact JSON (§5.4 rules) + newline."""
+    """Canonical compact JSON (the manifest digest's rules) + newline."""
     text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return text.encode("utf-8") + b"\n"
 
@@ -131,7 +131,7 @@ def check_record_geometry(line: dict, expected_output: dict) -> str | None:
 
 
 class JournalWriter:
-    """Appends canonical lines to a journal, fsyncing after each (§5.7)."""
+    """Appends canonical lines to a journal, fsyncing after each."""
 
     def __init__(self, path: Path, write_all):
         self.path = path

@@ -1,5 +1,6 @@
 """Everything a build writes besides bank parts: resident shards, copied metadata files, the
-index, `build-receipt.json` and the manifest object (spec t158-and-streaming.md §5.9).
+index, `build-receipt.json` and the manifest object (FORMAT.md "Build journal, resume and
+publication").
 
 Every file is installed through `<name>.partial` + fsync + hard link (never overwriting) +
 unlink + directory fsync; when the final file already exists (a resumed build), its bytes MUST
@@ -50,7 +51,7 @@ def file_identity(path: Path) -> dict:
 
 
 def install_chunks(path: Path, chunks) -> tuple[int, str]:
-    """Install `path` from an iterable of byte chunks (§5.9); returns (size, sha256). If `path`
+    """Install `path` from an iterable of byte chunks; returns (size, sha256). If `path`
     exists it is kept only when byte-identical to the chunks."""
     h, size = hashlib.sha256(), 0
     partial = path.with_name(path.name + ".partial")

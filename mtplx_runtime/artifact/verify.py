@@ -1,11 +1,11 @@
-"""Verify a streaming artifact directory against its manifest (t158-and-streaming.md §5.6) and the
-`mtplx verify ARTIFACT [--records] [--shard-hashes]` subcommand.
+"""Verify a streaming artifact directory against its manifest (FORMAT.md "Verifying and
+reading") and the `mtplx verify ARTIFACT [--records] [--shard-hashes]` subcommand.
 
-    expert-manifest.json --load (§5.3-5.5)--> descriptor (§5.5 15-20) --> index + safetensors
-    headers (§5.6.2) --> shard sizes/headers (§5.6.3) --> [--records] record hashes (§5.6.4)
+    expert-manifest.json --load (rules 1-14)--> descriptor (rules 15-20) --> index + safetensors
+    headers (step 2) --> shard sizes/headers (step 3) --> [--records] record hashes (step 4)
 
 Every problem is collected (not raised) and names the file and, for records, the layer/expert,
-so one run lists everything that is wrong. `--shard-hashes` also covers the bank parts (§5.6.5).
+so one run lists everything that is wrong. `--shard-hashes` also covers the bank parts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .descriptor import K3_T158_DESCRIPTOR, Descriptor, descriptor_for, validate
 from .manifest import MANIFEST_NAME, Manifest, load_manifest
 
 INDEX_NAME = "model.safetensors.index.json"
-NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")  # §5.6.2: allowed unlisted residents
+NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")  # step 2: allowed unlisted residents
 _CHUNK = 16 * 2**20
 
 
@@ -45,7 +45,7 @@ class VerifyReport:
 
 def _member(root: Path, name: str, rep: VerifyReport) -> Path | None:
     """`root/name` if it stays under the root, or is a Hugging Face snapshot link into the
-    sibling `blobs/` directory (§5.6, last paragraph); otherwise a problem and None."""
+    sibling `blobs/` directory; otherwise a problem and None."""
     p = root / name
     real, base = os.path.realpath(p), os.path.realpath(root)
     if real.startswith(base + os.sep):
@@ -82,7 +82,7 @@ def _descriptor(m: Manifest, root: Path, rep: VerifyReport) -> Descriptor | None
 
 
 def _check_shards(m: Manifest, root: Path, rep: VerifyReport, hashes: bool) -> dict:
-    """§5.6.3/5: sizes, re-read safetensors headers, optional whole-file hashes. Returns the
+    """Step 3: sizes, re-read safetensors headers, optional whole-file hashes. Returns the
     parsed safetensors files' tensors {shard: {name: TensorInfo}}."""
     tensors = {}
     for s in m.shards:
@@ -123,7 +123,7 @@ def _check_shards(m: Manifest, root: Path, rep: VerifyReport, hashes: bool) -> d
 
 def _check_index(m: Manifest, root: Path, rep: VerifyReport, tensors: dict,
                  desc: Descriptor | None) -> None:
-    """§5.6.2: *.safetensors files == listed shards; index == headers; residents == index."""
+    """Step 2: *.safetensors files == listed shards; index == headers; residents == index."""
     listed = {s.name for s in m.shards if s.kind != "sidecar"}
     present = {p.name for p in root.glob("*.safetensors")}
     for name in sorted(present - listed):
@@ -178,7 +178,7 @@ def _check_index(m: Manifest, root: Path, rep: VerifyReport, tensors: dict,
 
 
 def _check_records(m: Manifest, root: Path, rep: VerifyReport) -> None:
-    """§5.6.4: re-read every record (segment by segment) and compare its SHA-256."""
+    """Step 4: re-read every record (segment by segment) and compare its SHA-256."""
     fds: dict[str, int | None] = {}
     try:
         for r in m.records:
@@ -215,7 +215,7 @@ def _check_records(m: Manifest, root: Path, rep: VerifyReport) -> None:
 
 def verify_artifact(root: str | os.PathLike, *, records: bool = False,
                     shard_hashes: bool = False) -> VerifyReport:
-    """Check the directory `root` against its `expert-manifest.json` (§5.6). Never raises for a
+    """Check the directory `root` against its `expert-manifest.json`. Never raises for a
     bad artifact: every problem is a line in the report. Blocks on file reads (whole files with
     `shard_hashes`, every record with `records`)."""
     root = Path(root)

@@ -1,6 +1,6 @@
 """Kimi K3 text-model configuration: the fields the runtime needs, validated once.
 
-Two on-disk forms carry the same numbers (k3-model.md §1; t158-and-streaming.md §5.9):
+Two on-disk forms carry the same numbers (FORMAT.md "Checkpoint layouts the reader accepts"):
   * official: top-level `model_type "kimi_k3"` with a nested `text_config` (`"kimi_linear"`);
   * flattened: the text config alone, `model_type "kimi_linear"` (the t158 artifacts).
 `kimi_linear` is also Kimi-Linear-48B's type, whose math differs, so a flattened config is taken
@@ -35,7 +35,7 @@ _LINEAR_ATTN = {
 }
 # Official configs keep these at the top level; text_config values win where both exist.
 _TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
-# A flattened kimi_linear config is K3 only with all of these (k3-model.md §1, last paragraph).
+# A flattened kimi_linear config is K3 only with all of these (FORMAT.md "Geometry").
 _K3_MARKERS = (
     "routed_expert_hidden_size", "attn_res_block_size", "linear_attn_config.gate_lower_bound"
 )
@@ -53,7 +53,7 @@ _TYPE_OK = {
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """K3 text config (k3-model.md §1). Fields without defaults are required in the file."""
+    """K3 text config (FORMAT.md "Geometry"). Fields without defaults are required in the file."""
 
     vocab_size: int
     hidden_size: int
@@ -197,7 +197,7 @@ class ModelConfig:
             raise ValueError(f"layer {layer} is outside 0..{self.num_hidden_layers - 1}")
 
     def is_kda_layer(self, layer: int) -> bool:
-        """True for KDA layers, False for MLA layers (k3-model.md §2: `ℓ+1 ∈ kda_layers`)."""
+        """True for KDA layers, False for MLA layers (`ℓ+1 ∈ kda_layers`, FORMAT.md "Geometry")."""
         self._check_index(layer)
         return layer + 1 in self.kda_layers
 
@@ -220,13 +220,14 @@ class ModelConfig:
 
     @property
     def expert_shapes(self) -> dict[str, tuple[int, int]]:
-        """Logical `[rows, cols]` of one routed expert's projections (k3-model.md §3.6)."""
+        """Logical `[rows, cols]` of one routed expert's projections."""
         inner, latent = self.moe_intermediate_size, self.routed_expert_hidden_size
         return {"gate": (inner, latent), "up": (inner, latent), "down": (latent, inner)}
 
     @property
     def attn_res_block_starts(self) -> list[int]:
-        """Layers that open an AttnRes block (`ℓ % attn_res_block_size == 0`, k3-model.md §2)."""
+        """Layers that open an AttnRes block: `ℓ % attn_res_block_size == 0` (FORMAT.md
+        "Attention Residuals")."""
         return list(range(0, self.num_hidden_layers, self.attn_res_block_size))
 
     # ---- dict forms ----
@@ -286,7 +287,8 @@ class ModelConfig:
         return d
 
     def to_flat_dict(self) -> dict:
-        """The flattened `kimi_linear` form of the t158 artifacts (t158-and-streaming.md §5.9)."""
+        """The flattened `kimi_linear` form of the t158 artifacts (FORMAT.md "Checkpoint
+        layouts the reader accepts")."""
         d = self._text_dict()
         if self.quantization_config is not None:
             d["quantization_config"] = self.quantization_config

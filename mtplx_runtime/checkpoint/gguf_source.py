@@ -1,10 +1,10 @@
-"""open_gguf_source: the K3 GGUF Q2_K source (t158-and-streaming.md §6), validated at open.
+"""open_gguf_source: the K3 GGUF Q2_K source (FORMAT.md "q2k"), validated at open.
 
     DIR/config.json (official nested K3 config)
     DIR/{prefix}-00001-of-0000M.gguf ... {prefix}-0000M-of-0000M.gguf   (or exactly one *.gguf)
 
 Only headers are read at open, with our own bounded parser (pread, no mmap), so a hostile file
-gets an error naming it instead of a numpy exception. Per file (§6.1): magic `GGUF`, version 3;
+gets an error naming it instead of a numpy exception. Per file: magic `GGUF`, version 3;
 metadata `split.no` = file number - 1, `split.count` = M, `split.tensors.count` = the total
 tensor count over all files (what gguf-py and llama.cpp write; the per-file count the spec
 names is also accepted); `general.alignment` u32, a power of two (default 32); every tensor 1..4
@@ -12,10 +12,10 @@ dims, GGML type BF16 (30), F32 (0) or Q2_K (10), offset a multiple of the alignm
 the file, spans not overlapping. Across files: names unique; Q2_K tensors are exactly
 `blk.{L}.ffn_{gate|up|down}_exps.weight` for every MoE layer L (0-based model index) with GGUF
 dims (cols, rows, E) of the config's expert shapes, a layer's three in one file; the resident
-text tensors match `resident_tensor_specs(cfg)` with shape = GGUF dims reversed (§5.9).
+text tensors match `resident_tensor_specs(cfg)` with shape = GGUF dims reversed.
 
-Reading: expert e of a merged tensor is bytes `[start + e*S, start + (e+1)*S)`, S = bytes / E
-(§6.2): one pread per projection, never the whole tensor. Codec `Q2KCodec` (formats/q2k.py).
+Reading: expert e of a merged tensor is bytes `[start + e*S, start + (e+1)*S)`, S = bytes / E,
+with one pread per projection, never the whole tensor. Codec `Q2KCodec` (formats/q2k.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ CONFIG = "config.json"
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3
 DEFAULT_ALIGNMENT = 32
-# GGML type id -> (tag, bytes per block, values per block); nothing else may appear (§6.1).
+# GGML type id -> (tag, bytes per block, values per block); nothing else may appear.
 GGML_TYPES = {0: ("F32", 4, 1), 30: ("BF16", 2, 1), 10: ("Q2_K", BLOCK_BYTES, BLOCK_ELEMS)}
 NUMPY_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2")}  # BF16 as raw bits
 PROJECTIONS = ("gate", "up", "down")
@@ -326,7 +326,7 @@ class GGUFSource:
         return self._where[t.name].path, t
 
     def expert_extent(self, layer: int, expert: int, proj: str) -> tuple[Path, int, int]:
-        """(file, absolute offset, length) of one expert projection's Q2_K bytes (§6.2)."""
+        """(file, absolute offset, length) of one expert projection's Q2_K bytes."""
         self.config.check_expert_key(layer, expert)
         t = self._experts[layer, proj]
         size = t.nbytes // self.config.num_experts
@@ -346,9 +346,9 @@ class GGUFSource:
         return ExpertRecord(layer, expert, projections)
 
     def resident_descriptor_sha256(self) -> str:
-        """§6.1 digest over the BF16/F32 tensors: per file n (1-based) and tensor by name, u16 n,
-        u32 name length, name, u8 ndims, u64 per GGUF dim (GGML order), u32 GGML type, u64
-        absolute start, u64 length, little-endian."""
+        """Resident descriptor digest (FORMAT.md "q2k") over the BF16/F32 tensors: per file n
+        (1-based) and tensor by name, u16 n, u32 name length, name, u8 ndims, u64 per GGUF dim
+        (GGML order), u32 GGML type, u64 absolute start, u64 length, little-endian."""
         h = hashlib.sha256()
         for n, f in enumerate(self._files, 1):
             for name in sorted(x for x in f.tensors if f.tensors[x].dtype != "Q2_K"):
@@ -425,7 +425,7 @@ def _shard_paths(root: Path) -> list[Path]:
 
 
 def _check_split(files: list[GGUFFile]) -> None:
-    """split.no / split.count / split.tensors.count agree with the file set (§6.1)."""
+    """split.no / split.count / split.tensors.count agree with the file set."""
     total = sum(len(f.tensors) for f in files)
     for i, f in enumerate(files):
         no, count = f.split_value("split.no"), f.split_value("split.count")

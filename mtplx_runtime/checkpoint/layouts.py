@@ -5,7 +5,7 @@ reader accepts"):
   * mxfp4 / w3 / bf16: one tensor per component per expert projection, official names
     `language_model.model.layers.{L}.block_sparse_moe.experts.{e}.{w1|w3|w2}.{suffix}`;
     `weight` -> bf16, `weight_packed` U8 -> mxfp4, `weight_packed` I32 -> w3 (compressed-tensors);
-  * t158: six expert-leading stacked tensors per layer (t158-and-streaming.md §4).
+  * t158: six expert-leading stacked tensors per layer.
 Exactly one layout per checkpoint. Shapes and dtypes come from the codec's component specs for the
 config-derived expert shapes, so a tensor that disagrees with the config is named at open time.
 """
@@ -24,14 +24,14 @@ from ..formats.ctint import detect_layout, parse_quantization_config
 from .config import ModelConfig
 from .safetensors_io import CheckpointError, SafetensorsFile
 
-# Official projection names -> ours (k3-model.md §3.6: w1 = gate, w3 = up, w2 = down).
+# Official projection names -> ours (w1 = gate, w3 = up, w2 = down).
 PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
 T158_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 _PER_EXPERT = re.compile(
     r"language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(\w+)"
 )
-# The published t158 names are unconfirmed (t158 §7.2): accept an optional `language_model.`
+# The published t158 names are unconfirmed: accept an optional `language_model.`
 # prefix and `block_sparse_moe` in place of `mlp`.
 _STACKED = re.compile(
     r"(?:language_model\.)?model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.switch_mlp\."
@@ -138,7 +138,7 @@ class PerExpertLayout(ExpertLayout):
         self._specs = _expert_specs(codec, cfg, root)
         # suffix -> (safetensors dtype, shape) of every tensor a projection may have, and the
         # suffixes it must have. w3 also stores the unpacked shape (required) and, from
-        # ct <= 0.18 with actorder "group", the column-to-group map (optional; w3-and-io §1.1).
+        # ct <= 0.18 with actorder "group", the column-to-group map (optional).
         self._allowed: dict[str, dict[str, tuple[str, tuple]]] = {}
         self._required: dict[str, list[str]] = {}
         for proj, (_, cols) in cfg.expert_shapes.items():
@@ -338,7 +338,7 @@ def _w3_codec(cfg: ModelConfig, where: Mapping[str, SafetensorsFile], groups: di
         scheme = parse_quantization_config(cfg.quantization_config)
     except FormatError as e:
         raise CheckpointError(f"{root}: quantization_config: {e}") from None
-    if scheme.num_bits != 3:  # 2/4/8-bit packings are the same in every ct version (§1.12)
+    if scheme.num_bits != 3:  # 2/4/8-bit packings are the same in every ct version
         return get_codec("ct-int", num_bits=scheme.num_bits, symmetric=scheme.symmetric)
     layouts: dict[str, str] = {}  # layout -> first tensor in it
     seen: dict[tuple[int, int], str] = {}  # (width, cols) -> layout; widths repeat 247k times

@@ -1,6 +1,5 @@
 """`mtplx recode-w4 SRC DST`: rewrite a compressed-tensors W3A16 g64 checkpoint as a standard
-W4A16 g64 one, exactly and losslessly, so stock vLLM loads it (FORMAT.md "W4 recode"; spec
-w3-and-io §1.15 and §2.4).
+W4A16 g64 one, exactly and losslessly, so stock vLLM loads it (FORMAT.md "W4 recode").
 
   config + index + shard headers -> plan (layout detected per tensor, every check done before a
   byte is written) -> per shard: recode weight_packed / weight_zero_point, copy the rest
@@ -161,7 +160,7 @@ def _lazy(f: SafetensorsFile, t: TensorInfo) -> np.ndarray:
 
 
 def _recode(name: str, words: np.ndarray, n: int, layout: str, zero_point: bool) -> np.ndarray:
-    """Recode one tensor and validate it (§1.15 step 8): its W4 codes are the W3 codes + 4.
+    """Recode one tensor and validate it: its W4 codes are the W3 codes + 4.
     `n` is cols for weight_packed and rows for weight_zero_point (packed along dim 0)."""
     if zero_point:
         w4 = recode_zero_point_w3_to_w4(words, n, layout)

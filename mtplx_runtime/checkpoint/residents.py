@@ -1,10 +1,10 @@
 """The non-expert ("resident") text tensors a K3 checkpoint must hold, and their check.
 
-`resident_tensor_specs(cfg)` is the one table of names, shapes and dtypes (k3-model.md §3.1-3.6,
-dtypes per §3.7); the reader checks checkpoints against it and the fixture writer writes from it.
+`resident_tensor_specs(cfg)` is the one table of names, shapes and dtypes (FORMAT.md
+"Resident tensors"); the reader checks checkpoints against it and the fixture writer writes from it.
 Tensors outside the table (vision tower, mm_projector, extras) are ignored.
 
-`A_log` (§3.3, open point 4): written 1-D with the head count padded up to a multiple of 128
+`A_log`: written 1-D with the head count padded up to a multiple of 128
 (the published 128 entries for 96 heads, tail zero). Its stored rank is unconfirmed and the
 reference allocates it unpadded, so the reader accepts any shape with a single non-unit axis
 whose length is the padded or the plain head count; only the first `kda_num_heads` are used.

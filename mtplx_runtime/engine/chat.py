@@ -1,21 +1,22 @@
-"""K3 chat format "XTML": render a conversation to ids, parse a generated reply (spec §7).
+"""K3 chat format "XTML": render a conversation to ids, parse a generated reply.
 
-Follows [AM] `encoding.py` (a reimplementation of the official `encoding_k3.py`). A chat is a
+FORMAT.md "Chat format"; follows the official `encoding_k3.py` (as reimplemented by NeMo
+AutoModel, the oracle of the tests). A chat is a
 list of segments; only the markers `<|open|>`, `<|close|>`, `<|sep|>`, `<|end_of_msg|>` are
 special ids, every other segment is ordinary BPE with special-token text *not* recognised.
-Segments are encoded one by one (BPE never merges across them), cut exactly as [AM] cuts them:
+Segments are encoded one by one (BPE never merges across them), cut as the reference cuts them:
 
     <|open|> "message" " role" '="' "user" '"' <|sep|> content
     <|close|> "message" <|sep|> <|end_of_msg|>
 
 Order: tool-declare, thinking-effort, the conversation, tool-choice, response-format,
 generation prompt (`<|open|>message role="assistant"<|sep|><|open|>think<|sep|>`, or
-`...<|open|>response<|sep|>` with thinking off). No [BOS] is added ([AM] adds none).
+`...<|open|>response<|sep|>` with thinking off). No [BOS] is added.
 
-Thinking effort (open point §10.8): the thinking-effort message is added only when an effort is
-given (`low|medium|high|max`), as [AM] `build_chat_segments` does. Note: [AM]'s HF-level
-`apply_chat_template` calls it with `thinking_effort="max"` by default, matching [LCPP] and
-[BATCHGEN]; a caller wanting that behaviour passes `thinking_effort=DEFAULT_THINKING_EFFORT`.
+Thinking effort (sources disagree on the default): the thinking-effort message is added only
+when an effort is given (`low|medium|high|max`), as AutoModel's `build_chat_segments` does. Its
+HF-level `apply_chat_template` passes `thinking_effort="max"` by default, as llama.cpp and
+batchgen do; a caller wanting that behaviour passes `thinking_effort=DEFAULT_THINKING_EFFORT`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .tokenizer import Tokenizer
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 MARKERS = (OPEN, CLOSE, SEP, END_OF_MSG)
 THINKING_EFFORTS = ("low", "medium", "high", "max")
-DEFAULT_THINKING_EFFORT = "max"  # what [AM]'s apply_chat_template, [LCPP], [BATCHGEN] default to
+DEFAULT_THINKING_EFFORT = "max"  # AutoModel's HF-level default, also llama.cpp's
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Segment:
 Segments = list[Segment]
 
 
-# ---- primitives ([AM] _text/_control/_attr/_open_tag/_close_tag) ----------------------------
+# ---- primitives (the reference's _text/_control/_attr/_open_tag/_close_tag) ----------------
 
 
 def _text(value: Any) -> Segments:
@@ -119,7 +120,7 @@ def _xtml_type(value: Any) -> str:
 
 def _arguments(raw: Any) -> tuple[dict, str | None]:
     """(arguments, json_block): a JSON-object string is parsed; an unparseable string is sent
-    as one raw json block ([AM] normalize_tool_arguments)."""
+    as one raw json block (FORMAT.md "Chat format")."""
     if raw is None:
         return {}, None
     if isinstance(raw, dict):
@@ -188,7 +189,7 @@ def _tool_declare(tools: Any, dynamic: bool = False) -> Segments:
 
 def _order_tool_results(messages: list[dict]) -> list[dict]:
     """Sort each run of tool messages into the preceding assistant's tool_calls order by
-    `tool_call_id`, naming each after its call; a run not fully matched is left as is ([AM])."""
+    `tool_call_id`, naming each after its call; a run not fully matched is left as is."""
     out: list[dict] = []
     index: dict[str, tuple[int, str]] = {}
     i = 0
@@ -236,7 +237,7 @@ def build_segments(
     response_format: dict | str | None = None,
     add_generation_prompt: bool = True,
 ) -> Segments:
-    """The XTML segments of a chat ([AM] build_chat_segments, text only)."""
+    """The XTML segments of a chat (text only)."""
     out: Segments = []
     if tools:
         out += _tool_declare(tools)

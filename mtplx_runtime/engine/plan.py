@@ -5,7 +5,7 @@
         -> what is left / record stride = device-tier slots; host budget / stride = host slots
 
 Every item is computed from the config and the record geometry, never measured, so the same
-arithmetic checks the full-size K3 on any machine (k3-model.md §5, §9; t158-and-streaming §3).
+arithmetic checks the full-size K3 on any machine (FORMAT.md "Decode state", "Bank parts").
 The budget must hold the minimum working set: the fixed items plus the records one layer needs
 at once (top-k for a decode step, at most min(E, chunk x top-k) for a prefill chunk); below it
 `plan_for` raises `PlanError` naming the minimum and what dominates it.
@@ -187,7 +187,8 @@ def resident_bytes(facts: ModelFacts, dtype: str) -> int:
 
 
 def kda_state_bytes(cfg: ModelConfig, dtype: str, batch: int = 1) -> int:
-    """§5: fp32 recurrent [H, K, K] + conv history [3, W-1, H*K] in the model dtype, per layer."""
+    """fp32 recurrent [H, K, K] + conv history [3, W-1, H*K] in the model dtype, per layer
+    (FORMAT.md "Decode state")."""
     n_kda = sum(cfg.is_kda_layer(i) for i in range(cfg.num_hidden_layers))
     h, k, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_short_conv_kernel_size
     per_layer = h * k * k * 4 + 3 * (w - 1) * h * k * DTYPE_SIZES[dtype]
@@ -195,7 +196,7 @@ def kda_state_bytes(cfg: ModelConfig, dtype: str, batch: int = 1) -> int:
 
 
 def mla_token_bytes(cfg: ModelConfig, dtype: str) -> int:
-    """§5: [c̄ ‖ k_pe] = kv_lora_rank + rope values per token per MLA layer (27,648 B in K3 bf16)."""
+    """[c̄ ‖ k_pe] = kv_lora_rank + rope values per token per MLA layer (FORMAT.md "MLA")."""
     n_mla = sum(not cfg.is_kda_layer(i) for i in range(cfg.num_hidden_layers))
     return n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * DTYPE_SIZES[dtype]
 

@@ -1,4 +1,4 @@
-"""The K3 tokenizer: tiktoken BPE + 256 reserved special ids (spec k3-model.md §7, §1).
+"""The K3 tokenizer: tiktoken BPE + 256 reserved special ids (FORMAT.md "Tokenizer").
 
 A model directory holds `tiktoken.model` (one `base64(token_bytes) rank` line per rank) and,
 optionally, `tokenizer_config.json`. Special ids are `n_ranks + k` for k in 0..255: named from
@@ -25,7 +25,7 @@ corpus (Han, kana, Latin/Greek/Cyrillic case, titlecase, marks, contractions, di
 punctuation runs, CR/LF runs).
 
 Long inputs are encoded in slices of <= 400,000 characters, each split so that no run of
-whitespace or non-whitespace exceeds 25,000 characters ([AM] `_encode_text_piece`).
+whitespace or non-whitespace exceeds 25,000 characters, as NeMo AutoModel does.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def _k3_pattern(upper: str, lower: str) -> str:
 K3_PAT_STR = _k3_pattern(_K3_UPPER, _K3_LOWER)  # the literal text of tokenization_kimi.py
 K3_PAT_STR_NO_INTERSECTION = _k3_pattern(_NI_UPPER, _NI_LOWER)
 
-# Named special ids as offsets from the first special id (§7 table); used when a directory has
-# no tokenizer_config.json. Offsets, not ids, so any rank count maps them like K3 does.
+# Named special ids as offsets from the first special id (FORMAT.md "Tokenizer"); used when a
+# directory has no tokenizer_config.json. Offsets, not ids, so any rank count maps them like K3.
 K3_NAMED_SPECIALS: dict[int, str] = {
     0: "[BOS]",
     1: "[EOS]",
@@ -89,7 +89,7 @@ K3_NAMED_SPECIALS: dict[int, str] = {
     254: "[UNK]",
     255: "[PAD]",
 }
-# XTML markers are special ids with `"special": false`: skip_special keeps them (§7).
+# XTML markers are special ids with `"special": false`: skip_special keeps them.
 K3_NOT_SKIPPED = frozenset({"<|open|>", "<|close|>", "<|sep|>"})
 END_OF_MSG = "<|end_of_msg|>"
 EOS = "[EOS]"
@@ -115,7 +115,7 @@ def split_long_text(
     text: str, max_chars: int = MAX_ENCODE_CHARS, max_run: int = MAX_RUN_CHARS
 ) -> Iterator[str]:
     """Slices of <= max_chars characters, each cut so no whitespace/non-whitespace run exceeds
-    max_run ([AM] `_encode_text_piece` + `_split_whitespaces_or_nonwhitespaces`)."""
+    max_run (FORMAT.md "Tokenizer")."""
     for i in range(0, len(text), max_chars):
         s = text[i : i + max_chars]
         run, is_space, start = 0, s[:1].isspace(), 0
@@ -164,7 +164,7 @@ class Tokenizer:
         )
         self.bos_id = self.special(bos)
         self.eos_id = self.special(eos)
-        # Both end-of-turn and end-of-document stop generation (§7 "Stop ids").
+        # Both end-of-turn and end-of-document stop generation (FORMAT.md "Tokenizer").
         self.stop_ids = frozenset({self.special(END_OF_MSG), self.special(EOS), self.eos_id})
 
     @property

@@ -1,5 +1,4 @@
-"""compressed-tensors `pack-quantized` integer weights (W2/W3/W4/W8, group 64). FORMAT.md,
-"compressed-tensors int".
+"""compressed-tensors `pack-quantized` integer weights (W2/W3/W4/W8, group 64). FORMAT.md "ct-int".
 
 Signed codes q in [-2^(b-1), 2^(b-1)-1] are stored as u = q + 2^(b-1), packed LSB-first along the
 last axis into little-endian int32 words; every row starts a fresh word and pads with zero bits
@@ -10,8 +9,9 @@ last axis into little-endian int32 words; every row starts a fresh word and pads
 * 3 bits "legacy" (ct 0.17.x): 10 codes per word at bits 3*(i%10), bits 30-31 always zero;
   W = ceil(cols/10).
 Both 3-bit layouts share the format string, so `detect_layout` tells them apart by width
-(spec w3-and-io §1.6). Zero points (asymmetric only) have the scale's shape [rows, G] and are
-packed the same way along dim 0. Dequant: bf16((q - zp) * scale) computed in fp32, rounded once.
+(FORMAT.md "ct-int", layout detection). Zero points (asymmetric only) have the scale's shape
+[rows, G] and are packed the same way along dim 0. Dequant: bf16((q - zp) * scale) computed in
+fp32, rounded once.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def unpack_codes(words: np.ndarray, num_bits: int, layout: str, n: int) -> np.nd
     n_codes, n_words, slots = _unit(num_bits, layout)
     units = -(-n // n_codes)
     # Logical shifts only: an arithmetic shift of a negative int32 would smear bit 31 into the
-    # straddled codes (spec §1.4), so work on the uint32 view.
+    # straddled codes, so work on the uint32 view.
     padded = np.zeros((*lead, units * n_words), np.uint32)
     padded[..., :width] = words.view(np.uint32)
     g = padded.reshape(*lead, units, n_words)
@@ -120,7 +120,7 @@ def unpack_codes(words: np.ndarray, num_bits: int, layout: str, n: int) -> np.nd
 
 def pack_zero_points(zp_u: np.ndarray, num_bits: int, layout: str = "dense") -> np.ndarray:
     """Unsigned zero-point codes [rows, G] -> int32 [packed_width(rows), G], packed along dim 0
-    (each column g holds the zero points of every output row for group g; spec §1.8)."""
+    (each column g holds the zero points of every output row for group g)."""
     return np.ascontiguousarray(pack_codes(np.asarray(zp_u).T, num_bits, layout).T)
 
 
@@ -139,7 +139,7 @@ def _parse_version(version: str) -> Version:
 def detect_layout(
     packed_width: int, cols: int, version: str | None = None, *, override: str | None = None
 ) -> str:
-    """The 3-bit layout of a `weight_packed` tensor with W words per row (spec §1.6).
+    """The 3-bit layout of a `weight_packed` tensor with W words per row (FORMAT.md "ct-int").
 
     Width decides; `version` (quantization_config.version) breaks ties and must not contradict
     it. `override` forces a layout for hand-made checkpoints whose version is wrong, but the width
@@ -178,7 +178,7 @@ def detect_layout(
 
 @dataclass(frozen=True, slots=True)
 class CtScheme:
-    """What the runtime needs from `quantization_config` (spec §1.2)."""
+    """What the runtime needs from `quantization_config`."""
 
     num_bits: int
     symmetric: bool
@@ -188,7 +188,7 @@ class CtScheme:
 
 
 def parse_quantization_config(qc: Mapping, *, allowed_bits: tuple[int, ...] = (3, 4)) -> CtScheme:
-    """Apply the normative reading rules of spec §1.2 (3 bits source, 4 bits recoded).
+    """Apply the reading rules of FORMAT.md "ct-int" (3 bits source, 4 bits recoded).
 
     Every config group must describe the same weight scheme: target matching is not evaluated
     here, so two groups that disagree could both cover the experts (the tensors themselves say
@@ -256,11 +256,11 @@ def dequantize(
     group_size: int = GROUP_SIZE,
 ) -> np.ndarray:
     """Signed codes [rows, cols], BF16 scale bits [rows, G], signed zero points [rows, G] ->
-    float32 [rows, cols] holding BF16 values, bit-exact with ct's BF16 path (spec §1.10).
+    float32 [rows, cols] holding BF16 values, bit-exact with ct's BF16 path.
 
     (q - zp) * s is exact in fp32 (at most 11 significant bits), so one RNE rounding to BF16
     equals the library's BF16 subtract-then-multiply. `g_idx` [cols] (ct <= 0.18 actorder
-    "group", §1.9) maps column c to group g_idx[c]; as in ct, any -1 means "not initialised".
+    "group") maps column c to group g_idx[c]; as in ct, any -1 means "not initialised".
     """
     q, scale_bits = np.asarray(q), np.asarray(scale_bits, np.uint16)
     rows, cols = q.shape
@@ -294,7 +294,8 @@ def quantize(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """float32 [rows, cols] -> (q int8, scale BF16 bits, zp int8 | None), per ct 0.20.1
     `calculate_qparams` + `_quantize` on a BF16 weight, rounding each step to BF16 as torch does
-    (spec §1.11). For fixtures only: bit-exact fixtures must come from the library itself.
+    (FORMAT.md "ct-int", quantiser). For fixtures only: bit-exact fixtures must come from the
+    library itself.
     """
     rows, cols = weight.shape
     if cols % group_size:
@@ -398,7 +399,7 @@ class CtIntCodec(Codec):
         return q, (zu.astype(np.int16) - off).astype(np.int8)
 
     def decode(self, parts: Mapping[str, np.ndarray], shape: Shape2) -> np.ndarray:
-        """Reference dequant; an optional `weight_g_idx` part applies activation order (§1.9)."""
+        """Reference dequant; an optional `weight_g_idx` part applies activation order."""
         q, zp = self.codes(parts, shape)
         return dequantize(q, parts["weight_scale"], zp, parts.get("weight_g_idx"),
                           group_size=self.group_size)

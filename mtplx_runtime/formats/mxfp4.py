@@ -1,10 +1,10 @@
 """mxfp4: compressed-tensors "mxfp4-pack-quantized", the official K3 expert codec.
 
-Byte layout (FORMAT.md "mxfp4"; spec/t158-and-streaming.md §2): `weight_packed` U8
+Byte layout (FORMAT.md "mxfp4"): `weight_packed` U8
 `[rows, cols/2]`, byte k of a row holds column 2k in the low nibble and 2k+1 in the high nibble; a
 nibble is E2M1 (bit 3 = sign, `nibble & 7` indexes 0, .5, 1, 1.5, 2, 3, 4, 6). `weight_scale` U8
 `[rows, cols/32]` holds one E8M0 byte e per 32 consecutive columns, scale 2^(e - 127).
-W[r, c] = E2M1 * scale, exact in bf16. E8M0 0xFF (NaN in OCP MX) is rejected (spec §7 point 7).
+W[r, c] = E2M1 * scale, exact in bf16. E8M0 0xFF (NaN in OCP MX) is rejected.
 
 The encoder reproduces compressed-tensors 0.20.1 on float32 input byte for byte (the MXFP4A16
 preset: `calculate_qparams` -> `generate_mx_scales`, then `MXFP4PackedCompressor.compress`), so

@@ -1,6 +1,6 @@
 """q2k: GGML Q2_K, the routed-expert codec of the K3 GGUF source. Read only.
 
-Byte layout (FORMAT.md "Q2_K and the GGUF source"; spec/t158-and-streaming.md §6.3). Values are
+Byte layout (FORMAT.md "q2k"). Values are
 cut into blocks of 256 in flat row-major order (a row of `cols` holds `cols / 256` blocks), each
 block 84 bytes:
 
@@ -19,10 +19,10 @@ in float32 with d and dmin widened exactly from fp16. Both products are exact in
 significand bits times a 4-bit then a 2-bit integer), so the subtraction is the only rounding and
 a fused multiply-add could not change the result; the reference still computes the terms
 separately, as the spec writes it. Non-finite d/dmin decode to Inf/NaN; callers that need finite
-weights (the t158 converter, §6.4) check.
+weights (the t158 converter) check.
 
 One component `weight`, U8 `[rows, cols / 256 * 84]`: one expert projection's bytes exactly as
-the merged GGUF tensor stores them (§6.2). There is no encoder: Q2_K is only ever a source.
+the merged GGUF tensor stores them. There is no encoder: Q2_K is only ever a source.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Q2KCodec(Codec):
     def encode(self, weight: np.ndarray) -> dict[str, np.ndarray]:
         raise NotImplementedError(
             "q2k: Q2_K is a read-only source codec (the K3 GGUF experts); there is no encoder. "
-            "Convert to t158 or another codec instead (t158-and-streaming.md §6.4)."
+            "Convert to t158 or another codec instead."
         )
 
     def decode(self, parts: Mapping[str, np.ndarray], shape: Shape2) -> np.ndarray:

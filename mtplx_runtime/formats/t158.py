@@ -1,13 +1,14 @@
 """t158: MTPLX ternary codec, 64 weights -> 13 bytes of trits + one bf16 scale (FORMAT.md "t158").
 
-Byte layout (spec/t158-and-streaming.md §1): groups are 64 consecutive input columns of one row.
+Byte layout: groups are 64 consecutive input columns of one row.
 `packed` is U8 `[rows, 13 * cols/64]`; byte j of a group holds slots 5j..5j+4 as little-endian
 base 3 (`b = Σ slot[5j+k] * 3^k`), slot i = trit_i + 1 for i < 64 and slot 64 is padding (0).
 `scales` is U16 `[rows, cols/64]`, the bf16 bit pattern of the group scale. A weight decodes to
 `(code - 1) * fp32(scale)`. Leading batch dims (e.g. experts `[E, rows, ...]`) decode the same.
 
 The encoder is bit-exact to the MTPLX numpy reference `encode_t158`, including numpy's float32
-summation order (§1.5), so re-encoding a source gives the same bytes as the published artifact.
+summation order (FORMAT.md "t158", encode step 1), so re-encoding a source gives the same
+bytes as the published artifact.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ _POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
 _TAU_RATIO = np.float32(0.7)  # the reference rounds the literal to float32 before multiplying
 
 # Trit value (code - 1) of digit k of byte b, for all 256 bytes: floor(b / 3^k) mod 3 - 1.
-# Bytes 243..255 are never written but decode by the same formula (§1.6), so decoding random
-# bytes is deterministic.
+# Bytes 243..255 are never written but decode by the same formula (FORMAT.md "t158"), so
+# decoding random bytes is deterministic.
 _TRITS = ((np.arange(256)[:, None] // (3 ** np.arange(5))) % 3 - 1).astype(np.float32)  # [256, 5]
 
 
 def group_sum_f32(x: np.ndarray) -> np.ndarray:
-    """float32 `[N, 64]` -> `[N]`: numpy's pairwise sum of 64 contiguous float32 values (§1.5).
+    """float32 `[N, 64]` -> `[N]`: numpy's pairwise sum of 64 contiguous float32 values.
 
     Spelled out instead of calling np.sum so the bytes do not depend on the numpy build: eight
     accumulators r_j = x_j + x_{j+8} + ... + x_{j+56} (left to right), then

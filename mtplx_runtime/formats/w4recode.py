@@ -1,5 +1,5 @@
 """Exact, lossless W3 -> W4 recode of compressed-tensors pack-quantized tensors. FORMAT.md,
-"W4 recode"; spec w3-and-io §1.15 steps 1-6.
+"W4 recode".
 
   3-bit words (dense | legacy) -> u3 in [0, 7] -> u4 = u3 + 4 (= q + 8, in 4..11) -> 4-bit words
 

@@ -1,10 +1,11 @@
-"""Kimi Delta Attention (KDA): the linear-attention layer of 69 of K3's 93 layers (§4.3).
+"""Kimi Delta Attention (KDA): the linear-attention layer of 69 of K3's 93 layers
+(FORMAT.md "KDA").
 
-A plain-torch reference: every step of §4.3 is one small function so each can be checked
-against fla-core's naive oracle (§8.1 item 1). Dtypes follow the precision contract (§6): in a
-bf16 model every linear is a bf16 GEMM and conv, gate, β, l2norm, recurrence and the gated norm
-are fp32 islands; in an fp32 model everything is fp32. The decode state (§5) is the last
-kernel-1 pre-conv inputs of q, k, v plus an fp32 [H, K, V] matrix per head.
+A plain-torch reference: every step of FORMAT.md "KDA" is one small function so each can be checked
+against fla-core's naive oracle. Dtypes follow FORMAT.md "Numerics": in a bf16 model every linear is
+a bf16 GEMM and conv, gate, β, l2norm, recurrence and the gated norm are fp32 islands; in an fp32
+model everything is fp32. The decode state (FORMAT.md "Decode state") is the last kernel-1
+pre-conv inputs of q, k, v plus an fp32 [H, K, V] matrix per head.
 
   x -> q/k/v proj -> short conv + SiLU -> l2norm -> delta rule (chunked | recurrent)
     -> gated o_norm (σ(g_proj x)) -> o_proj
@@ -32,7 +33,7 @@ _WEIGHT_NAMES = (
 )
 
 
-# ---- the math of §4.3, one step per function ----
+# ---- the math of FORMAT.md "KDA", one step per function ----
 
 
 def short_conv(x: torch.Tensor, w: torch.Tensor, history: torch.Tensor | None = None
@@ -155,7 +156,8 @@ def gated_rmsnorm(o: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: flo
 
 @dataclass(slots=True)
 class KDAState:
-    """Per-sequence KDA decode state (§5), static shapes, updated in place by KDALayer.forward.
+    """Per-sequence KDA decode state (FORMAT.md "Decode state"), static shapes, updated in place by
+    KDALayer.forward.
 
     conv [3, W-1, C] model dtype: last W-1 pre-conv inputs of q, k, v (in that order).
     S [H, K, V] fp32 recurrent state.
@@ -173,10 +175,11 @@ class KDAState:
 
 
 class KDALayer:
-    """One KDA layer (§4.3 steps 1-8). `weights` keys are the names after `...self_attn.`.
+    """One KDA layer (FORMAT.md "KDA" steps 1-8). `weights` keys are the names after
+    `...self_attn.`.
 
     Linear weights set the model dtype (float32 or bfloat16); conv, A_log, dt_bias and o_norm
-    are kept fp32 whatever they arrive as (§3.3 stores them F32).
+    are kept fp32 whatever they arrive as (checkpoints store them F32).
     """
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor]):
@@ -187,7 +190,7 @@ class KDALayer:
         W, C = cfg.kda_short_conv_kernel_size, cfg.kda_num_heads * cfg.kda_head_dim
         self.H, self.K, self.W = H, K, W
         self.lower_bound = cfg.kda_gate_lower_bound
-        self.eps = cfg.rms_norm_eps  # o_norm ε (1e-5 in K3, §4.1 table)
+        self.eps = cfg.rms_norm_eps  # o_norm ε (1e-5 in K3, FORMAT.md "RMSNorm")
         self.dtype = weights["q_proj.weight"].dtype
         expect = {
             "q_proj.weight": (C, D), "k_proj.weight": (C, D), "v_proj.weight": (C, D),
@@ -200,12 +203,12 @@ class KDALayer:
                 raise ValueError(f"{name}: {tuple(t.shape)} {t.dtype}, expected {shape} "
                                  f"{self.dtype}")
             setattr(self, name.split(".")[0], t)
-        # Conv weights [C, 1, W] -> [C, W]; fp32 islands per §6.
+        # Conv weights [C, 1, W] -> [C, W]; fp32 islands per FORMAT.md "Numerics".
         self.conv_w = [weights[f"{x}_conv1d.weight"].float().reshape(C, W) for x in "qkv"]
         a_log = weights["A_log"].float().reshape(-1)
         if a_log.numel() < H:
             raise ValueError(f"A_log has {a_log.numel()} entries, need {H}")
-        self.A_log = a_log[:H]  # [H]; entries past H are the zero padding (§3.3)
+        self.A_log = a_log[:H]  # [H]; entries past H are the zero padding
         self.dt_bias = weights["dt_bias"].float().reshape(H, K)  # index h·K + c
         self.o_norm = weights["o_norm.weight"].float().reshape(K)
 

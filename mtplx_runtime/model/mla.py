@@ -1,11 +1,12 @@
-"""Gated NoPE MLA (k3-model.md §4.4) with the compressed per-sequence cache of §5.
+"""Gated NoPE MLA with its compressed per-sequence cache (FORMAT.md "MLA").
 
 Each token is cached once as the 576-wide row `[c̄ (512, post-norm) ‖ k_pe (64, raw)]`; per-head
 keys and values are derived from it at attention time, in one of two algebraically equal forms:
-  * expanded: K/V per cached token through kv_b_proj, then the eager numerics of §6;
+  * expanded: K/V per cached token through kv_b_proj, then eager numerics (FORMAT.md
+    "Numerics");
   * absorbed: W_UK folded into the query and W_UV into the output, so attention is MQA over the
     cached rows themselves (cheap decode: nothing per cached token but one dot product).
-No positional encoding of any kind: the "rope" parts are plain learned features (§4.4 step 5).
+No positional encoding of any kind: the "rope" parts are plain learned features.
 
     x -> q_a -> norm -> q_b -> q;  x -> kv_a -> [c̄ ‖ k_pe] -> cache;  attend ⊙ σ(W_g x) -> o_proj
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from ..checkpoint.config import ModelConfig
 from .layers import rms_norm
 
-MLA_NORM_EPS = 1e-6  # q_a/kv_a norms take KimiRMSNorm's class default, not rms_norm_eps (§4.1)
+MLA_NORM_EPS = 1e-6  # q_a/kv_a norms take KimiRMSNorm's class default, not rms_norm_eps ("RMSNorm")
 WEIGHT_NAMES = ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight",
                 "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight",
                 "o_proj.weight")
@@ -36,7 +37,7 @@ def causal_mask(t: int, s: int, device: torch.device | str) -> torch.Tensor:
 
 
 def softmax_masked(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last axis in fp32, cast back to the scores' dtype (§6, eager)."""
+    """Softmax over the last axis in fp32, cast back to the scores' dtype (eager numerics)."""
     p = scores.float().masked_fill(~allowed, float("-inf")).softmax(-1)
     return p.to(scores.dtype)
 
@@ -100,7 +101,7 @@ class MLACache:
         self.len = need
 
     def trim(self, length: int) -> None:
-        """Drop rows past `length` (rejected speculative tokens; §5: MLA is trimmable)."""
+        """Drop rows past `length` (rejected speculative tokens; MLA is trimmable)."""
         if not 0 <= length <= self.len:
             raise ValueError(f"cannot trim a cache of {self.len} rows to {length}")
         self.len = length
@@ -118,7 +119,7 @@ class MLALayer:
         self.H, self.N, self.P = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.V, self.C = cfg.v_head_dim, cfg.kv_lora_rank
         self.cfg = cfg
-        self.scale = (self.N + self.P) ** -0.5  # 192^-1/2: over the full query/key width (§4.4.5)
+        self.scale = (self.N + self.P) ** -0.5  # 192^-1/2: over the full query/key width
         names = WEIGHT_NAMES + ((GATE_NAME,) if cfg.mla_use_output_gate else ())
         missing = [n for n in names if n not in weights]
         if missing:
@@ -152,7 +153,7 @@ class MLALayer:
         self.w_uv = kv_b[:, self.N:]  # [H, V, C]
 
     def project(self, x: torch.Tensor):
-        """x [T, D] -> q_nope [T, H, N], q_pe [T, H, P], c̄ [T, C], k_pe [T, P] (§4.4 steps 1-2)."""
+        """x [T, D] -> q_nope [T, H, N], q_pe [T, H, P], c̄ [T, C], k_pe [T, P] (MLA steps 1-2)."""
         T = x.shape[0]
         q = F.linear(rms_norm(F.linear(x, self.q_a), self.q_norm, MLA_NORM_EPS), self.q_b)
         q = q.view(T, self.H, self.N + self.P)  # [T, H, N + P]
@@ -183,13 +184,13 @@ class MLALayer:
         """x [T, D] (input_layernorm output, model dtype) -> [T, D]."""
         a = self.attend(x, cache, absorbed)  # [T, H * V]
         if self.g is not None:
-            a = a * torch.sigmoid(F.linear(x, self.g))  # model dtype, no fp32 island (§4.4.6)
+            a = a * torch.sigmoid(F.linear(x, self.g))  # model dtype, no fp32 island (MLA step 5)
         return F.linear(a, self.o)
 
     __call__ = forward
 
     def _expanded(self, q_nope, q_pe, cache: MLACache, allowed) -> torch.Tensor:
-        """Per-head K/V from every cached c̄, eager numerics (§6). Returns [T, H, V]."""
+        """Per-head K/V from every cached c̄, eager numerics. Returns [T, H, V]."""
         S = cache.len
         kv = F.linear(cache.latent, self.kv_b).view(S, self.H, self.N + self.V)  # [S, H, N + V]
         k_pe = cache.k_pe[:, None, :].expand(S, self.H, self.P)  # [S, H, P], shared by heads
@@ -201,7 +202,8 @@ class MLALayer:
         return (p @ v).transpose(0, 1)  # [T, H, V]
 
     def _absorbed(self, q_nope, q_pe, cache: MLACache, allowed) -> torch.Tensor:
-        """MQA over the cached [c̄ ‖ k_pe] rows with W_UK/W_UV folded in (§4.4). Returns [T, H, V].
+        """MQA over the cached [c̄ ‖ k_pe] rows with W_UK/W_UV folded in (absorbed form). Returns
+        [T, H, V].
 
         Same algebra as `_expanded`, different rounding: q_nope·(W_UK c̄) = (W_UKᵀ q_nope)·c̄.
         """
@@ -214,5 +216,5 @@ class MLALayer:
 
 
 def cache_values_per_token(cfg: ModelConfig) -> int:
-    """Cached values per token per MLA layer: kv_lora + rope (576 in K3, §5)."""
+    """Cached values per token per MLA layer: kv_lora + rope (576 in K3)."""
     return cfg.kv_lora_rank + cfg.qk_rope_head_dim

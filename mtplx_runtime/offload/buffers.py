@@ -1,4 +1,5 @@
-"""Page-aligned host buffers and the optional GPU read path (spec w3-and-io §3.6, §4.3).
+"""Page-aligned host buffers and the optional GPU read path (FORMAT.md "Reading
+records at run time").
 
 O_DIRECT needs buffer addresses on 4 KiB boundaries; Python `bytes`/`bytearray` give no such
 guarantee, anonymous `mmap` memory always does. kvikio and cupy are optional (the `gpu` extra):
@@ -78,7 +79,7 @@ class KvikioReader:
     """Record reads straight into cupy device buffers through kvikio `CuFile.pread` (GDS or its
     POSIX compatibility mode). Constructed only where `gpu_reader_available()` is True; elsewhere
     the constructor raises RuntimeError with the reason. Leave KVIKIO_COMPAT_MODE unset or AUTO:
-    OFF can hang the CuFile constructor (spec w3-and-io §3.2).
+    OFF can hang the CuFile constructor.
     """
 
     def __init__(self, root: str | os.PathLike, parts: list[tuple[str, int]]):

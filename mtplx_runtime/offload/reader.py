@@ -1,5 +1,5 @@
 """Positional record reads from bank parts straight into caller buffers (FORMAT.md "Streaming
-artifact"; spec t158-and-streaming §5.11, w3-and-io §4.2-4.3).
+artifact", "Reading records at run time").
 
     requests -> check (bounds, 4 KiB alignment) -> coalesce adjacent -> thread pool
              -> os.preadv(fd from a bounded LRU) -> caller buffers [-> SHA-256] -> futures
