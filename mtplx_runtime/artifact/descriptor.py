@@ -15,7 +15,7 @@ from .manifest import Manifest, ManifestError, rec
 
 @dataclass(frozen=True, slots=True)
 class Descriptor:
-    """What a manifest must describe (§5.5 rules 15-20). None means "not pinned"."""
+    """What a manifest must describe (FORMAT.md rules 15-20). None means "not pinned"."""
 
     model_key: str | None
     quantization: dict  # {bits, group_size, mode}
@@ -26,7 +26,8 @@ class Descriptor:
     source_revision: str | None = None
     resident_tensor_bytes: int | None = None
     tensor_bytes: int | None = None
-    resident_prefix: str = ""  # §5.6: indexed tensors with this prefix == resident_tensors
+    # Indexed tensors with this prefix == resident_tensors (FORMAT.md "Verifying and reading").
+    resident_prefix: str = ""
     allow_preserved: bool = False  # rule 20: trusted K3 descriptor only
 
     @property
@@ -42,7 +43,8 @@ class Descriptor:
         return len(self.layers) * self.experts * self.record_bytes
 
 
-K3_T158_DESCRIPTOR = Descriptor(  # §3 and §5.5 rules 15-20 (MTPLX KIMI_K3_EXPERT_Q1T)
+# MTPLX KIMI_K3_EXPERT_Q1T: FORMAT.md rules 15-20 and "Bank parts".
+K3_T158_DESCRIPTOR = Descriptor(
     model_key="kimi-k3-q1t",
     quantization={"bits": 2, "group_size": 64, "mode": "t158"},
     layers=tuple(range(1, 93)),
@@ -95,7 +97,7 @@ _ROUTED = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.(?:switch_mlp|experts)\.")
 
 
 def validate_descriptor(m: Manifest, d: Descriptor) -> None:
-    """§5.5 rules 15-20 against `d` (run validate_structure first). Raises ManifestError."""
+    """FORMAT.md rules 15-20 against `d` (run validate_structure first). Raises ManifestError."""
     if m.quantization != d.quantization:
         raise ManifestError(f"quantization {m.quantization} != expected {d.quantization}")
     for key in ("model_key", "source_repo", "source_revision"):

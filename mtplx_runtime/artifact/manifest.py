@@ -7,9 +7,9 @@ manifest v1". What model an artifact must hold is artifact/descriptor.py.
     file --(size cap, O_NOFOLLOW, no duplicate keys)--> dict --_Parser--> Manifest
          --validate_structure--> digest recomputed, compared
 
-The digest is taken over our own re-serialization with defaults dropped (§5.4), never over the
-input bytes; for a canonical input the two coincide, which the loader uses as its fast path.
-"""
+The digest is taken over our own re-serialization with defaults dropped (FORMAT.md "Manifest file"),
+never over the input bytes; for a canonical input the two coincide, which the loader uses as its
+fast path."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from ..formats.record import ALIGNMENT, MODES, PAD
 
 FORMAT = "mtplx-expert-manifest-v1"
 MANIFEST_NAME = "expert-manifest.json"
-MAX_MANIFEST_BYTES = 128 * 2**20  # §5.3 MAX_MANIFEST_BYTES
+MAX_MANIFEST_BYTES = 128 * 2**20  # FORMAT.md "Manifest file"
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()  # header_sha256 of a sidecar shard
 SHARD_KINDS = ("safetensors", "preserved-safetensors", "sidecar")
 DTYPE_BYTES = {"BOOL": 1, "I8": 1, "U8": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4,
@@ -47,7 +47,8 @@ _RES_KEYS = {"tensor", "shard", "offset", "length", "dtype", "shape"}
 
 
 class ManifestError(CheckpointError):
-    """A manifest that breaks §5.3-§5.5; the message names the object and the rule."""
+    """A manifest that breaks FORMAT.md "Manifest file" or "Manifest rules"; the message names
+    the object and the rule."""
 
 
 @dataclass(slots=True)
@@ -113,8 +114,8 @@ class Sidecar:
 
 @dataclass(slots=True)
 class Manifest:
-    """A parsed manifest (§5.3). `from_dict` checks value rules only; `validate_structure` in
-    manifest_rules.py checks the cross-object rules (§5.5)."""
+    """A parsed manifest (FORMAT.md "Manifest file"). `from_dict` checks value rules only;
+    `validate_structure` (below) checks the cross-object rules (FORMAT.md "Manifest rules")."""
 
     format: str
     model_key: str
@@ -131,11 +132,11 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: object) -> Manifest:
-        """Value rules of §5.3 (manifest_values.py); raises ManifestError."""
+        """Value rules (`_Parser` below); raises ManifestError."""
         return _Parser().manifest(d)
 
     def to_dict(self) -> dict:
-        """The serialized form with optional defaults dropped (§5.4)."""
+        """The serialized form with optional defaults dropped (FORMAT.md "Manifest file")."""
         d = {
             "format": self.format, "model_key": self.model_key, "source_repo": self.source_repo,
             "source_revision": self.source_revision, "quantization": dict(self.quantization),
@@ -153,7 +154,7 @@ class Manifest:
         return d
 
     def canonical_bytes(self) -> bytes:
-        """The digest input: canonical JSON of `to_dict()` without `manifest_sha256` (§5.4)."""
+        """The digest input: canonical JSON of `to_dict()` without `manifest_sha256`."""
         d = self.to_dict()
         d.pop("manifest_sha256", None)
         return canonical_json(d)
@@ -163,12 +164,13 @@ class Manifest:
 
     @property
     def authoritative(self) -> bool:
-        """Any `sidecar`-kind shard makes a manifest authoritative (§5.5 rules 12-14)."""
+        """Any `sidecar`-kind shard makes a manifest authoritative (FORMAT.md rules 12-14)."""
         return any(s.kind == "sidecar" for s in self.shards)
 
 
 def canonical_json(obj: object) -> bytes:
-    """§5.4: keys sorted at every level, `,`/`:` separators, UTF-8 with non-ASCII kept."""
+    """Canonical JSON (FORMAT.md "Manifest file"): keys sorted at every level, `,`/`:`
+    separators, UTF-8 with non-ASCII kept."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=False).encode("utf-8")
 
@@ -194,13 +196,13 @@ def _record_dict(r: Record) -> dict:
         d["sidecar_offset"] = r.sidecar_offset
     if r.sidecar_length is not None:
         d["sidecar_length"] = r.sidecar_length
-    if r.part:  # writers MUST omit part 0 (§5.3)
+    if r.part:  # writers MUST omit part 0 (FORMAT.md "Manifest file")
         d["part"] = r.part
     return d
 
 
 def _sidecar_dict(sc: Sidecar) -> dict:
-    if len(sc.parts) == 1 and sc.parts[0].data_start == 0:  # legacy single-part form (§5.3)
+    if len(sc.parts) == 1 and sc.parts[0].data_start == 0:  # the legacy single-part form
         p = sc.parts[0]
         return {"file": p.file, "alignment": sc.alignment, "size": p.size, "sha256": p.sha256}
     parts = []
@@ -221,7 +223,7 @@ def _reject_constant(name: str) -> None:
 
 def parse_manifest_bytes(raw: bytes, *, where: str = "manifest",
                          require_digest: bool = True) -> Manifest:
-    """Parse, structure-check (§5.5 1-14) and digest-check (§5.4) manifest bytes."""
+    """Parse, structure-check (FORMAT.md rules 1-14) and digest-check manifest bytes."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -236,7 +238,7 @@ def parse_manifest_bytes(raw: bytes, *, where: str = "manifest",
         claimed = d.pop("manifest_sha256", _ABSENT) if isinstance(d, dict) else _ABSENT
         if claimed is _ABSENT:
             claimed = None
-        elif claimed is None:  # an explicit null is not "absent" (§5.3: lowercase hex)
+        elif claimed is None:  # an explicit null is not "absent" (lowercase hex is required)
             raise ManifestError(f"{where}: manifest_sha256 must be 64 lowercase hex "
                                 "characters, got None")
         m = Manifest.from_dict(d)
@@ -269,7 +271,7 @@ def parse_manifest_bytes(raw: bytes, *, where: str = "manifest",
             gc.enable()
     if claimed is None:
         if require_digest:
-            raise ManifestError(f"{where}: manifest_sha256 is missing (required, §5.4)")
+            raise ManifestError(f"{where}: manifest_sha256 is missing (required)")
     elif claimed != digest:
         raise ManifestError(f"{where}: manifest_sha256 mismatch: file says {claimed}, "
                             f"content hashes to {digest}")
@@ -277,7 +279,7 @@ def parse_manifest_bytes(raw: bytes, *, where: str = "manifest",
 
 
 def load_manifest(path: str | os.PathLike, *, require_digest: bool = True) -> Manifest:
-    """Read a manifest file safely (§5.3): no symlink follow, a regular file of at most
+    """Read a manifest file safely: no symlink follow, a regular file of at most
     128 MiB, UTF-8 JSON without duplicate keys; value and structure rules, digest recomputed."""
     path = Path(path)
     try:
@@ -335,7 +337,7 @@ def write_manifest(manifest: Manifest, path: str | os.PathLike) -> str:
 
 
 def check_name(name: object, where: str) -> str:
-    """§5.3: a non-empty, normalized, relative POSIX path with no `.`/`..` and no backslash."""
+    """A non-empty, normalized, relative POSIX path with no `.`/`..` and no backslash."""
     if not isinstance(name, str) or not name:
         raise ManifestError(f"{where}: file name must be a non-empty string, got {name!r}")
     if "\\" in name:
@@ -352,8 +354,8 @@ def check_name(name: object, where: str) -> str:
 
 
 class _Parser:
-    """Value rules of §5.3 for every object; remembers whether any optional key was written with
-    its default value (then the digest needs a full re-serialization, §5.4)."""
+    """Value rules for every object (FORMAT.md "Manifest file"); remembers whether any optional
+    key was written with its default value (then the digest needs a full re-serialization)."""
 
     def __init__(self) -> None:
         self.canonical = True
@@ -555,7 +557,7 @@ def rec(r) -> str:
 
 
 def _check_pads(r, names: tuple[str, ...]) -> None:
-    """Components in mode order, each optional `pad` only where §5.5-ext allows it."""
+    """Components in mode order, each optional `pad` only where FORMAT.md rule 2 allows it."""
     got, rel, prev = [], 0, None
     for s in r.segments:
         if s.component == PAD:
@@ -575,7 +577,7 @@ def _check_pads(r, names: tuple[str, ...]) -> None:
 
 
 def validate_structure(m: Manifest) -> None:
-    """§5.5 rules 1-14 (plus the codec-mode extension of rule 2). Raises ManifestError."""
+    """FORMAT.md rules 1-14 (plus the codec-mode extension of rule 2). Raises ManifestError."""
     a, q = m.artifact, m.quantization
     if a["shard_count"] > MAX_SHARDS or a["shard_count"] != len(m.shards):
         raise ManifestError(f"artifact.shard_count {a['shard_count']} != {len(m.shards)} shards "

@@ -1,10 +1,10 @@
 """Bank record layout per codec mode: component order, 4 KiB-aligned offsets, padding segments,
-and bank part names (FORMAT.md "Streaming artifact", spec t158-and-streaming.md §3, §5.2).
+and bank part names (FORMAT.md "Bank parts").
 
 One record = one expert of one routed layer = gate, up, down components in codec order. Every
 component starts 4 KiB-aligned inside the record; a component whose length is not a multiple of
 4096 is followed by an explicit `pad` segment (tensor "", U8 [n], zero bytes), so segments are
-contiguous and cover `logical_bytes` exactly. K3 t158 needs no padding (§3). A record's stride in
+contiguous and cover `logical_bytes` exactly. K3 t158 needs no padding. A record's stride in
 its part is its `logical_bytes`, itself a multiple of 4096.
 
     source ExpertRecord -> parts per projection (mode codec) -> record_bytes (+ zero pads)
@@ -32,7 +32,7 @@ from .journal import (
     truncate_file,
 )
 
-# ---- Writing one bank part: journal protocol, resume, publication (§5.7, §5.8) ----
+# ---- Writing one bank part: journal, resume, publication (FORMAT.md "Build journal") ----
 
 _CRASH = {"after": int(os.environ.get("MTPLX_BUILD_CRASH_AFTER", "0") or 0), "count": 0}
 _CRASH_LOCK = threading.Lock()
@@ -236,7 +236,7 @@ def _rescan(parsed, partial: Path, layer: int, layout: RecordLayout, name: str,
             f.seek(e * stride)
             data = f.read(stride)
             if len(data) != stride or not _verify_record(data, line):
-                break  # first mismatch stops the scan (§5.8)
+                break  # the first mismatch stops the scan (FORMAT.md "Build journal")
             outputs.append(line["output"])
             running.update(data)
             good_end = parsed.record_ends[e]
@@ -245,7 +245,8 @@ def _rescan(parsed, partial: Path, layer: int, layout: RecordLayout, name: str,
 
 def _adopt(final: Path, partial: Path, jpath: Path, layer: int, layout: RecordLayout,
            n_experts: int, header: dict, source: PartSource) -> PartResult:
-    """Accept an already published part only after full re-verification (§5.8)."""
+    """Accept an already published part only after full re-verification (FORMAT.md "Build
+    journal")."""
     def fail(why: str) -> BuildError:
         return BuildError(f"{final}: exists but cannot be adopted: {why}; remove it (and its "
                           f"journal) to rebuild")

@@ -172,9 +172,10 @@ tier the model computes from; host: the second tier device victims fall to; tran
 prompt's experts, read once for all its tokens (prefill) so they never evict decode experts.
 A cache miss waits for a read (stall); lookahead guesses the next layer's experts from this
 layer's hidden state and reads them early. The I/O bound is the fastest decode this disk
-allows at this miss rate (targets.md). The tiny model decodes far below it (Python overhead,
-not reads); full K3 reads 1,472 records of 7.7 MB per token, and there the bound is what limits
-decode. The weights are random, so the text is noise. `mtplx demo --codecs`: the expert codecs."""
+allows at this miss rate (ARCHITECTURE.md "I/O bound"). The tiny model decodes far below it
+(Python overhead, not reads); full K3 reads 1,472 records of 7.7 MB per token, and there the
+bound is what limits decode. The weights are random, so the text is noise. `mtplx demo
+--codecs`: the expert codecs."""
 
 
 def main(args: argparse.Namespace) -> int:

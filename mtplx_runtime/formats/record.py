@@ -125,7 +125,7 @@ class Mode:
 
 
 MODES: dict[str, Mode] = {
-    "t158": Mode((2,), 64, ("packed", "scales")),  # §5.5 rule 2: the published form
+    "t158": Mode((2,), 64, ("packed", "scales")),  # FORMAT.md rule 2: the published form
     "mxfp4": Mode((4,), 32, ("weight_packed", "weight_scale")),
     "ct-int": Mode((3, 4), 64, ("weight_packed", "weight_scale")),
     "ct-int-asym": Mode((3, 4), 64, ("weight_packed", "weight_scale", "weight_zero_point")),

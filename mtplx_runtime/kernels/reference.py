@@ -26,7 +26,8 @@ SITU_LINEAR_BETA = 25.0
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = SITU_BETA,
              beta_lin: float = SITU_LINEAR_BETA) -> torch.Tensor:
-    """`SiTU(gate) ⊙ β_lin·tanh(up/β_lin)` (§4.2), computed in fp32 and cast to gate's dtype.
+    """`SiTU(gate) ⊙ β_lin·tanh(up/β_lin)` (FORMAT.md "SiTU-GLU"), computed in fp32 and cast to
+    gate's dtype.
 
     SiTU(g) = β·tanh(g/β)·σ(g). gate, up: [..., I] in the model dtype -> [..., I].
     """
@@ -40,7 +41,7 @@ def glu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: t
     """SiTU-GLU MLP `W_down · situ_glu(W_gate x, W_up x)`.
 
     x: [T, Din]; w_gate, w_up: [I, Din]; w_down: [Dout, I]; all in the model dtype -> [T, Dout].
-    The three GEMMs run in the model dtype (bf16 GEMM in a bf16 model, §6).
+    The three GEMMs run in the model dtype (bf16 GEMM in a bf16 model, FORMAT.md "Numerics").
     """
     h = situ_glu(F.linear(x, w_gate), F.linear(x, w_up), beta, beta_lin)  # [T, I]
     return F.linear(h, w_down)  # [T, Dout]

@@ -5,11 +5,10 @@ Shape legend: T tokens, D hidden (7168), V vocab (163840), B banked AttnRes bloc
     tokens -> embed -> [AttnRes mix -> norm -> attn -> AttnRes mix -> norm -> MLP/MoE] x L
            -> final AttnRes mix -> norm -> lm_head -> logits
 
-The whole model follows k3-model.md §4.7-4.8. Per-sequence state (KDA recurrent + conv state,
-MLA latent cache) lives in `SequenceState`, so `prefill` then `decode` steps continue exactly
-where a full forward would be. Routed experts come from an `ExpertProvider`; the model never
-knows where their bytes live.
-"""
+The whole model follows FORMAT.md "Attention Residuals" and "Decode state". Per-sequence state (KDA
+recurrent + conv state, MLA latent cache) lives in `SequenceState`, so `prefill` then `decode` steps
+continue exactly where a full forward would be. Routed experts come from an `ExpertProvider`; the
+model never knows where their bytes live."""
 
 from __future__ import annotations
 
@@ -34,7 +33,8 @@ class SequenceState:
 
 
 class DecoderLayer:
-    """One layer of §4.7: AttnRes-mixed inputs feed the norms; the running sum never sees them.
+    """One layer (FORMAT.md "Attention Residuals"): AttnRes-mixed inputs feed the norms; the
+    running sum never sees them.
 
     `attn` is a KDALayer or MLALayer, `mlp` a GluMLP or LatentMoE; `w` holds the layer's norm
     and AttnRes weights by suffix (e.g. "input_layernorm.weight").
@@ -56,7 +56,8 @@ class DecoderLayer:
             bank.append(p)  # the raw prefix sum, not a_in
             p = None
         x = rms_norm(a_in, w["input_layernorm.weight"], eps)
-        if self.kda:  # prefill runs the chunked form, one-token decode the recurrent one (§4.3)
+        # Prefill runs the chunked form, one-token decode the recurrent one (FORMAT.md "KDA").
+        if self.kda:
             a = self.attn.forward(x, state, mode="recurrent" if x.shape[0] == 1 else "chunk")
         else:
             a = self.attn.forward(x, state)
@@ -122,7 +123,8 @@ class KimiK3:
         bank: list[torch.Tensor] = []  # AttnRes blocks of these tokens; never crosses tokens
         for layer, layer_state in zip(self.layers, state.layers):
             h = layer.forward(h, bank, layer_state)
-        # Fresh buffer: an in-place final mix aliases the live sum (k3-model.md §4.7).
+        # A fresh buffer: an in-place final mix aliases the live sum (FORMAT.md "Attention
+        # Residuals").
         h = attn_res_mix(h, bank, self.top["output_attn_res_norm.weight"],
                          self.top["output_attn_res_proj.weight"])
         h = rms_norm(h, self.top["norm.weight"], self.cfg.rms_norm_eps)

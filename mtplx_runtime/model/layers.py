@@ -1,9 +1,11 @@
-"""Small reference blocks of K3 (k3-model.md §4.1, §4.2, §4.7): RMSNorm, SiTU-GLU, the AttnRes mix.
+"""Small reference blocks of K3: RMSNorm and the AttnRes mix (FORMAT.md "RMSNorm", "Attention
+Residuals"); SiTU-GLU is the kernels' reference, re-exported here.
 
-Each op follows the precision contract (§6): the model dtype (float32 or bfloat16) flows between
-ops, and every op the reference computes in fp32 (norm statistics, the SiTU activation, the whole
-AttnRes mix) runs on an explicit fp32 island that is cast back once, where the reference casts.
-With a float32 model every cast is a no-op, so the same code is the float32 reference.
+Each op follows the precision contract (FORMAT.md "Numerics"): the model dtype (float32 or bfloat16)
+flows between ops, and every op the reference computes in fp32 (norm statistics, the SiTU
+activation, the whole AttnRes mix) runs on an explicit fp32 island that is cast back once, where the
+reference casts. With a float32 model every cast is a no-op, so the same code is the float32
+reference.
 
 Shape legend: T tokens, D width of the normed / mixed vector (hidden 7168, latent 3584, ...),
 I MLP width, N = n + 1 AttnRes entries (n banked blocks plus the live partial sum).
@@ -20,11 +22,12 @@ from ..kernels.reference import SITU_BETA, SITU_LINEAR_BETA, glu_mlp, situ_glu
 __all__ = ["ATTN_RES_EPS", "GluMLP", "SITU_BETA", "SITU_LINEAR_BETA", "attn_res_mix", "glu_mlp",
            "rms_norm", "situ_glu"]
 
-ATTN_RES_EPS = 1e-5  # §4.7: fixed, not a config field
+ATTN_RES_EPS = 1e-5  # fixed, not a config field (FORMAT.md "Attention Residuals")
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """KimiRMSNorm over the last dim (§4.1): `w ⊙ cast_to_x.dtype(x₃₂ · rsqrt(mean(x₃₂²) + ε))`.
+    """KimiRMSNorm over the last dim (FORMAT.md "RMSNorm"):
+    `w ⊙ cast_to_x.dtype(x₃₂ · rsqrt(mean(x₃₂²) + ε))`.
 
     x: [..., D] float32 or bfloat16; w: [D]. The cast back to x's dtype happens *before* the
     weight multiply, so in a bf16 model the multiply is bf16 × bf16 (one rounding of the exact
@@ -36,8 +39,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class GluMLP:
-    """A SiTU-GLU MLP from `{gate_proj,up_proj,down_proj}.weight`: the dense layer-0 MLP (§3.5)
-    and the MoE shared experts (§4.6 step 6, width num_shared_experts × moe_intermediate_size).
+    """A SiTU-GLU MLP from `{gate_proj,up_proj,down_proj}.weight`: the dense layer-0 MLP
+    and the MoE shared experts (FORMAT.md "LatentMoE"; width num_shared_experts ×
+    moe_intermediate_size).
 
     `cfg` only supplies the two activation betas (any object with `activation_situ_beta` and
     `activation_situ_linear_beta`; None means K3's 4 and 25).
@@ -59,7 +63,8 @@ class GluMLP:
 
 def attn_res_mix(partial: torch.Tensor, bank: Sequence[torch.Tensor], w_norm: torch.Tensor,
                  w_proj: torch.Tensor, eps: float = ATTN_RES_EPS) -> torch.Tensor:
-    """The Attention-Residuals Mix of §4.7, per token, vectorised over the leading dims.
+    """The Attention-Residuals mix (FORMAT.md "Attention Residuals"), per token, vectorised over
+    the leading dims.
 
     partial: [T, D] live block sum; bank: n tensors [T, D] (may be empty, then the result equals
     `partial`); w_norm: [D] (`*_res_norm.weight`); w_proj: [1, D] or [D] (`*_res_proj.weight`).

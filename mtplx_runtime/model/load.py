@@ -2,8 +2,8 @@
 
 The one place where checkpoint names meet the model (mlx-lm's `sanitize()`): BF16 tensors become
 the model dtype (float32 or bfloat16, exact either way); F32 tensors (KDA conv, A_log, dt_bias,
-o_norm, router correction bias; k3-model.md §3.7) stay float32 because the precision contract
-computes with them in fp32.
+o_norm, router correction bias; FORMAT.md "Resident tensors") stay float32 because the
+precision contract computes with them in fp32.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Stable LatentMoE (k3-model.md §4.5-4.6): the sigmoid router and the routed/shared expert block.
+"""Stable LatentMoE: the sigmoid router and the routed/shared expert block (FORMAT.md "Router",
+"LatentMoE").
 
     x -> route -> provider.hint (lookahead) -> latent down -> provider.run_experts (routed sum)
       -> latent RMSNorm -> latent up -> + SharedMLP(x)
@@ -31,20 +32,20 @@ from .layers import GluMLP, rms_norm
 __all__ = ["ExpertProvider", "ExpertWeights", "LatentMoE", "ResidentExpertProvider", "predict",
            "route"]
 
-RENORM_EPS = 1e-20  # §4.5 step 4: added to the weight sum before dividing
+RENORM_EPS = 1e-20  # added to the weight sum before dividing (FORMAT.md "Router")
 
 
 def route(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, top_k: int,
           renormalize: bool = True, scaling: float = 1.0,
           forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid top-k router with a selection-only correction bias (§4.5).
+    """Sigmoid top-k router with a selection-only correction bias (FORMAT.md "Router").
 
     x: [T, D] normed MoE input (any float dtype); w_router: [E, D]; bias: [E]
     (`e_score_correction_bias`, F32). Returns (ids [T, K] int64, sorted ascending per token;
-    weights [T, K] float32 aligned with ids). Everything is fp32 (§6). The bias only picks the
-    experts; the weights are the unbiased sigmoid scores, renormalised over the K picks.
-    `forced_ids` [T, K] imposes a selection (a replayed route, or fp32 routing under a bf16
-    model when comparing precisions); the weights still come from this router's scores.
+    weights [T, K] float32 aligned with ids). Everything is fp32 (FORMAT.md "Numerics"). The
+    bias only picks the experts; the weights are the unbiased sigmoid scores, renormalised over
+    the K picks. `forced_ids` [T, K] imposes a selection (a replayed route, or fp32 routing under
+    a bf16 model when comparing precisions); the weights still come from this router's scores.
     """
     logits = F.linear(x.float(), w_router.float())  # [T, E] fp32
     scores = torch.sigmoid(logits)  # [T, E]
@@ -52,7 +53,8 @@ def route(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, top_k: in
         picked = forced_ids.to(device=scores.device, dtype=torch.long)  # [T, K]
     else:
         picked = torch.topk(scores + bias.float(), top_k, dim=-1, sorted=False).indices  # [T, K]
-    # Sorting by id fixes the fp32 combine order independent of topk's backend order (§6).
+    # Sorting by id fixes the fp32 combine order whatever topk's backend order (FORMAT.md
+    # "Numerics").
     ids = torch.sort(picked, dim=-1).values  # [T, K]
     weights = scores.gather(-1, ids)  # [T, K] unbiased
     if renormalize:
@@ -141,7 +143,7 @@ class ResidentExpertProvider:
 
 
 class LatentMoE:
-    """One MoE layer (§4.6). `weights` are keyed by the suffix after
+    """One MoE layer (FORMAT.md "LatentMoE"). `weights` are keyed by the suffix after
     `layers.{l}.block_sparse_moe.`: gate.weight [E, D], gate.e_score_correction_bias [E] (F32),
     routed_expert_down_proj.weight [R, D], routed_expert_norm.weight [R],
     routed_expert_up_proj.weight [D, R], shared_experts.{gate,up,down}_proj.weight.

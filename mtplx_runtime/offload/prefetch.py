@@ -3,14 +3,14 @@
     demand(keys) / speculate(keys) -> reserve slot -> queue (demand | speculative)
         -> dispatcher (byte budget, demand first) -> reader.read_into(slot buffer) -> commit|abort
 
-The ExpertCache owns slots and replacement; this module owns only the in-flight reads (STYLE.md
-"narrow interfaces"). A read is queued until the in-flight byte budget has room; queued demand
-reads always go before queued speculation, and speculation may only hold `speculative_fraction`
-of the budget. Speculative slots come from `cache.reserve(key, speculative=True)`, so whether a
-guess may displace a pinned or hotter expert is the cache's call (it answers None: skip).
-Reader futures cannot be cancelled: only *queued* reads are cancelled; a read already handed to
-the reader finishes and is committed (or aborted on error) by its completion callback.
-"""
+The ExpertCache owns slots and replacement; this module owns only the in-flight reads
+(ARCHITECTURE.md "Packages"). A read is queued until the in-flight byte budget has room; queued
+demand reads always go before queued speculation, and speculation may only hold
+`speculative_fraction` of the budget. Speculative slots come from `cache.reserve(key,
+speculative=True)`, so whether a guess may displace a pinned or hotter expert is the cache's call
+(it answers None: skip). Reader futures cannot be cancelled: only *queued* reads are cancelled; a
+read already handed to the reader finishes and is committed (or aborted on error) by its completion
+callback."""
 
 from __future__ import annotations
 

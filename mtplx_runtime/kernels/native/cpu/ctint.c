@@ -1,4 +1,4 @@
-/* compressed-tensors int CPU kernels on the packed words (FORMAT.md "compressed-tensors int"),
+/* compressed-tensors int CPU kernels on the packed words (FORMAT.md "ct-int"),
  * symmetric and asymmetric, 3 and 4 bits, group 64: the codec hooks ctint_prepare, ctint_rows
  * of the CPU expert library.
  *
