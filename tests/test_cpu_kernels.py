@@ -31,8 +31,9 @@ from mtplx_runtime.formats.t158 import decode_t158
 from mtplx_runtime.kernels import cpu, cpu_native, reference
 
 ROOT = Path(__file__).resolve().parent.parent
-ok, why = cpu_native.available()
-pytestmark = pytest.mark.skipif(not ok, reason=why)
+why = cpu_native.unavailable_reason()
+ok = why is None
+pytestmark = pytest.mark.skipif(not ok, reason=why or "")
 ISAS = [name for name in cpu_native.ISAS
         if ok and cpu_native.ISAS.index(name) <= cpu_native.ISAS.index(cpu_native.best_isa())]
 R, I, E, K, T = 128, 192, 8, 4, 5

@@ -81,8 +81,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (0: all cores)")
     ap.add_argument("--ref-experts", type=int, default=2, help="experts the reference times")
     args = ap.parse_args(argv)
-    ok, why = cpu_native.available()
-    if not ok:
+    why = cpu_native.unavailable_reason()
+    if why:
         raise SystemExit(why)
     if args.quick:
         R, I, experts, tokens, repeat, bw_bytes = 512, 384, 2, (1, 8), 1, 64 << 20

@@ -38,14 +38,9 @@ def _cuda() -> tuple[ModuleType | None, str | None]:
 
 
 def _cpu() -> tuple[ModuleType | None, str | None]:
-    try:
-        from . import cpu
-    except ImportError as e:
-        return None, f"the cpu kernel module is missing ({e})"
-    check = getattr(cpu, "unavailable_reason", None)
-    why = check() if callable(check) else None
-    if why is None and not getattr(cpu, "available", lambda: True)():
-        why = "its native library did not load"
+    from . import cpu
+
+    why = cpu.unavailable_reason()
     return (None, why) if why else (cpu, None)
 
 

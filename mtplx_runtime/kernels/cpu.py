@@ -34,8 +34,8 @@ _MODEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def unavailable_reason() -> str | None:
-    ok, why = cpu_native.available()
-    return None if ok else why
+    """None when the native library loads, else why not."""
+    return cpu_native.unavailable_reason()
 
 
 def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots, storage,

@@ -72,13 +72,13 @@ def _load() -> ctypes.CDLL:
         return lib
 
 
-def available() -> tuple[bool, str]:
-    """(True, path in use) when the library loads, else (False, the reason)."""
+def unavailable_reason() -> str | None:
+    """None when the library builds and loads, else the reason."""
     try:
         _load()
     except RuntimeError as exc:
-        return False, str(exc)
-    return True, isa()
+        return str(exc)
+    return None
 
 
 def isa() -> str:

@@ -56,10 +56,6 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def available() -> bool:
-    return unavailable_reason() is None
-
-
 def require() -> None:
     why = unavailable_reason()
     if why:
