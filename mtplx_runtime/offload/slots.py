@@ -85,10 +85,6 @@ class SlotTier:
         return _align_view(raw, total, self.alignment, raw.__array_interface__["data"][0])
 
     @property
-    def free_count(self) -> int:
-        return len(self._free)
-
-    @property
     def used_count(self) -> int:
         return self.num_slots - len(self._free)
 
