@@ -17,10 +17,14 @@ from mtplx_runtime.engine.chat import (
     build_segments,
     parse_assistant,
     render_chat,
-    render_chat_text,
 )
 from mtplx_runtime.engine.tokenizer import load_tokenizer
 from mtplx_runtime.fixtures.tokenizer import write_tokenizer
+
+
+def render_chat_text(messages, **kwargs):
+    """The chat as one string: the segments' text, joined."""
+    return "".join(s.text for s in build_segments(messages, **kwargs))
 
 
 @pytest.fixture(scope="module", params=["tiny", "k3like"])
