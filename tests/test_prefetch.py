@@ -379,10 +379,10 @@ def test_shutdown_mid_read_returns_promptly(make):
     pf.speculate([(2, 0)])
     until(lambda: len(reader.starts) == 1)
     t = threading.Thread(target=pf.shutdown)
-    t0 = time.monotonic()
     t.start()
-    t.join(2.0)
-    assert not t.is_alive() and time.monotonic() - t0 < 2.0
+    t.join(T_OUT)  # a hang guard only
+    assert not t.is_alive()
+    assert not futs[(1, 0)].done()  # shutdown did not wait for the read still in the reader
     for k in keys(1, 3)[1:]:
         with pytest.raises(CancelledError):
             futs[k].result(T_OUT)
