@@ -283,11 +283,12 @@ def test_parse_round_trip_ids_and_text(tok):
         **expected,
         "content": "Answer.",
     }
-    assert (
-        render_chat(tok, [{"role": "user", "content": "q"}, ASSISTANT])[-1]
-        == tok.special("<|open|>")
-        or True
-    )
+    # a finished assistant turn is closed; the generation prompt opens a new one after it
+    history = [{"role": "user", "content": "q"}, ASSISTANT]
+    closed = render_chat(tok, history, add_generation_prompt=False)
+    assert closed[-1] == tok.special("<|end_of_msg|>")
+    prompted = render_chat(tok, history)
+    assert prompted[: len(closed)] == closed and tok.special("<|open|>") in prompted[len(closed):]
 
 
 def test_parse_generated_continuation(tok):
