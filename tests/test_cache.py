@@ -1,5 +1,6 @@
 """ExpertCache on scripted traces: exact hits, evictions, pins, tiers, transient prefill."""
 
+import sys
 import threading
 
 import numpy as np
@@ -321,3 +322,13 @@ def test_property_capacity_and_counters(trace, policy, scope, host_slots, trans_
     for t in tot.values():
         assert t["hits"] + t["misses"] == t["lookups"]
     assert tot["host"]["lookups"] <= tot["device"]["misses"]
+
+
+def test_cuda_unavailable_reason_says_why(monkeypatch):
+    from mtplx_runtime.offload.slots import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    assert reason is None or (isinstance(reason, str) and reason)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy now raises ImportError
+    assert "cupy is not installed" in cuda_unavailable_reason()
+    assert SlotTier("t", REC, SLOT, device="auto").device == "cpu"

@@ -29,11 +29,11 @@ from mtplx_runtime.offload.buffers import (
     KvikioReader,
     aligned_buffer,
     buffer_address,
-    gpu_reader_available,
+    gpu_reader_unavailable_reason,
 )
 
 __all__ = ["RecordReader", "ReadError", "RecordHashError", "aligned_buffer", "from_manifest",
-           "gpu_reader_available", "KvikioReader"]
+           "gpu_reader_unavailable_reason", "KvikioReader"]
 
 log = logging.getLogger("mtplx_runtime.artifact.manifest")
 
