@@ -275,7 +275,7 @@ def test_metrics(server):
     assert server["engine"].depth == 0
 
 
-def test_engine_queue_bound_and_failures_do_not_kill_it(server):
+def test_engine_queue_bound_and_failures_do_not_kill_it(server, caplog):
     from types import SimpleNamespace
 
     from mtplx_runtime.server.engine import Engine, QueueFull, Request
@@ -307,3 +307,5 @@ def test_engine_queue_bound_and_failures_do_not_kill_it(server):
         gate.set()
         engine.close()
     assert engine.counters.failed == 2
+    logged = [r for r in caplog.records if r.name == "mtplx_runtime.server.engine"]
+    assert len(logged) == 2 and all("boom" in str(r.exc_info[1]) for r in logged)
