@@ -17,14 +17,13 @@ import numpy as np
 import pytest
 
 from mtplx_runtime.artifact.manifest import Record, Sidecar, SidecarPart
+from mtplx_runtime.offload.buffers import KvikioReader, gpu_reader_unavailable_reason
 from mtplx_runtime.offload.reader import (
-    KvikioReader,
     ReadError,
     RecordHashError,
     RecordReader,
     aligned_buffer,
     from_manifest,
-    gpu_reader_unavailable_reason,
 )
 
 PAGE = 4096
