@@ -17,10 +17,14 @@ from mtplx_runtime.engine.chat import (
     build_segments,
     parse_assistant,
     render_chat,
-    render_chat_text,
 )
 from mtplx_runtime.engine.tokenizer import load_tokenizer
 from mtplx_runtime.fixtures.tokenizer import write_tokenizer
+
+
+def render_chat_text(messages, **kwargs):
+    """The chat as one string: the segments' text, joined."""
+    return "".join(s.text for s in build_segments(messages, **kwargs))
 
 
 @pytest.fixture(scope="module", params=["tiny", "k3like"])
@@ -279,11 +283,12 @@ def test_parse_round_trip_ids_and_text(tok):
         **expected,
         "content": "Answer.",
     }
-    assert (
-        render_chat(tok, [{"role": "user", "content": "q"}, ASSISTANT])[-1]
-        == tok.special("<|open|>")
-        or True
-    )
+    # a finished assistant turn is closed; the generation prompt opens a new one after it
+    history = [{"role": "user", "content": "q"}, ASSISTANT]
+    closed = render_chat(tok, history, add_generation_prompt=False)
+    assert closed[-1] == tok.special("<|end_of_msg|>")
+    prompted = render_chat(tok, history)
+    assert prompted[: len(closed)] == closed and tok.special("<|open|>") in prompted[len(closed):]
 
 
 def test_parse_generated_continuation(tok):

@@ -32,12 +32,6 @@ def test_bad_checkpoint_is_a_one_line_error(tmp_path, capsys):
     assert err.startswith("mtplx inspect: error:") and "Traceback" not in err
 
 
-def test_line_budget():
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "linecount.py")],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout
-
-
 STATS_ROWS = ("device (decode)", "host (decode)", "transient (prefill)", "prefill ", "decode ",
               "bytes read / token", "stall share", "lookahead recall", "disk rate", "I/O bound")
 

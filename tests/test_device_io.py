@@ -96,7 +96,7 @@ def test_guard_waits_once_per_mark():
 def test_kvikio_demanded_but_missing_is_a_clear_error(part, monkeypatch):
     import mtplx_runtime.offload.device_io as dio
 
-    monkeypatch.setattr(dio, "gpu_reader_available", lambda: (False, "kvikio unavailable (x)"))
+    monkeypatch.setattr(dio, "gpu_reader_unavailable_reason", lambda: "kvikio unavailable (x)")
     root, data = part
     rr = RecordReader(root, [("part0.bin", data.nbytes)], direct=False)
     with pytest.raises(RuntimeError, match="use_kvikio=True but kvikio unavailable"):

@@ -132,7 +132,8 @@ def test_cache_width_at_k3_dims():
                              num_key_value_heads=96)
     assert cache_values_per_token(k3) == 576
     assert MLACache.empty(k3, torch.bfloat16, capacity=3).buf.shape == (3, 576)
-    assert 24 * 576 * 2 == 27_648  # bytes per token over K3's 24 MLA layers in bf16
+    per_token = MLACache.empty(k3, torch.bfloat16, capacity=1).buf.nbytes
+    assert 24 * per_token == 27_648  # K3: 24 MLA layers, bf16 (FORMAT.md "MLA")
 
 
 def test_static_cache_and_trim():

@@ -1,5 +1,6 @@
-"""Prefetcher against a fake slow bank and a fake cache: ordering, back-pressure, speculation cap,
-stale cancellation, promotion, errors, shutdown without hang; plus one run on a real artifact."""
+"""Prefetcher against a fake slow bank and the real ExpertCache (CPU slots, calls recorded):
+ordering, back-pressure, speculation cap, stale cancellation, promotion, errors, shutdown without
+hang; plus one run on a real artifact."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from mtplx_runtime.offload.cache import ExpertCache
 from mtplx_runtime.offload.prefetch import NoSlotError, Prefetcher, PrefetchError
 
 REC = 4096  # bytes per fake record
@@ -94,52 +96,40 @@ class FakeReader:
         self.pool.shutdown(wait=True)
 
 
-class FakeCache:
-    """Slots without limit unless `capacity`; records every call. Double reserve is a bug."""
+class SpyCache(ExpertCache):
+    """The real ExpertCache (CPU slots, one global LRU scope) recording the calls the tests
+    check. `refuse`: keys reserve answers None for; `resident`: keys committed up front."""
 
-    def __init__(self, refuse=(), capacity=None, resident=()):
-        self.lock = threading.Lock()
-        self.refuse, self.capacity = set(refuse), capacity
-        self.reserved: dict = {}
-        self.resident: dict = {k: None for k in resident}
+    def __init__(self, refuse=(), resident=(), slots=512, record_bytes=REC):
+        super().__init__(record_bytes, slots * record_bytes, scope="global", policy="lru",
+                         device="cpu")
+        self.refuse = set(refuse)
         self.aborted: list = []
-        self.promoted: list = []
         self.records: list = []
         self.reserve_calls: list = []
+        for key in resident:
+            super().reserve(key)
+            self.commit(key)
 
     def reserve(self, key, *, speculative=False, transient=False):
-        with self.lock:
-            self.reserve_calls.append((key, speculative, transient))
-            assert key not in self.reserved, f"{key} reserved twice"
-            if key in self.resident or key in self.refuse:
-                return None
-            if self.capacity is not None and len(self.reserved) >= self.capacity:
-                return None
-            slot = ("slot", key)
-            self.reserved[key] = np.zeros(REC, np.uint8)
-            return slot
-
-    def buffer(self, slot):
-        return self.reserved[slot[1]]
-
-    def commit(self, key):
-        with self.lock:
-            self.resident[key] = self.reserved.pop(key)
+        self.reserve_calls.append((key, speculative, transient))
+        if key in self.refuse:
+            return None
+        return super().reserve(key, speculative=speculative, transient=transient)
 
     def abort(self, key):
-        with self.lock:
-            self.reserved.pop(key)
-            self.aborted.append(key)
+        super().abort(key)
+        self.aborted.append(tuple(key))
 
-    def promote(self, key):
-        self.promoted.append(key)
+    def record_read(self, key, nbytes, stall_ms=0.0, tier="device"):
+        super().record_read(key, nbytes, stall_ms, tier)
+        self.records.append((key, nbytes, stall_ms))
 
-    def record_read(self, key, nbytes, stall_ms):
-        with self.lock:
-            self.records.append((key, nbytes, stall_ms))
+    def ready(self, key) -> bool:
+        return key in self and not self.is_loading(key)
 
-    def __contains__(self, key):
-        return key in self.resident
+    def data(self, key):
+        return self.buffer(self.where(key))
 
 
 @pytest.fixture
@@ -148,7 +138,7 @@ def make():
 
     def _make(reader=None, cache=None, **kw):
         reader = reader or FakeReader()
-        cache = cache or FakeCache()
+        cache = cache or SpyCache()
         kw.setdefault("max_inflight_bytes", 8 * REC)
         pf = Prefetcher(reader, locate, cache, **kw)
         made.append((pf, reader))
@@ -172,7 +162,7 @@ def test_demand_reads_land_in_slots_and_are_recorded_once(make):
     slots = pf.wait(futs, timeout=T_OUT)
     assert set(slots) == set(keys(1, 5))
     for k in keys(1, 5):
-        assert np.array_equal(cache.resident[k], pattern(k))
+        assert cache.ready(k) and np.array_equal(cache.data(k), pattern(k))
     assert sorted(r[0] for r in cache.records) == keys(1, 5)
     assert all(r[1] == REC for r in cache.records)
     assert pf.stats.stall_ms > 50 and pf.stats.demand_reads == 5
@@ -195,7 +185,7 @@ def test_demand_goes_before_queued_speculation(make, limit):
     assert pf.inflight()["queued_demand"] == 1 and pf.inflight()["queued_spec"] == 2
     reader.gate.set()
     pf.wait({**a, **b}, timeout=T_OUT)
-    until(lambda: (2, 1) in cache.resident)
+    until(lambda: cache.ready((2, 1)))
     assert reader.starts[len(first):] == [(1, 1), (2, 0), (2, 1)]
 
 
@@ -226,13 +216,13 @@ def test_speculation_capped_by_fraction_of_budget(make):
     assert pf.speculate(keys(3, 5)) == keys(3, 2)  # cap = 2 records, queued + running
     assert pf.speculate([(3, 4)]) == []
     reader.gate.set()
-    until(lambda: (3, 1) in cache.resident)
+    until(lambda: cache.ready((3, 1)))
     assert pf.speculate(keys(3, 5)) == [(3, 2), (3, 3)]  # landed ones are skipped as resident
     assert all(spec for (k, spec, _) in cache.reserve_calls if k[0] == 3)
 
 
 def test_speculate_skips_resident_inflight_and_refused(make):
-    cache = FakeCache(refuse={(4, 1)}, resident={(4, 0)})
+    cache = SpyCache(refuse={(4, 1)}, resident={(4, 0)})
     pf, reader, cache = make(reader=FakeReader(gated=True), cache=cache,
                              speculative_fraction=1.0)
     pf.demand([(4, 2)])
@@ -249,7 +239,7 @@ def test_cancel_stale_drops_queued_speculation_only(make):
     assert cache.aborted == [(2, 0), (2, 2)]
     reader.gate.set()
     pf.wait(a, timeout=T_OUT)
-    until(lambda: (2, 1) in cache.resident)
+    until(lambda: cache.ready((2, 1)))
     assert reader.starts == [(1, 0), (2, 1)]
     assert pf.stats.spec_cancelled == 2 and pf.stats.spec_issued == 3
 
@@ -260,7 +250,7 @@ def test_running_speculation_finishes_then_is_settled(make):
     until(lambda: len(reader.starts) == 2)
     assert pf.cancel_stale(set()) == []  # both already handed to the reader
     reader.gate.set()
-    until(lambda: (5, 0) in cache.resident and (5, 1) in cache.resident)
+    until(lambda: cache.ready((5, 0)) and cache.ready((5, 1)))
     assert not cache.aborted
     assert sorted(r[0] for r in cache.records) == [(5, 0), (5, 1)]  # guesses recorded on landing
     assert pf.note_used([(5, 0), (9, 9)]) == 1
@@ -276,12 +266,11 @@ def test_inflight_speculation_is_promoted_not_duplicated(make):
     assert pf.inflight()["queued_demand"] == 2  # (6,2) moved over, (6,3) new
     reader.gate.set()
     slots = pf.wait(futs, timeout=T_OUT)
-    assert slots[(6, 2)] == ("slot", (6, 2))
-    until(lambda: (6, 1) in cache.resident)
+    assert slots[(6, 2)] == cache.where((6, 2)) and cache.ready((6, 2))
+    until(lambda: cache.ready((6, 1)))
     assert reader.starts == [(6, 0), (6, 2), (6, 3), (6, 1)]
     assert max(reader.reads.values()) == 1
     assert pf.stats.spec_used == 2 and pf.stats.demand_reads == 1
-    assert cache.promoted == [(6, 0), (6, 2)]
     assert sorted(r[0] for r in cache.records) == [(6, 0), (6, 1), (6, 2), (6, 3)]
 
 
@@ -298,8 +287,8 @@ def test_read_error_names_the_key_and_aborts_the_slot(make, mode):
     for part in ("layer 1", "expert 3", "bank.bin", f"offset {offset_of(bad)}"):
         assert part in msg
     assert ("short read" in msg) if mode == "short" else ("Input/output error" in msg)
-    assert cache.aborted == [bad] and bad not in cache.resident
-    assert futs[(1, 2)].result(T_OUT) == ("slot", (1, 2))
+    assert cache.aborted == [bad] and bad not in cache
+    assert futs[(1, 2)].result(T_OUT) == cache.where((1, 2))
     until(lambda: pf.inflight()["inflight_bytes"] == 0)
     assert pf.stats.failed_reads == 1
     assert bad not in [r[0] for r in cache.records]  # only successful reads are recorded
@@ -311,7 +300,7 @@ def test_no_slot_and_unknown_record_fail_the_future(make):
             raise KeyError(key)
         return locate(key)
 
-    reader, cache = FakeReader(), FakeCache(refuse={(1, 1)})
+    reader, cache = FakeReader(), SpyCache(refuse={(1, 1)})
     pf = Prefetcher(reader, picky_locate, cache, max_inflight_bytes=4 * REC)
     try:
         futs = pf.demand([(1, 0), (1, 1), (1, 99)], transient=False)
@@ -327,16 +316,73 @@ def test_no_slot_and_unknown_record_fail_the_future(make):
         reader.close()
 
 
+def test_demand_for_a_landed_key_resolves_without_a_read(make):
+    """A key already ready in the cache (a guess that landed after the caller's lookup, or one
+    committed some other way) gets a resolved future and no second read."""
+    pf, reader, cache = make(speculative_fraction=1.0)
+    assert pf.speculate([(7, 0)]) == [(7, 0)]
+    until(lambda: cache.ready((7, 0)))
+    cache.reserve((7, 1))
+    cache.data((7, 1))[:] = pattern((7, 1))
+    cache.commit((7, 1))
+    futs = pf.demand([(7, 0), (7, 1)])
+    assert all(f.done() for f in futs.values())
+    assert pf.wait(futs, timeout=T_OUT) == {k: cache.where(k) for k in [(7, 0), (7, 1)]}
+    assert reader.reads[(7, 0)] == 1 and (7, 1) not in reader.reads
+    assert pf.stats.demand_reads == 0
+    assert pf.stats.spec_used == 1  # the landed guess counts as used; (7, 1) was no guess
+    pf.cancel_stale(set())
+    assert pf.stats.spec_wasted == 0
+
+
+def test_demand_for_a_loading_key_the_prefetcher_does_not_own_is_an_error(make):
+    pf, reader, cache = make()
+    cache.reserve((8, 0))  # loading, but not through this prefetcher
+    with pytest.raises(ValueError, match="already cached"):
+        pf.demand([(8, 0)])
+
+
+def test_locate_bug_is_not_swallowed(make):
+    """KeyError (no such record) is a bad guess for speculate and a PrefetchError for demand;
+    any other exception from locate is a bug and reaches the caller as it is."""
+    def buggy_locate(key):
+        if key[1] == 98:
+            raise KeyError(key)
+        if key[1] == 99:
+            raise TypeError("locate bug")
+        return locate(key)
+
+    reader, cache = FakeReader(), SpyCache()
+    pf = Prefetcher(reader, buggy_locate, cache, max_inflight_bytes=8 * REC,
+                    speculative_fraction=1.0)
+    try:
+        assert pf.speculate([(1, 98), (1, 0)]) == [(1, 0)]
+        with pytest.raises(TypeError, match="locate bug"):
+            pf.speculate([(1, 1), (1, 99), (1, 2)])
+        until(lambda: cache.ready((1, 1)))  # issued before the bug: still dispatched
+        assert (1, 2) not in cache
+        futs = pf.demand([(2, 0), (2, 98), (2, 99)])
+        with pytest.raises(PrefetchError, match="layer 2, expert 98"):
+            futs[(2, 98)].result(T_OUT)
+        with pytest.raises(TypeError, match="locate bug"):
+            futs[(2, 99)].result(T_OUT)
+        assert futs[(2, 0)].result(T_OUT) == cache.where((2, 0))
+        assert (2, 98) not in cache and (2, 99) not in cache
+    finally:
+        pf.shutdown()
+        reader.close()
+
+
 def test_shutdown_mid_read_returns_promptly(make):
     pf, reader, cache = make(reader=FakeReader(gated=True), threads=1)
     futs = pf.demand(keys(1, 3))
     pf.speculate([(2, 0)])
     until(lambda: len(reader.starts) == 1)
     t = threading.Thread(target=pf.shutdown)
-    t0 = time.monotonic()
     t.start()
-    t.join(2.0)
-    assert not t.is_alive() and time.monotonic() - t0 < 2.0
+    t.join(T_OUT)  # a hang guard only
+    assert not t.is_alive()
+    assert not futs[(1, 0)].done()  # shutdown did not wait for the read still in the reader
     for k in keys(1, 3)[1:]:
         with pytest.raises(CancelledError):
             futs[k].result(T_OUT)
@@ -344,8 +390,8 @@ def test_shutdown_mid_read_returns_promptly(make):
     with pytest.raises(RuntimeError, match="shut down"):
         pf.demand([(3, 0)])
     reader.gate.set()  # the read that was running still lands and is committed
-    assert futs[(1, 0)].result(T_OUT) == ("slot", (1, 0))
-    assert (1, 0) in cache.resident
+    assert futs[(1, 0)].result(T_OUT) == cache.where((1, 0))
+    assert cache.ready((1, 0))
     pf.shutdown()  # idempotent
 
 
@@ -354,7 +400,7 @@ def test_shutdown_without_cancel_drains_queue(make):
     futs = pf.demand(keys(1, 4))
     pf.shutdown(cancel_pending=False)
     assert all(f.done() and not f.cancelled() for f in futs.values())
-    assert len(cache.resident) == 4
+    assert all(cache.ready(k) for k in keys(1, 4))
 
 
 def test_user_cancelled_demand_is_dropped(make):
@@ -367,7 +413,7 @@ def test_user_cancelled_demand_is_dropped(make):
     until(lambda: (1, 1) in cache.aborted)
     assert reader.starts == [(1, 0)]
     again = pf.demand([(1, 1)])  # a fresh read, not the cancelled future
-    assert again[(1, 1)].result(T_OUT) == ("slot", (1, 1))
+    assert again[(1, 1)].result(T_OUT) == cache.where((1, 1))
 
 
 def test_queued_cancelled_demand_is_replaced_by_a_new_demand(make):
@@ -378,7 +424,7 @@ def test_queued_cancelled_demand_is_replaced_by_a_new_demand(make):
     again = pf.demand([(1, 1)])
     assert again[(1, 1)] is not futs[(1, 1)] and cache.aborted == [(1, 1)]
     reader.gate.set()
-    assert again[(1, 1)].result(T_OUT) == ("slot", (1, 1))
+    assert again[(1, 1)].result(T_OUT) == cache.where((1, 1))
     assert reader.reads[(1, 1)] == 1
 
 
@@ -407,7 +453,7 @@ def test_many_concurrent_demands_complete(make):
     assert not errors and all(not t.is_alive() for t in threads)
     assert all(len(r) == 35 for r in results.values())
     assert max(reader.reads.values()) == 1  # shared keys read once
-    assert len(cache.resident) == 8 * 25 + 10
+    assert all(cache.ready(k) for i in range(8) for k in keys(i + 1, 25) + shared)
     assert reader.max_bytes <= 6 * REC
 
 
@@ -415,7 +461,6 @@ def test_real_reader_reads_record_bytes_into_slots(tmp_path):
     from mtplx_runtime.artifact.build import build_artifact
     from mtplx_runtime.artifact.manifest import load_manifest
     from mtplx_runtime.fixtures.tiny import make_tiny
-    from mtplx_runtime.offload.buffers import aligned_buffer
     from mtplx_runtime.offload.reader import from_manifest
 
     make_tiny(tmp_path / "src", "t158")
@@ -429,27 +474,8 @@ def test_real_reader_reads_record_bytes_into_slots(tmp_path):
         r = recs[key]
         return r.part, parts[r.part].data_start + r.sidecar_offset, r.sidecar_length, r.sha256
 
-    class SlotCache:
-        def __init__(self):
-            self.bufs, self.committed, self.records = {}, set(), []
-
-        def reserve(self, key, *, speculative=False, transient=False):
-            self.bufs[key] = aligned_buffer(recs[key].sidecar_length)
-            return key
-
-        def buffer(self, slot):
-            return self.bufs[slot]
-
-        def commit(self, key):
-            self.committed.add(key)
-
-        def abort(self, key):
-            raise AssertionError(f"unexpected abort of {key}")
-
-        def record_read(self, key, nbytes, stall_ms):
-            self.records.append((key, nbytes))
-
-    cache = SlotCache()
+    record_bytes = max(r.sidecar_length for r in recs.values())
+    cache = SpyCache(slots=len(recs), record_bytes=record_bytes)
     with from_manifest(root, man, direct="auto", threads=4) as reader:
         pf = Prefetcher(reader, real_locate, cache, max_inflight_bytes=256 << 10, threads=4,
                         speculative_fraction=0.5)
@@ -458,7 +484,7 @@ def test_real_reader_reads_record_bytes_into_slots(tmp_path):
             pf.wait(pf.demand(half), timeout=T_OUT)
             issued = pf.speculate(sorted(recs)[len(recs) // 2:])
             assert issued
-            until(lambda: set(issued) <= cache.committed)
+            until(lambda: all(cache.ready(k) for k in issued))
         finally:
             pf.shutdown()
     for key in half + issued:
@@ -466,5 +492,7 @@ def test_real_reader_reads_record_bytes_into_slots(tmp_path):
         with open(root / parts[r.part].file, "rb") as f:
             f.seek(parts[r.part].data_start + r.sidecar_offset)
             want = f.read(r.sidecar_length)
-        assert cache.bufs[key].tobytes()[: r.sidecar_length] == want
-    assert sorted(cache.records) == sorted((k, recs[k].sidecar_length) for k in half + issued)
+        assert cache.data(key).tobytes()[: r.sidecar_length] == want
+    assert not cache.aborted
+    assert sorted((k, n) for k, n, _ in cache.records) == sorted(
+        (k, recs[k].sidecar_length) for k in half + issued)

@@ -244,14 +244,12 @@ def test_disconnect_mid_stream_frees_engine(server, client, expected):
             chunk = s.recv(65536)
             assert chunk, got
             got += chunk
-    t0 = time.monotonic()
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12)
     assert r.choices[0].text == expected
     deadline = time.monotonic() + TIMEOUT
     while engine.counters.cancelled == cancelled:
         assert time.monotonic() < deadline, "the dropped generation was never cancelled"
         time.sleep(0.01)
-    assert time.monotonic() - t0 < TIMEOUT
 
 
 def test_twenty_concurrent_clients(server, client, expected):
@@ -278,7 +276,7 @@ def test_metrics(server):
     assert server["engine"].depth == 0
 
 
-def test_engine_queue_bound_and_failures_do_not_kill_it(server):
+def test_engine_queue_bound_and_failures_do_not_kill_it(server, caplog):
     from types import SimpleNamespace
 
     from mtplx_runtime.server.engine import Engine, QueueFull, Request
@@ -310,3 +308,5 @@ def test_engine_queue_bound_and_failures_do_not_kill_it(server):
         gate.set()
         engine.close()
     assert engine.counters.failed == 2
+    logged = [r for r in caplog.records if r.name == "mtplx_runtime.server.engine"]
+    assert len(logged) == 2 and all("boom" in str(r.exc_info[1]) for r in logged)

@@ -175,10 +175,8 @@ def test_truncated_part_fails_the_forward(built, tmp_path):
         part = art / provider.manifest.sidecar.parts[-1].file
         with open(part, "r+b") as f:
             f.truncate(0)
-        t0 = time.monotonic()
-        with pytest.raises(PrefetchError, match=part.name):
+        with pytest.raises(PrefetchError, match=part.name):  # a hang: TimeoutError at 10 s
             model.logits(PROMPT + PROMPT)  # prefill needs nearly every expert of every layer
-        assert time.monotonic() - t0 < 30.0  # a hang would end in TimeoutError at 10 s anyway
 
 
 def test_guess_landing_before_demand_counts_as_hit(built):

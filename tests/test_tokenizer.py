@@ -193,10 +193,9 @@ def test_special_text_not_recognised_by_default(which, request):
     plain = tok.encode(text)
     assert all(t < tok.n_ranks for t in plain) and tok.decode(plain) == text
     op, eom, bos = tok.special("<|open|>"), tok.special("<|end_of_msg|>"), tok.special("[BOS]")
-    assert tok.encode_with_specials(text) == [
+    assert tok.encode(text, allow_special=True) == [
         *tok.encode("a"), op, *tok.encode("b"), eom, bos
     ]  # fmt: skip
-    assert tok.encode(text, allow_special=True) == tok.encode_with_specials(text)
 
 
 def test_decode_skip_special_keeps_xtml_markers(tiny):
@@ -287,7 +286,7 @@ def test_stream_decoder_never_splits_characters(which, request):
     text = "héllo 中文字 🙂 ok ΑΒΓ\n"
     ids = tok.encode(text)
     # the vocabularies are ASCII-trained: multi-byte characters span several tokens
-    assert any(len(tok.token_bytes(t).decode("utf-8", "ignore")) == 0 for t in ids)
+    assert any(len(tok.decode_bytes([t]).decode("utf-8", "ignore")) == 0 for t in ids)
     dec = tok.stream_decoder()
     chunks = [dec.push(t) for t in ids]
     assert "" in chunks and not any("\ufffd" in c for c in chunks)
@@ -297,8 +296,9 @@ def test_stream_decoder_never_splits_characters(which, request):
 def test_stream_decoder_specials_and_flush(tiny):
     s = tiny.special
     dec = tiny.stream_decoder(skip_special=True)
-    out = dec.push_many([s("[BOS]"), *tiny.encode("a"), s("<|open|>"), s("<|end_of_msg|>")])
+    out = "".join(dec.push(t) for t in [s("[BOS]"), *tiny.encode("a"), s("<|open|>"),
+                                        s("<|end_of_msg|>")])
     assert out == "a<|open|>"
     partial = "中".encode()[:2]
-    assert dec.push_many(tiny.encode("x") + [partial[0], partial[1]]) == "x"
+    assert "".join(dec.push(t) for t in tiny.encode("x") + [partial[0], partial[1]]) == "x"
     assert dec.flush() == "\ufffd"

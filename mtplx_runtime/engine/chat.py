@@ -340,12 +340,6 @@ def render_chat(
     return encode_segments(tok, segments)
 
 
-def render_chat_text(messages: list[dict], **kwargs: Any) -> str:
-    """The same chat as one string, for debugging. Re-encoding it with specials recognised is
-    NOT the same ids in general (segments are BPE-encoded separately)."""
-    return "".join(s.text for s in build_segments(messages, **kwargs))
-
-
 # ---- parsing a generated reply ---------------------------------------------------------------
 
 _MARKER_RE = re.compile("(" + "|".join(re.escape(m) for m in MARKERS) + ")")

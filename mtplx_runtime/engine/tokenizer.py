@@ -191,13 +191,6 @@ class Tokenizer:
                 out.extend(self._enc.encode(piece, disallowed_special=()))
         return out
 
-    def encode_with_specials(self, text: str) -> list[int]:
-        """Like encode, but `<|open|>`, `[BOS]`, ... in the text become their special ids."""
-        return self.encode(text, allow_special=True)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self._enc.decode_single_token_bytes(token_id)
-
     def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
         ids = [int(t) for t in ids]
         if skip_special:
@@ -224,9 +217,6 @@ class StreamDecoder:
 
     def push(self, token_id: int) -> str:
         return self._utf8.decode(self._tok.decode_bytes([token_id], self._skip))
-
-    def push_many(self, ids: Iterable[int]) -> str:
-        return "".join(self.push(t) for t in ids)
 
     def flush(self) -> str:
         """Text for any held-back bytes (an incomplete character becomes U+FFFD); resets."""

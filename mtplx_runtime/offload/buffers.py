@@ -49,42 +49,43 @@ def aligned_buffer(nbytes: int, alignment: int = PAGE_BYTES) -> np.ndarray:
     return arr[skip:skip + nbytes]
 
 
-def gpu_reader_available() -> tuple[bool, str]:
-    """(True, versions) when cupy and kvikio import and cupy sees a device; else (False, why).
+def gpu_reader_unavailable_reason() -> str | None:
+    """None when cupy and kvikio import and cupy sees a device; else why the GPU reader is off.
 
     Never raises: a missing package, a missing libcufile (kvikio raises a non-ImportError at
-    import) or a host without a CUDA driver all come back as (False, reason).
+    import) or a host without a CUDA driver all come back as the reason. The broad catches below
+    are that contract: a broken GPU install must not break the CPU path.
     """
     try:
         import cupy
     except ImportError as e:
-        return False, f"cupy is not installed ({e})"
-    except Exception as e:  # a broken install must not break the CPU path
-        return False, f"cupy failed to import: {type(e).__name__}: {e}"
+        return f"cupy is not installed ({e})"
+    except Exception as e:
+        return f"cupy failed to import: {type(e).__name__}: {e}"
     try:
         if not cupy.is_available():
-            return False, "cupy.is_available() is False (no CUDA driver or device)"
+            return "cupy.is_available() is False (no CUDA driver or device)"
     except Exception as e:
-        return False, f"cupy.is_available() failed: {type(e).__name__}: {e}"
+        return f"cupy.is_available() failed: {type(e).__name__}: {e}"
     try:
-        import kvikio
+        import kvikio  # noqa: F401
     except ImportError as e:
-        return False, f"kvikio is not installed ({e})"
+        return f"kvikio is not installed ({e})"
     except Exception as e:
-        return False, f"kvikio failed to import: {type(e).__name__}: {e}"
-    return True, f"cupy {cupy.__version__}, kvikio {kvikio.__version__}"
+        return f"kvikio failed to import: {type(e).__name__}: {e}"
+    return None
 
 
 class KvikioReader:
     """Record reads straight into cupy device buffers through kvikio `CuFile.pread` (GDS or its
-    POSIX compatibility mode). Constructed only where `gpu_reader_available()` is True; elsewhere
-    the constructor raises RuntimeError with the reason. Leave KVIKIO_COMPAT_MODE unset or AUTO:
-    OFF can hang the CuFile constructor.
+    POSIX compatibility mode). Constructed only where `gpu_reader_unavailable_reason()` is None;
+    elsewhere the constructor raises RuntimeError with the reason. Leave KVIKIO_COMPAT_MODE unset
+    or AUTO: OFF can hang the CuFile constructor.
     """
 
     def __init__(self, root: str | os.PathLike, parts: list[tuple[str, int]]):
-        ok, reason = gpu_reader_available()
-        if not ok:
+        reason = gpu_reader_unavailable_reason()
+        if reason is not None:
             raise RuntimeError(f"KvikioReader unavailable: {reason}; use RecordReader instead")
         import kvikio
 

@@ -126,15 +126,15 @@ class ExpertCache:
 
     # ---- queries -------------------------------------------------------------------------
 
-    def lookup(self, keys: Iterable[ExpertKey], *, transient: bool = False,
-               pin: bool = False) -> tuple[dict[ExpertKey, SlotRef], list[ExpertKey]]:
+    def lookup(self, keys: Iterable[ExpertKey], *, transient: bool = False
+               ) -> tuple[dict[ExpertKey, SlotRef], list[ExpertKey]]:
         """Split `keys` into hits {key: SlotRef} (ready to compute from) and misses [key].
 
         A key still loading is a miss (wait on the prefetcher's future, do not reserve again).
         A device miss found in the host tier is promoted (host -> device copy, counted as a host
         hit); if no device slot can be freed the hit's ref points at the host tier. `transient`
-        (prefill) lookups count but leave the replacement order untouched. `pin` pins every key
-        found (hit or loading) under the same lock. Does not block on I/O.
+        (prefill) lookups count but leave the replacement order untouched. Does not block on
+        I/O.
         """
         hits: dict = {}
         misses: list = []
@@ -155,7 +155,6 @@ class ExpertCache:
                     else:
                         c["device"].misses += 1
                         misses.append(key)
-                    e.pins += pin
                     continue
                 c["device"].misses += 1
                 if self._host is not None:
@@ -164,7 +163,7 @@ class ExpertCache:
                         c["host"].hits += 1
                         e.pins += 1  # the promoted key must not be picked as a host victim
                         hits[key] = self._promote(key, e, transient)
-                        e.pins -= 1 - pin  # keep the temporary pin only when asked to pin
+                        e.pins -= 1
                         continue
                     c["host"].misses += 1
                 misses.append(key)
@@ -298,11 +297,6 @@ class ExpertCache:
                 for k, v in c.items():
                     out[t][k] += v
         return out
-
-    def occupancy(self) -> dict[str, int]:
-        """Used slots per tier (transient entries in the device tier count as device)."""
-        with self._lock:
-            return {t: (s.used_count if s is not None else 0) for t, s in self._tiers.items()}
 
     def capacity(self) -> dict[str, int]:
         return {t: (s.num_slots if s is not None else 0) for t, s in self._tiers.items()}

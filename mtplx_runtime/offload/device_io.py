@@ -21,7 +21,12 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .buffers import KvikioReader, aligned_buffer, buffer_address, gpu_reader_available
+from .buffers import (
+    KvikioReader,
+    aligned_buffer,
+    buffer_address,
+    gpu_reader_unavailable_reason,
+)
 from .reader import RecordHashError
 
 log = logging.getLogger(__name__)
@@ -86,13 +91,14 @@ class DeviceReader:
         if use_kvikio not in (True, False, "auto"):
             raise ValueError(f"use_kvikio must be True, False or 'auto', got {use_kvikio!r}")
         self.reader, self.guard = reader, guard or SlotGuard()
-        ok, why = gpu_reader_available() if use_kvikio else (False, "kvikio off")
+        why = gpu_reader_unavailable_reason() if use_kvikio else "kvikio off"
+        ok = why is None
         if use_kvikio is True and not ok:
             raise RuntimeError(f"use_kvikio=True but {why}")
         self.kvikio = ok
         self._kvikio = KvikioReader(reader.root, [p[:2] for p in reader.parts]) if ok else None
         self._kvikio_lock = threading.Lock()  # KvikioReader opens files lazily, unlocked
-        self.mode = (f"kvikio: {why}, {kvikio_mode()}" if ok else
+        self.mode = (f"kvikio: {kvikio_mode()}" if ok else
                      f"staged: pread -> pinned host buffer -> copy stream ({why})")
         log.info("device reads: %s", self.mode)
         self._to_device = to_device or _stream_copy()
@@ -146,9 +152,9 @@ class DeviceReader:
 
 def _host_buffer(nbytes: int):
     """A page-aligned staging buffer, CUDA-pinned when cupy has a device (async-copy capable)."""
-    from .slots import SlotTier, cuda_available
+    from .slots import SlotTier, cuda_unavailable_reason
 
-    if cuda_available():
+    if cuda_unavailable_reason() is None:
         return SlotTier("staging", nbytes, nbytes, pinned_host=True).view(0)
     return aligned_buffer(nbytes)
 

@@ -196,11 +196,6 @@ class DecayedFrequencyPolicy(Policy):
     def score(self, key):
         return self._log.get(key, -math.inf)
 
-    def current(self, key) -> float:
-        """The decayed count as of now (for reports and hand-checked tests)."""
-        s = self._log.get(key)
-        return 0.0 if s is None else math.exp(s - self._clock * self._a)
-
     def victim(self, eligible=None):
         return self._members.min(eligible)
 

@@ -27,7 +27,8 @@ __all__ = ["ExpertKey", "PrefetchError", "NoSlotError", "Prefetcher", "PrefetchS
 log = logging.getLogger("mtplx_runtime.offload.prefetch")
 
 ExpertKey = tuple[int, int]  # (layer, expert), the model's 0-based layer index
-# locate(key) -> (part index, absolute byte offset in the part file, length in bytes, sha256|None)
+# locate(key) -> (part index, absolute byte offset in the part file, length in bytes, sha256|None);
+# KeyError when the key has no record. Any other exception is a bug and is not swallowed.
 Locate = Callable[[ExpertKey], tuple[int, int, int, "str | None"]]
 
 
@@ -83,10 +84,11 @@ class Prefetcher:
     """Background reads of expert records into cache slots under a bounded in-flight byte budget.
 
     `reader`: `read_into(part, offset, length, buf, sha256=None) -> Future[int]` (RecordReader).
-    `locate(key)`: (part, absolute offset, length, sha256 | None) of one record.
-    `cache`: `reserve(key, *, speculative, transient) -> SlotRef | None`, `buffer(slot)`,
-    `commit(key)`, `abort(key)`, `record_read(key, nbytes, stall_ms)`; optional `key in cache`
-    (resident test for speculate) and `promote(key)` (a speculative slot is now demanded).
+    `locate(key)`: (part, absolute offset, length, sha256 | None) of one record; KeyError when
+    the key has no record.
+    `cache`: an ExpertCache; this uses `reserve(key, *, speculative, transient)`, `buffer(ref)`,
+    `commit(key)`, `abort(key)`, `record_read(key, nbytes, stall_ms)`, `where(key)`,
+    `is_loading(key)` and `key in cache`.
     `max_inflight_bytes`: bytes handed to the reader at once; a single record larger than the
     budget runs alone. `threads`: reads handed to the reader at once; keep it at the reader's own
     thread count so nothing queues inside the reader, where demand could not overtake it.
@@ -122,7 +124,8 @@ class Prefetcher:
         """Queue reads the current layer needs now (cache misses). Never blocks on I/O.
 
         Returns {key: Future[SlotRef]}; the future resolves after `cache.commit(key)`, or raises
-        PrefetchError (read failed, slot aborted), NoSlotError, or CancelledError (shutdown). A key
+        PrefetchError (read failed or no record: `locate` raised KeyError), NoSlotError,
+        CancelledError (shutdown), or whatever else `locate` raised for that key. A key
         already being read (demand or speculative) shares that read; a speculative one is
         promoted ahead of all queued speculation. A key whose read already landed (a lookahead
         guess committed after the caller's cache lookup) gets a resolved future and counts as a
@@ -153,7 +156,7 @@ class Prefetcher:
                     landed.append(key)
                     continue
                 job = self._new_job_locked(key, speculative=False, transient=transient)
-                if isinstance(job, Future):  # locate failed or no slot: an already-failed future
+                if isinstance(job, Future):  # no record or no slot: an already-failed future
                     out[key] = job
                     continue
                 self._demand_q.append(job)
@@ -166,52 +169,54 @@ class Prefetcher:
         return out
 
     def _ready_ref(self, key: ExpertKey):
-        """The cache's ref for `key` when it holds it ready (needs `where`/`is_loading`)."""
-        where = getattr(self.cache, "where", None)
-        if where is None:
-            return None
-        ref = where(key)
+        """The cache's ref for `key` when it holds it ready, else None."""
+        ref = self.cache.where(key)
         return None if ref is None or self.cache.is_loading(key) else ref
 
     def speculate(self, keys: Iterable[ExpertKey]) -> list[ExpertKey]:
         """Queue lookahead reads, best guess first; returns the keys actually issued. Never blocks.
 
-        Skips keys resident (`key in cache`, when the cache supports it), already in flight, or
-        refused a slot (reserve answered None). Stops at the first key that would push queued +
-        running speculative bytes past `speculative_fraction * max_inflight_bytes`.
+        Skips keys resident (`key in cache`), already in flight, without a record (`locate`
+        raised KeyError: a bad guess), or refused a slot (reserve answered None). Stops at the
+        first key that would push queued + running speculative bytes past
+        `speculative_fraction * max_inflight_bytes`. Any other exception from `locate` propagates;
+        the keys issued before it stay queued.
         """
         issued: list[ExpertKey] = []
         with self._cond:
             self._check_open()
-            contains = getattr(self.cache, "__contains__", None)
-            for key in keys:
-                key = (int(key[0]), int(key[1]))
-                if key in self._jobs or (contains is not None and contains(key)):
-                    self.stats.spec_skipped += 1
-                    continue
-                try:
-                    part, offset, length, sha = self.locate(key)
-                except Exception as e:  # an unknown key is a bad guess, not an error
-                    log.debug("speculate: cannot locate %s: %s", key, e)
-                    self.stats.spec_skipped += 1
-                    continue
-                if self._spec_bytes + length > self.spec_cap_bytes:
-                    self.stats.spec_skipped += 1
-                    break
-                slot = self.cache.reserve(key, speculative=True, transient=False)
-                if slot is None:
-                    self.stats.spec_skipped += 1
-                    continue
-                job = _Job(key, part, offset, length, sha, slot, speculative=True)
-                self._jobs[key] = job
-                self._spec_q.append(job)
-                self._spec_bytes += length
-                self._landed.discard(key)
-                self.stats.spec_issued += 1
-                self.stats.spec_bytes += length
-                issued.append(key)
-            self._cond.notify_all()
+            try:
+                self._speculate_locked(keys, issued)
+            finally:
+                self._cond.notify_all()
         return issued
+
+    def _speculate_locked(self, keys: Iterable[ExpertKey], issued: list[ExpertKey]) -> None:
+        for key in keys:
+            key = (int(key[0]), int(key[1]))
+            if key in self._jobs or key in self.cache:
+                self.stats.spec_skipped += 1
+                continue
+            try:
+                part, offset, length, sha = self.locate(key)
+            except KeyError:  # no such record: a bad guess, not an error
+                self.stats.spec_skipped += 1
+                continue
+            if self._spec_bytes + length > self.spec_cap_bytes:
+                self.stats.spec_skipped += 1
+                break
+            slot = self.cache.reserve(key, speculative=True, transient=False)
+            if slot is None:
+                self.stats.spec_skipped += 1
+                continue
+            job = _Job(key, part, offset, length, sha, slot, speculative=True)
+            self._jobs[key] = job
+            self._spec_q.append(job)
+            self._spec_bytes += length
+            self._landed.discard(key)
+            self.stats.spec_issued += 1
+            self.stats.spec_bytes += length
+            issued.append(key)
 
     def cancel_stale(self, keep: set[ExpertKey]) -> list[ExpertKey]:
         """Drop queued speculative reads whose key is not in `keep` (slot aborted, future
@@ -328,12 +333,15 @@ class Prefetcher:
             raise RuntimeError("Prefetcher is shut down")
 
     def _new_job_locked(self, key: ExpertKey, *, speculative: bool, transient: bool):
-        """A reserved job, or a failed Future when the key cannot be located or slotted."""
+        """A reserved job, or a failed Future when the key has no record (PrefetchError), no
+        slot (NoSlotError) or `locate` failed otherwise (that exception, unwrapped)."""
         try:
             part, offset, length, sha = self.locate(key)
-        except Exception as e:
+        except KeyError as e:
             return _failed(key, PrefetchError(key, f"expert (layer {key[0]}, expert {key[1]}): "
                                                    f"cannot locate its record: {e}"), e)
+        except Exception as e:  # a bug in locate: the caller sees it as it is, on this key
+            return _failed(key, e, None)
         slot = self.cache.reserve(key, speculative=speculative, transient=transient)
         if slot is None and not transient:  # a full cache may still lend a one-use slot
             slot = self.cache.reserve(key, speculative=speculative, transient=True)
@@ -352,9 +360,6 @@ class Prefetcher:
         if job.state == "queued":
             self._spec_q.remove(job)
             self._demand_q.append(job)
-        promote = getattr(self.cache, "promote", None)
-        if promote is not None:
-            promote(job.key)
 
     def _drop_queued_locked(self, job: _Job) -> None:
         del self._jobs[job.key]
@@ -436,7 +441,7 @@ class Prefetcher:
             else:
                 try:
                     self.cache.abort(job.key)
-                except Exception:
+                except Exception:  # logged, not raised: the future below must still resolve
                     log.exception("cache.abort(%s) failed", job.key)
                 self.stats.failed_reads += 1
             job.state = "done"
@@ -454,7 +459,7 @@ class Prefetcher:
         parts = getattr(self.reader, "parts", None)
         try:
             name = parts[job.part][0]
-        except Exception:
+        except (TypeError, LookupError):  # a reader without `parts`, or not this part
             name = f"part {job.part}"
         kind = "speculative" if job.speculative else "demand"
         err = PrefetchError(job.key, f"expert (layer {job.key[0]}, expert {job.key[1]}): "

@@ -26,14 +26,11 @@ from pathlib import Path, PurePosixPath
 
 from mtplx_runtime.offload.buffers import (
     PAGE_BYTES,
-    KvikioReader,
     aligned_buffer,
     buffer_address,
-    gpu_reader_available,
 )
 
-__all__ = ["RecordReader", "ReadError", "RecordHashError", "aligned_buffer", "from_manifest",
-           "gpu_reader_available", "KvikioReader"]
+__all__ = ["RecordReader", "ReadError", "RecordHashError", "aligned_buffer", "from_manifest"]
 
 log = logging.getLogger("mtplx_runtime.artifact.manifest")
 

@@ -15,14 +15,18 @@ import numpy as np
 from .buffers import PAGE_BYTES, aligned_buffer
 
 
-def cuda_available() -> bool:
-    """True when cupy imports and sees a device. Never raises."""
+def cuda_unavailable_reason() -> str | None:
+    """None when cupy imports and sees a device; else why not. Never raises."""
     try:
         import cupy
 
-        return bool(cupy.is_available())
-    except Exception:  # missing or broken install: the CPU path must keep working
-        return False
+        if not cupy.is_available():
+            return "cupy.is_available() is False (no CUDA driver or device)"
+    except ImportError as e:
+        return f"cupy is not installed ({e})"
+    except Exception as e:  # a broken install: the CPU path must keep working
+        return f"cupy failed: {type(e).__name__}: {e}"
+    return None
 
 
 def _align_view(raw, nbytes: int, alignment: int, address: int):
@@ -49,7 +53,7 @@ class SlotTier:
         if device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"{name}: device must be cpu, cuda or auto, got {device!r}")
         if device == "auto":
-            device = "cuda" if cuda_available() else "cpu"
+            device = "cuda" if cuda_unavailable_reason() is None else "cpu"
         self.name = name
         self.record_bytes = int(record_bytes)
         self.alignment = int(alignment)
@@ -62,7 +66,7 @@ class SlotTier:
             self.data = np.zeros(0, dtype=np.uint8)
         elif device == "cuda":
             self.data = self._cuda_buffer(total)
-        elif pinned_host and cuda_available():
+        elif pinned_host and cuda_unavailable_reason() is None:
             self.data = self._pinned_buffer(total)
             self.pinned = True
         else:
@@ -83,10 +87,6 @@ class SlotTier:
         mem = cupy.cuda.alloc_pinned_memory(total + self.alignment)
         raw = np.frombuffer(mem, dtype=np.uint8, count=total + self.alignment)
         return _align_view(raw, total, self.alignment, raw.__array_interface__["data"][0])
-
-    @property
-    def free_count(self) -> int:
-        return len(self._free)
 
     @property
     def used_count(self) -> int:

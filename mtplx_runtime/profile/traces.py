@@ -18,9 +18,6 @@ import numpy as np
 
 from ..engine.trace import TRACE_FORMAT, read_trace
 
-PLAIN_MAGIC = "# mtplx-plain-routes"
-K3_SHAPE = {"layers": 92, "experts": 896, "top_k": 16}
-
 
 @dataclass
 class Trace:

@@ -13,12 +13,15 @@ that request only; the worker keeps serving.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
 from ..engine.chat import ChannelText
+
+log = logging.getLogger("mtplx_runtime.server.engine")
 
 # Events put on a request's asyncio queue: ("delta", kind, text) with kind "content" or
 # "reasoning"; ("done", finish_reason, usage dict); ("error", message).
@@ -164,7 +167,9 @@ class Engine:
             self.running = req
             try:
                 self._run(req)
-            except Exception as e:  # one bad request must never take the engine down
+            except Exception as e:  # the one broad catch: a failed generation must not stop
+                # the server; the client gets the error, the log keeps the traceback
+                log.exception("generation failed")
                 self.counters.failed += 1
                 req.emit("error", f"{type(e).__name__}: {e}")
             finally:
