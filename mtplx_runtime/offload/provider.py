@@ -138,7 +138,7 @@ class StreamingExpertProvider:
     def run_experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:
         """The routed sum of `layer`: sum_k weights[t, k] * expert_{ids[t, k]}(x_t), computed by
-        the kernel backend straight from the cache slots (LatentMoE calls this when present).
+        the kernel backend straight from the cache slots.
 
         x [T, R] latent activations (model dtype), ids / weights [T, K] from `route`. The needed
         experts go in windows of ascending ids, each small enough that all of them hold a slot
@@ -146,8 +146,8 @@ class StreamingExpertProvider:
         looked up, read, computed into one fp32 accumulator and released before the next, so
         the sum order is the reference's whatever the window count. Every read of a window lands
         before its kernel runs: lookahead prefetch, not this call, overlaps I/O with compute.
-        Returns [T, R] in x.dtype; under the reference backend bit-identical to LatentMoE's
-        own loop. Raises PrefetchError (names the expert, file and offset) or TimeoutError.
+        Returns [T, R] in x.dtype; under the reference backend bit-identical to
+        ResidentExpertProvider's sum. Raises PrefetchError (names the expert, file and offset) or TimeoutError.
         """
         if self._closed:
             raise RuntimeError("StreamingExpertProvider is closed")
