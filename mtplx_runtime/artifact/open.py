@@ -2,10 +2,11 @@
 
 FORMAT.md "Streaming artifact: banks and manifest v1". The manifest (already digest- and
 structure-checked by `load_manifest`) is checked here against the config: the record layout of
-its codec mode for the config's expert shapes (`storage.bank.record_layout`), every expert of each
-routed layer it holds (descriptor rules 15-20; the pinned K3 descriptor for `kimi-k3-q1t`), and
-each record's segments contiguous from its part's `data_start + sidecar_offset`. Bank parts are
-opened at open time (O_NOFOLLOW, regular file of the manifest's size) and stay open.
+its codec mode for the config's expert shapes (`formats.record.record_layout`), every expert of
+each routed layer it holds (FORMAT.md rules 15-20; the pinned K3 descriptor for `kimi-k3-q1t`),
+and each record's segments contiguous from its part's `data_start + sidecar_offset`. Bank parts
+are checked at open with lstat (a regular file of the manifest's size, not a symlink; nothing is
+opened, so a FIFO cannot block) and opened on their first read (O_NOFOLLOW).
 
     (layer, expert) -> manifest record -> ONE os.pread of the whole record
         -> [sha256 checked if asked] -> record_parts (pads skipped) -> ExpertRecord

@@ -5,7 +5,7 @@
     -> stats table: per-tier hits, bytes read per token, stall share, tok/s, the I/O bound
 
 The same prompt is then run with every expert resident (decoded once, kept in memory) and the
-two id sequences are compared. `--codecs` adds the per-codec fixture table (`demo_fixtures`).
+two id sequences are compared. `--codecs` adds the per-codec fixture table (`fixtures.codec_table`).
 """
 
 from __future__ import annotations

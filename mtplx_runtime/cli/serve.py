@@ -1,6 +1,6 @@
 """`mtplx serve`: an OpenAI-compatible HTTP server for one model (uvicorn on uvloop).
 
-    --model DIR -> generate_cli.load_runtime -> Engine (one worker thread) -> App (ASGI)
+    --model DIR -> cli.generate.load_runtime -> Engine (one worker thread) -> App (ASGI)
         -> uvicorn (uvloop, loopback by default, bounded connections)
 
 uvicorn and uvloop come with the `server` extra and are imported only when serving, so this
@@ -56,7 +56,7 @@ def make_server(app, *, host: str = "127.0.0.1", port: int = 0, max_connections:
 
 
 def build(args: argparse.Namespace):
-    """(app, engine, runtime) from parsed flags; raises generate_cli.CliError on bad flags."""
+    """(app, engine, runtime) from parsed flags; raises cli.generate.CliError on bad flags."""
     from ..server.app import App, ServerConfig
     from ..server.engine import Engine
     from .generate import CliError, load_runtime

@@ -186,7 +186,7 @@ def ctint(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray | None = None,
 def record_matrices(layout, buf) -> dict[str, Matrix]:
     """{"gate", "up", "down": Matrix} viewing one bank record's bytes in place (no copy).
 
-    `layout` is the record's `storage.bank.RecordLayout`; `buf` its bytes (uint8 array or
+    `layout` is the record's `formats.record.RecordLayout`; `buf` its bytes (uint8 array or
     buffer). Modes: t158, mxfp4, ct-int, ct-int-asym (dense layout, as banks store it)."""
     from ..checkpoint.safetensors_io import ST_DTYPES
 
@@ -275,7 +275,7 @@ class RecordPlan:
 
 @functools.cache
 def record_plan(layout) -> RecordPlan:
-    """The RecordPlan of `layout` (a `storage.bank.RecordLayout`), found once by viewing a blank
+    """The RecordPlan of `layout` (a `formats.record.RecordLayout`), found once by viewing a blank
     record with `record_matrices`, so the layer call needs no per-record views (~11 us each)."""
     blank = np.zeros(layout.logical_bytes, np.uint8)
     m = record_matrices(layout, blank)

@@ -78,7 +78,7 @@ class DeviceReader:
     the RecordReader contract (which it wraps) for cupy destinations.
 
     use_kvikio: True, False or "auto" (kvikio when cupy sees a GPU and kvikio imports: the
-    storage.buffers.KvikioReader). staging_bytes: the largest read (one record); `threads`
+    offload.buffers.KvikioReader). staging_bytes: the largest read (one record); `threads`
     staging buffers of that size are allocated, pinned when cupy can. `to_device(host_view,
     dev_buf)` copies and returns when the bytes have landed (default: cupy `set` on a dedicated
     copy stream, then that stream's synchronize); tests pass a host copy to drive the staging

@@ -147,7 +147,8 @@ class StreamingExpertProvider:
         the sum order is the reference's whatever the window count. Every read of a window lands
         before its kernel runs: lookahead prefetch, not this call, overlaps I/O with compute.
         Returns [T, R] in x.dtype; under the reference backend bit-identical to
-        ResidentExpertProvider's sum. Raises PrefetchError (names the expert, file and offset) or TimeoutError.
+        ResidentExpertProvider's sum. Raises PrefetchError (names the expert, file and offset)
+        or TimeoutError.
         """
         if self._closed:
             raise RuntimeError("StreamingExpertProvider is closed")

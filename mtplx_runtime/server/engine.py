@@ -119,7 +119,7 @@ class Counters:
 
 
 class Engine:
-    """Owns `runtime` (a `generate_cli.Runtime`) on one worker thread.
+    """Owns `runtime` (an `engine.runtime.Runtime`) on one worker thread.
 
     `submit` never blocks: it raises QueueFull past `max_queue` waiting requests. `close` stops
     the worker after the current token and cancels everything queued.
