@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import mtplx_runtime
 from mtplx_runtime.cli import SUBCOMMANDS, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,3 +98,10 @@ def test_inspect_reports_layout_and_sizes(tmp_path, capsys):
     assert "layout        t158" in out
     assert "5,760 (1.875 bits/weight)" in out  # 3 projections of 128x64 at 15 B per 64 weights
     assert out.count("finite True") == 6  # 2 experts x 3 projections
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"mtplx_runtime {mtplx_runtime.__version__}"

@@ -265,3 +265,11 @@ def test_cli(tmp_path, capsys):
         tmp_path / "w3", "w3", tiny.tiny_config(), 3, "dense", False)
     bad = parser.parse_args([str(tmp_path / "m"), "--codec", "mxfp4", "--w3-layout", "dense"])
     assert make_tiny.main(bad) == 2
+    # An existing checkpoint is refused, and replaced whole (no stale file) only with --force.
+    again = parser.parse_args([str(tmp_path / "w3"), "--codec", "t158"])
+    assert make_tiny.main(again) == 2 and "--force" in capsys.readouterr().err
+    (tmp_path / "w3" / "stale.bin").write_bytes(b"x")
+    forced = parser.parse_args([str(tmp_path / "w3"), "--codec", "t158", "--force"])
+    assert make_tiny.main(forced) == 0
+    assert not (tmp_path / "w3" / "stale.bin").exists()
+    assert tiny.TinyInfo.load(tmp_path / "w3").codec == "t158"

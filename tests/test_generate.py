@@ -247,6 +247,23 @@ def test_cli_generate_streams_text_and_stats(cli, tiny, model, tok, tmp_path, ca
     assert header["record_bytes"] > 0 and len(list(lines)) == len(tok.encode(PROMPT)) + 5
 
 
+def test_cli_prompt_from_file_and_stdin_equals_inline(cli, tiny, tmp_path, monkeypatch, capsys):
+    flags = ["generate", "--model", str(tiny), "--dtype", "float32", "--max-tokens", "4"]
+    assert cli([*flags, "--prompt", PROMPT]) == 0
+    inline = capsys.readouterr().out
+    (tmp_path / "p.txt").write_text(PROMPT, encoding="utf-8")
+    assert cli([*flags, "--prompt-file", str(tmp_path / "p.txt")]) == 0
+    assert capsys.readouterr().out == inline
+    monkeypatch.setattr("sys.stdin", io.StringIO(PROMPT))
+    assert cli([*flags, "--prompt", "-"]) == 0
+    assert capsys.readouterr().out == inline
+    assert cli([*flags, "--prompt-file", str(tmp_path / "missing.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt-file" in err and "missing.txt" in err
+    with pytest.raises(SystemExit):  # one prompt source only
+        cli([*flags, "--prompt", "x", "--prompt-file", str(tmp_path / "p.txt")])
+
+
 def test_cli_generate_chat_mode(cli, tiny, capsys):
     assert cli(["generate", "--model", str(tiny), "--prompt", "hello", "--chat",
                 "--max-tokens", "5"]) == 0

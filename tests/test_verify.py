@@ -93,7 +93,10 @@ def test_clean_artifact_passes(tmp_path, capsys, mode, bits):
     assert rep.ok, rep.problems
     assert rep.records_checked == 40
     assert run_cli(tmp_path, "--records", "--shard-hashes") == 0
-    assert "OK" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "OK" in out and "were not re-hashed" not in out
+    assert run_cli(tmp_path) == 0  # without --records it says what it did not check
+    assert "records were not re-hashed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("where", ["first", "last", "middle", "pad"])

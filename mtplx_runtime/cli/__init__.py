@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 
+from .. import __version__
 from ..checkpoint.safetensors_io import CheckpointError
 from ..engine import presets
 from ..formats.base import FormatError
@@ -49,6 +50,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
         prog="mtplx",
         description="mtplx_runtime: run Kimi K3 with routed experts streamed from disk",
     )
+    parser.add_argument("--version", action="version", version=f"mtplx_runtime {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     subs = {}
     for name, (module, help_text) in SUBCOMMANDS.items():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 PROG = "mtplx generate"
 
@@ -56,10 +57,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", required=True, help="prompt text")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text ('-': read it from standard input)")
+    src.add_argument("--prompt-file", metavar="FILE", help="read the prompt text from FILE")
     p.add_argument("--chat", action="store_true",
                    help="render the prompt as a one-user-message chat and parse the reply")
     add_model_args(p)
+
+
+def prompt_text(args) -> str:
+    """The prompt: --prompt TEXT, --prompt - (standard input) or --prompt-file FILE."""
+    if args.prompt_file is not None:
+        try:
+            return Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CliError(f"--prompt-file {args.prompt_file}: {e}") from None
+    return sys.stdin.read() if args.prompt == "-" else args.prompt
 
 
 def load_runtime(args):
@@ -186,6 +199,7 @@ def main(args: argparse.Namespace) -> int:
     from ..engine.chat import parse_assistant, render_chat
 
     try:
+        text = prompt_text(args)
         rt = load_runtime(args)
     except CliError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -193,11 +207,11 @@ def main(args: argparse.Namespace) -> int:
     try:
         thinking = not args.no_thinking
         if args.chat:
-            prompt = render_chat(rt.tokenizer, [{"role": "user", "content": args.prompt}],
+            prompt = render_chat(rt.tokenizer, [{"role": "user", "content": text}],
                                  thinking=thinking)
             printer = ReplyPrinter(rt.tokenizer, thinking)
         else:
-            prompt = rt.tokenizer.encode(args.prompt)
+            prompt = rt.tokenizer.encode(text)
             printer = rt.tokenizer.stream_decoder()
         if not prompt:
             print(f"{PROG}: error: the prompt encodes to no tokens", file=sys.stderr)

@@ -4,6 +4,7 @@ deterministic K3 checkpoint (fixtures.tiny) in that codec's published on-disk la
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,6 +21,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="3-bit packing for --codec w3 (default legacy, as vellum ships)")
     parser.add_argument("--w3-asymmetric", action="store_true",
                         help="--codec w3 with zero points (weight_zero_point tensors)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace what OUT holds (default: refuse a non-empty OUT)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -27,6 +30,17 @@ def main(args: argparse.Namespace) -> int:
         print("make-tiny: --w3-layout and --w3-asymmetric apply only to --codec w3",
               file=sys.stderr)
         return 2
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not args.force:
+            print(f"make-tiny: {out} exists and is not an empty directory; pass --force to "
+                  "replace it", file=sys.stderr)
+            return 2
+        # A stale file of another codec must not survive beside the new checkpoint.
+        if out.is_dir() and not out.is_symlink():
+            shutil.rmtree(out)
+        else:
+            out.unlink()
     info = make_tiny(args.out, args.codec, seed=args.seed, w3_layout=args.w3_layout or "legacy",
                      w3_symmetric=not args.w3_asymmetric)
     cfg = info.config

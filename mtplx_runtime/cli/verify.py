@@ -21,4 +21,7 @@ def main(args: argparse.Namespace) -> int:
     for line in rep.problems:
         print(line)
     print(rep.summary())
+    if not args.records:
+        print("records were not re-hashed (sizes and layout only): `mtplx verify --records` "
+              "reads every record and compares its SHA-256")
     return 0 if rep.ok else 1
