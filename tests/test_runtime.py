@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch
 import mtplx_runtime
 from mtplx_runtime.artifact import manifest as manifest_module
 from mtplx_runtime.artifact.build import build_artifact
+from mtplx_runtime.checkpoint import CheckpointError
 from mtplx_runtime.engine.generate import generate
 from mtplx_runtime.engine.plan import PlanError
 from mtplx_runtime.fixtures.tiny import make_tiny
@@ -92,4 +92,7 @@ def test_load_errors_are_one_line_reasons(artifact, tmp_path):
         mtplx_runtime.load(art, memory_budget="1MiB", kernels="reference")
     with pytest.raises(ValueError, match="unknown kernel backend"):
         mtplx_runtime.load(art, kernels="fastest")
-    assert not Path(tmp_path / "x").exists()
+    (tmp_path / "config.json").write_text("{}")  # a model directory without a checkpoint
+    with pytest.raises(CheckpointError) as e:
+        mtplx_runtime.load(tmp_path)
+    assert "tiktoken" not in str(e.value)  # the checkpoint is checked before the tokenizer

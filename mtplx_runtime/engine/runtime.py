@@ -97,15 +97,17 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     `dtype`: "bfloat16" | "float32". `tokenizer=False` skips the tokenizer (logits-only use).
     Raises CheckpointError / PlanError / ValueError / RuntimeError with a one-line reason.
     """
+    # The model directory is checked before the tokenizer is read, so a wrong --model is
+    # reported as what it is (a missing config or shard), not as a missing tokenizer file.
     root = Path(path)
     torch_dtype = model_dtype(dtype)
-    tok = load_tokenizer(root) if tokenizer else None
     streamed = memory_budget is not None or cache_slots is not None or is_artifact(root)
     if not streamed:
         if kernels not in (None, "auto", "reference"):
             raise ValueError(f"kernels {kernels!r} run on streamed experts: give a streaming "
                              "artifact (mtplx build-manifest) or leave the kernels unset")
         ckpt = open_source(root)
+        tok = load_tokenizer(root) if tokenizer else None
         dev = device or "cpu"
         provider = ResidentExpertProvider(ckpt, torch_dtype, dev)
         return Runtime(_build(ckpt, torch_dtype, dev, provider), tok, provider)
@@ -118,6 +120,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     dev = device or ("cuda" if backend.DEVICE == "cuda" else "cpu")
     ckpt = open_artifact(root, verify_sha256=verify_sha256)
     try:
+        tok = load_tokenizer(root) if tokenizer else None
         bank, cfg = ckpt.expert_layout, ckpt.config
         stride = bank.layout.logical_bytes
         plan = None
