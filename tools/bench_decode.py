@@ -3,10 +3,12 @@
     make_k3_slice (real 3584/3072 t158 experts, small trunk) -> build_artifact (keep)
       -> raw O_DIRECT sequential read of a bank part (disk rate, cold)
       -> one expert at T=1 through the chosen kernel backend on its record bytes (compute rate)
-      -> per lookahead in (0, 1): evict page cache, load model, attach a StreamingExpertProvider
-         with --slots-per-layer slots per MoE layer, prefill, decode --tokens greedy tokens
+      -> per lookahead in (0, 1) and read-time verification off / on: evict page cache,
+         mtplx_runtime.load with --slots-per-layer cache slots per MoE layer, prefill, decode
+         --tokens greedy tokens
 
-One line per configuration: decode tok/s, device-tier hit rate, SSD bytes per decoded token
+One line per configuration (verify=1: every record read is checked against its manifest SHA-256,
+the default; verify=0: --no-verify): decode tok/s, device-tier hit rate, SSD bytes per decoded token
 (demand + speculative reads), stall share (time forwards blocked on reads / decode time), the
 I/O bound (raw disk rate / bytes per token), the compute bound (1 / (MoE layers x top-k x time
 per expert)), and tok/s as a ratio of the smaller bound. Page cache is evicted with
@@ -33,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mtplx_runtime import load_model
+from mtplx_runtime import load, load_model
 from mtplx_runtime.artifact.build import build_artifact
 from mtplx_runtime.artifact.manifest import MANIFEST_NAME, load_manifest
 from mtplx_runtime.engine.generate import GenerationStats, generate_step
@@ -88,8 +90,8 @@ def expert_seconds(art: Path, model, kernels, repeats: int = 5) -> float:
     with StreamingExpertProvider(art, cfg, model.dtype, device_bytes=1, lookahead=0,
                                  kernels="reference") as prov:
         buf = aligned_buffer(prov.stride_bytes)
-        part, off, length, _ = prov.locate((cfg.moe_layers[0], 0))
-        prov.reader.read_into(part, off, length, buf).result()
+        part, off, length, sha = prov.locate((cfg.moe_layers[0], 0))
+        prov.reader.read_into(part, off, length, buf, sha256=sha).result()
         layout = prov.layout
     args = dict(shapes=cfg.expert_shapes, beta=cfg.activation_situ_beta,
                 beta_lin=cfg.activation_situ_linear_beta)
@@ -111,24 +113,15 @@ def snapshot(provider) -> dict:
 
 
 def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens: int,
-               kernels) -> dict:
+               kernels, verify: bool) -> dict:
     evict(paths)
-    model = load_model(art, dtype="bfloat16")
-    n_moe = len(model.cfg.moe_layers)
-    with StreamingExpertProvider(art, model.cfg, model.dtype, lookahead=lookahead,
-                                 device_bytes=1) as probe:
-        stride = probe.stride_bytes
-    provider = StreamingExpertProvider(art, model.cfg, model.dtype, lookahead=lookahead,
-                                       device_bytes=slots * n_moe * stride, kernels=kernels)
-    model.use_provider(provider)
-    stats, before = GenerationStats(), None
-    try:
-        for _ in generate_step(model, PROMPT, max_tokens=tokens + 1, stats=stats):
+    with load(art, dtype="bfloat16", kernels=kernels, lookahead=lookahead,
+              cache_slots=(slots, 0), tokenizer=False, verify=verify) as rt:
+        stats, before = GenerationStats(), None
+        for _ in generate_step(rt.model, PROMPT, max_tokens=tokens + 1, stats=stats):
             if before is None:  # prefill done, no decode forward yet
-                before = snapshot(provider)
-        after = snapshot(provider)
-    finally:
-        provider.close()
+                before = snapshot(rt.provider)
+        after = snapshot(rt.provider)
     d = {k: after[k] - before[k] for k in after}
     n = stats.decode_forwards
     return {"tokens": n, "decode_s": stats.decode_s,
@@ -200,11 +193,12 @@ def main(argv=None) -> int:
         print(f"# raw_odirect_seq_gbps={disk / 1e9:.3f} expert_ms={t_exp * 1e3:.1f} "
               f"(one t158 expert, T=1, bf16 model) compute_bound_tok_s={compute_bound:.3f}",
               flush=True)
-        for la in (0, 1):
-            r = run_config(art, paths, la, a.slots_per_layer, a.tokens, kernels)
+        for la, verify in ((0, False), (0, True), (1, False), (1, True)):
+            r = run_config(art, paths, la, a.slots_per_layer, a.tokens, kernels, verify)
             io_bound = disk / r["bytes_per_token"] if r["bytes_per_token"] else float("inf")
             ratio = r["tok_s"] / min(io_bound, compute_bound)
-            print(f"lookahead={la} tok_s={r['tok_s']:.3f} hit_rate={r['hit_rate']:.3f} "
+            print(f"lookahead={la} verify={int(verify)} tok_s={r['tok_s']:.3f} "
+                  f"hit_rate={r['hit_rate']:.3f} "
                   f"bytes_per_token={r['bytes_per_token']:.0f} "
                   f"stall_share={r['stall_share']:.3f} io_bound_tok_s={io_bound:.3f} "
                   f"compute_bound_tok_s={compute_bound:.3f} ratio={ratio:.2f}", flush=True)

@@ -49,6 +49,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default=None, choices=("auto", "reference", "cpu", "cuda"),
                    help="routed-expert kernels for streamed experts (default: $MTPLX_KERNELS, "
                         "else auto: cuda with a GPU, else the native cpu kernels)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the read-time integrity checks of a streaming artifact (each "
+                        "record and resident shard against the manifest's SHA-256)")
     p.add_argument("--trace-routes", default=None, metavar="FILE",
                    help="write the route of every token (mtplx-route-trace-v1 JSON lines)")
     from ..engine.presets import add_config_arg
@@ -97,9 +100,12 @@ def load_runtime(args):
         rt = load(args.model, dtype=args.dtype, memory_budget=args.memory_budget,
                   host_budget=args.host_budget, kernels=args.kernels, lookahead=args.lookahead,
                   cache_policy=args.cache_policy, context=args.context,
-                  prefill_chunk=args.prefill_chunk)
+                  prefill_chunk=args.prefill_chunk, verify=not args.no_verify)
     except (PlanError, ValueError, RuntimeError) as e:  # budget, bank/kernel mismatch, kernels
         raise CliError(str(e)) from None
+    if rt.streamed and args.no_verify:
+        print("mtplx: integrity checks off (--no-verify): a damaged record or shard would go "
+              "unnoticed", file=sys.stderr)
     chosen_by = args.kernels or os.environ.get(ENV) or "auto"
     if rt.streamed and chosen_by == "auto" and rt.kernels.DEVICE != "cuda":
         # The one line a user on a host without a usable GPU sees about the fallback.

@@ -21,6 +21,7 @@ from types import ModuleType
 
 import torch
 
+from ..artifact.integrity import admit_shards
 from ..artifact.open import is_artifact, open_artifact, open_source
 from ..kernels import select_backend
 from ..model.kimi_k3 import KimiK3
@@ -84,7 +85,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
          host_budget=0, kernels: str | ModuleType | None = None, lookahead: int = 1,
          cache_policy: str = "lru", context: int = 4096, prefill_chunk: int = 64,
          cache_slots: tuple[int, int] | None = None, tokenizer: bool = True,
-         verify_sha256: bool = False, device: str | None = None) -> Runtime:
+         verify: bool = True, device: str | None = None) -> Runtime:
     """Load the model at `path` (a streaming artifact or any checkpoint the reader accepts).
 
     Experts stream from the bank when `path` is a streaming artifact or `memory_budget` is given
@@ -95,6 +96,9 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     else the best available); with the cuda kernels the residents live on the GPU. Otherwise
     every expert is decoded once and kept resident (tiny models, tests).
     `dtype`: "bfloat16" | "float32". `tokenizer=False` skips the tokenizer (logits-only use).
+    `verify` (streamed experts): every record read is checked against its manifest SHA-256 and
+    every resident shard before use (`artifact.integrity.admit_shards`: hashed once, then trusted
+    while the file is unchanged); False skips both.
     Raises CheckpointError / PlanError / ValueError / RuntimeError with a one-line reason.
     """
     # The model directory is checked before the tokenizer is read, so a wrong --model is
@@ -118,10 +122,12 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     # With the CUDA kernels the residents (attention, router, shared experts...) live on the GPU
     # next to the expert slots; every other backend runs the model on the CPU.
     dev = device or ("cuda" if backend.DEVICE == "cuda" else "cpu")
-    ckpt = open_artifact(root, verify_sha256=verify_sha256)
+    ckpt = open_artifact(root, verify_sha256=verify)
     try:
         tok = load_tokenizer(root) if tokenizer else None
         bank, cfg = ckpt.expert_layout, ckpt.config
+        if verify:
+            admit_shards(root, bank.manifest)
         stride = bank.layout.logical_bytes
         plan = None
         if cache_slots is not None:
@@ -135,7 +141,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
             host_bytes = plan.host_slots * plan.record_stride
         provider = StreamingExpertProvider(
             bank, cfg, torch_dtype, device_bytes=device_bytes, host_bytes=host_bytes,
-            policy=cache_policy, lookahead=lookahead, verify_sha256=verify_sha256,
+            policy=cache_policy, lookahead=lookahead, verify_sha256=verify,
             kernels=backend)
         try:
             model = _build(ckpt, torch_dtype, dev, provider)

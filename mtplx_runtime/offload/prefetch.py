@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 
+from .reader import RecordHashError
+
 __all__ = ["ExpertKey", "PrefetchError", "NoSlotError", "Prefetcher", "PrefetchStats"]
 
 log = logging.getLogger("mtplx_runtime.offload.prefetch")
@@ -462,10 +464,13 @@ class Prefetcher:
         except (TypeError, LookupError):  # a reader without `parts`, or not this part
             name = f"part {job.part}"
         kind = "speculative" if job.speculative else "demand"
+        # Damaged bytes are the bank's fault, not the read's: say how to find every bad record.
+        hint = ("; the bank is damaged: `mtplx verify --records ARTIFACT` names every bad record"
+                if isinstance(cause, RecordHashError) else "")
         err = PrefetchError(job.key, f"expert (layer {job.key[0]}, expert {job.key[1]}): "
                                      f"{kind} read of {name} (part {job.part}) at offset "
                                      f"{job.offset} length {job.length} failed: "
-                                     f"{type(cause).__name__}: {cause}")
+                                     f"{type(cause).__name__}: {cause}{hint}")
         err.__cause__ = cause
         return err
 

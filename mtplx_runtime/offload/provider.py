@@ -50,7 +50,8 @@ class StreamingExpertProvider:
     max(top_k, 4) records; 0 disables transient slots and prefill then uses the device tier).
     policy, scope: ExpertCache replacement ('lru' | 'freq', 'layer' | 'global').
     lookahead: how many later MoE layers the model guesses for in decode (`hint`; 0: off).
-    threads, max_inflight_bytes, direct, verify_sha256: reader and prefetcher settings.
+    threads, max_inflight_bytes, direct: reader and prefetcher settings. verify_sha256 (default
+    on): every record read is hashed against its manifest SHA-256 before a kernel sees it.
     timeout_s: longest a forward waits for one batch of reads before TimeoutError.
     kernels: the expert kernel backend `run_experts` computes with: a name ('reference' | 'cpu'
     | 'cuda'), a backend module, or None ($MTPLX_KERNELS, else the best available;
@@ -61,7 +62,7 @@ class StreamingExpertProvider:
                  dtype: torch.dtype = torch.float32, *, device_bytes: int, host_bytes: int = 0,
                  transient_bytes: int | None = None, policy: str = "lru", scope: str = "layer",
                  lookahead: int = 1, threads: int = 4, max_inflight_bytes: int | None = None,
-                 direct: bool | str = "auto", verify_sha256: bool = False, device: str = "cpu",
+                 direct: bool | str = "auto", verify_sha256: bool = True, device: str = "cpu",
                  timeout_s: float = 120.0, kernels: str | ModuleType | None = None):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
