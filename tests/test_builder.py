@@ -6,8 +6,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import fnmatch
 import hashlib
+import json
 import os
+import select
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -205,6 +210,64 @@ def test_enospc_leaves_a_resumable_build(sources, tmp_path, monkeypatch):
     assert snapshot(out) == snapshot(ref)
 
 
+def _fail_writes_to(monkeypatch, name_glob: str, err: int = errno.ENOSPC) -> None:
+    """`err` on every write (part.write_all) and fsync of a file whose name matches `name_glob`;
+    every other file is written as usual. The disk itself is never filled."""
+    real_write, real_fsync = bank.write_all, os.fsync
+
+    def hit(fd: int) -> bool:
+        return fnmatch.fnmatch(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), name_glob)
+
+    def write_all(fd, data, offset=None):
+        if hit(fd):
+            raise OSError(err, os.strerror(err))
+        real_write(fd, data, offset)
+
+    def fsync(fd):
+        if hit(fd):
+            raise OSError(err, os.strerror(err))
+        real_fsync(fd)
+
+    monkeypatch.setattr(bank, "write_all", write_all)
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+STAGES = {  # a file of each build stage: (glob the fault hits, the file the message must name)
+    "bank-journal": ("experts-*.journal.jsonl", part_name("bf16", 1, 5) + ".journal.jsonl"),
+    "resident": ("resident-*.partial", "resident-00001-of-00001.safetensors.partial"),
+    "metadata": ("config.json.partial", "config.json.partial"),
+    "index": ("model.safetensors.index.json.partial", "model.safetensors.index.json.partial"),
+    "receipt": ("build-receipt.json.partial", "build-receipt.json.partial"),
+    "manifest": ("expert-manifest.json.partial", "expert-manifest.json.partial"),
+}
+WHY = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+       errno.EIO: "I/O error"}
+
+
+@pytest.mark.parametrize("stage,err", [(s, errno.ENOSPC) for s in STAGES]
+                         + [("resident", errno.EDQUOT), ("manifest", errno.EIO)])
+def test_full_disk_in_any_stage_names_the_file_and_resumes(sources, tmp_path, monkeypatch,
+                                                           capsys, stage, err):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    build_artifact(sources["bf16"], ref, layers="1", progress=False)
+    glob, name = STAGES[stage]
+    _fail_writes_to(monkeypatch, glob, err)
+    parser = argparse.ArgumentParser()
+    builder_cli.add_args(parser)
+    args = parser.parse_args([str(sources["bf16"]), str(out), "--layers", "1", "--no-progress"])
+    assert builder_cli.main(args) == 2
+    msg = capsys.readouterr().err
+    assert f"{out / name}: {WHY[err]} while " in msg, msg
+    assert "free space and rerun the same command to resume" in msg
+    assert not (out / "expert-manifest.json").exists()
+    if stage != "bank-journal":  # a file that is not journaled gives its space back
+        assert not (out / name).exists()
+    monkeypatch.undo()
+    report = build_artifact(sources["bf16"], out, layers="1", progress=False)
+    assert report.written == (8 if stage == "bank-journal" else 0)
+    assert snapshot(out) == snapshot(ref)
+
+
 def test_corrupt_partial_record_is_truncated_and_rebuilt(sources, tmp_path, monkeypatch):
     ref, out = tmp_path / "ref", tmp_path / "out"
     build_artifact(sources["bf16"], ref, progress=False)
@@ -331,3 +394,65 @@ def test_hf_snapshot_source_keeps_its_metadata_files(sources, tmp_path):
     for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (sources["bf16"] / name).read_bytes()
     assert verify_artifact(out).problems == []
+
+
+HOLD_BUILD = """
+import sys
+from mtplx_runtime.artifact import part
+from mtplx_runtime.artifact.build import build_artifact
+real, held = part.write_all, []
+def write_all(fd, data, offset=None):
+    if not held:  # the first write of the build: say so, then wait for the test's go
+        held.append(1)
+        print("holding", flush=True)
+        sys.stdin.readline()
+    real(fd, data, offset)
+part.write_all = write_all
+build_artifact(sys.argv[1], sys.argv[2], layers="1", progress=False)
+"""
+
+
+def test_second_build_into_the_same_directory_is_refused(sources, tmp_path, capsys):
+    """A build holds the output directory's lock from start to end: a second one started while
+    the first runs (here: held at its first write) is refused at once and touches nothing."""
+    out = tmp_path / "out"
+    first = subprocess.Popen([sys.executable, "-c", HOLD_BUILD, str(sources["bf16"]), str(out)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([first.stdout], [], [], 120)
+        assert ready and first.stdout.readline() == b"holding\n", first.stderr.read1()
+        before = snapshot(out)
+        with pytest.raises(BuildError, match="another mtplx build-manifest is running") as ei:
+            build_artifact(sources["bf16"], out, layers="1", progress=False)
+        assert str(out) in str(ei.value)
+        parser = argparse.ArgumentParser()
+        builder_cli.add_args(parser)
+        args = parser.parse_args([str(sources["bf16"]), str(out), "--layers", "1"])
+        assert builder_cli.main(args) == 2
+        assert "another mtplx build-manifest is running" in capsys.readouterr().err
+        assert snapshot(out) == before
+        first.stdin.write(b"go\n")
+        first.stdin.flush()
+        _, err = first.communicate(timeout=120)
+        assert first.returncode == 0, err.decode()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(timeout=60)
+    # The finished directory holds no lock file and nothing verify or the reader objects to.
+    assert not (out / ".build.lock").exists()
+    assert verify_artifact(out, records=True, shard_hashes=True).problems == []
+    again = build_artifact(sources["bf16"], out, layers="1", progress=False)
+    assert again.notes == ["already complete"] and not (out / ".build.lock").exists()
+
+
+def test_lock_file_left_by_a_killed_build_is_taken_over(sources, tmp_path):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    build_artifact(sources["bf16"], ref, layers="1", progress=False)
+    out.mkdir()
+    (out / ".build.lock").write_bytes(b"")  # nobody holds it: the kernel freed the flock
+    build_artifact(sources["bf16"], out, layers="1", progress=False)
+    assert snapshot(out) == snapshot(ref)
+    receipt = json.loads((out / "build-receipt.json").read_text())
+    assert ".build.lock" not in [o["file"] for o in receipt["outputs"]]

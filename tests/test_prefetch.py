@@ -61,6 +61,7 @@ class FakeReader:
         self.cur_bytes = self.max_bytes = 0
         self.starts: list = []
         self.reads: Counter = Counter()
+        self.on_land = lambda: None  # called as each read lands, before its future resolves
 
     def read_into(self, part, offset, length, buf, sha256=None):
         fut: Future = Future()
@@ -86,6 +87,7 @@ class FakeReader:
                 return
             with self.lock:  # before set_result: the budget frees on completion
                 self.cur_bytes -= length
+            self.on_land()
             fut.set_result(n)
 
         self.pool.submit(run)
@@ -155,17 +157,44 @@ def keys(layer, n, start=0):
     return [(layer, e) for e in range(start, start + n)]
 
 
-def test_demand_reads_land_in_slots_and_are_recorded_once(make):
+class WaitClock:
+    """The prefetch module's clock, faked: it opens the reader's gate when `wait` reads it the
+    second time (the first is its deadline, the second the start of its stall), and each read
+    that lands then moves it 50 ms on. So every read lands after the caller started waiting and
+    the stall is a number of landings, not of scheduler delays."""
+
+    def __init__(self, gate: threading.Event):
+        self.gate, self.now, self.calls, self.lock = gate, 0.0, 0, threading.Lock()
+
+    def monotonic(self) -> float:
+        with self.lock:
+            self.calls += 1
+            now, open_gate = self.now, self.calls == 2
+        if open_gate:
+            self.gate.set()
+        return now
+
+    def land(self) -> None:
+        with self.lock:
+            self.now += 0.05
+
+
+def test_demand_reads_land_in_slots_and_are_recorded_once(make, monkeypatch):
+    from mtplx_runtime.offload import prefetch
+
     pf, reader, cache = make(reader=FakeReader(gated=True))
     futs = pf.demand(keys(1, 5))
-    threading.Timer(0.2, reader.gate.set).start()
+    clock = WaitClock(reader.gate)
+    reader.on_land = clock.land
+    monkeypatch.setattr(prefetch, "time", clock)
     slots = pf.wait(futs, timeout=T_OUT)
+    monkeypatch.undo()
     assert set(slots) == set(keys(1, 5))
     for k in keys(1, 5):
         assert cache.ready(k) and np.array_equal(cache.data(k), pattern(k))
     assert sorted(r[0] for r in cache.records) == keys(1, 5)
     assert all(r[1] == REC for r in cache.records)
-    assert pf.stats.stall_ms > 50 and pf.stats.demand_reads == 5
+    assert 50 <= pf.stats.stall_ms <= 5 * 50 and pf.stats.demand_reads == 5
     assert sum(r[2] for r in cache.records) == pytest.approx(pf.stats.stall_ms)
     assert pf.stats.demand_bytes == 5 * REC
     pf.wait(futs, timeout=T_OUT)  # waiting again records nothing new
@@ -191,12 +220,16 @@ def test_demand_goes_before_queued_speculation(make, limit):
 
 def test_inflight_bytes_never_exceed_budget(make):
     budget = 3 * REC
-    pf, reader, cache = make(reader=FakeReader(delay_s=0.003), max_inflight_bytes=budget,
+    pf, reader, cache = make(reader=FakeReader(gated=True), max_inflight_bytes=budget,
                              threads=16, speculative_fraction=0.5)
     futs = {}
     for layer in range(1, 5):
         futs.update(pf.demand(keys(layer, 10)))
         pf.speculate(keys(layer + 10, 4))
+    # Nothing lands while the gate is shut: three started reads fill the budget exactly.
+    until(lambda: len(reader.starts) == 3)
+    assert reader.cur_bytes == budget
+    reader.gate.set()
     pf.wait(futs, timeout=T_OUT)
     until(lambda: pf.inflight()["inflight_reads"] == 0 and pf.inflight()["queued_spec"] == 0)
     assert reader.max_bytes <= budget
@@ -216,7 +249,9 @@ def test_speculation_capped_by_fraction_of_budget(make):
     assert pf.speculate(keys(3, 5)) == keys(3, 2)  # cap = 2 records, queued + running
     assert pf.speculate([(3, 4)]) == []
     reader.gate.set()
-    until(lambda: cache.ready((3, 1)))
+    # Both guesses must have landed: one still in flight holds its share of the cap. A landed
+    # read gave its bytes back in the same locked step that committed it.
+    until(lambda: cache.ready((3, 0)) and cache.ready((3, 1)))
     assert pf.speculate(keys(3, 5)) == [(3, 2), (3, 3)]  # landed ones are skipped as resident
     assert all(spec for (k, spec, _) in cache.reserve_calls if k[0] == 3)
 
@@ -250,8 +285,9 @@ def test_running_speculation_finishes_then_is_settled(make):
     until(lambda: len(reader.starts) == 2)
     assert pf.cancel_stale(set()) == []  # both already handed to the reader
     reader.gate.set()
-    until(lambda: cache.ready((5, 0)) and cache.ready((5, 1)))
-    assert not cache.aborted
+    # A guess is recorded just after its future resolves (after the commit): wait for that.
+    until(lambda: len(cache.records) == 2)
+    assert cache.ready((5, 0)) and cache.ready((5, 1)) and not cache.aborted
     assert sorted(r[0] for r in cache.records) == [(5, 0), (5, 1)]  # guesses recorded on landing
     assert pf.note_used([(5, 0), (9, 9)]) == 1
     pf.cancel_stale(set())
@@ -267,7 +303,9 @@ def test_inflight_speculation_is_promoted_not_duplicated(make):
     reader.gate.set()
     slots = pf.wait(futs, timeout=T_OUT)
     assert slots[(6, 2)] == cache.where((6, 2)) and cache.ready((6, 2))
-    until(lambda: cache.ready((6, 1)))
+    # (6, 1) stayed a guess: recorded after its future resolves, so wait for the record itself.
+    until(lambda: (6, 1) in [r[0] for r in cache.records])
+    assert cache.ready((6, 1))
     assert reader.starts == [(6, 0), (6, 2), (6, 3), (6, 1)]
     assert max(reader.reads.values()) == 1
     assert pf.stats.spec_used == 2 and pf.stats.demand_reads == 1
@@ -435,9 +473,12 @@ def test_many_concurrent_demands_complete(make):
     results: dict = {}
     errors: list = []
 
+    filed = threading.Barrier(9)
+
     def worker(i):
         try:
             futs = pf.demand(keys(i + 1, 25) + shared)
+            filed.wait(T_OUT)
             results[i] = pf.wait(futs, timeout=T_OUT)
         except BaseException as e:
             errors.append(e)
@@ -445,8 +486,7 @@ def test_many_concurrent_demands_complete(make):
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
-    until(lambda: len(reader.starts) > 0)
-    time.sleep(0.05)  # let every worker file its demand while the gate is shut
+    filed.wait(T_OUT)  # every worker has filed its demand while the gate is shut
     reader.gate.set()
     for t in threads:
         t.join(T_OUT)
@@ -484,7 +524,9 @@ def test_real_reader_reads_record_bytes_into_slots(tmp_path):
             pf.wait(pf.demand(half), timeout=T_OUT)
             issued = pf.speculate(sorted(recs)[len(recs) // 2:])
             assert issued
-            until(lambda: all(cache.ready(k) for k in issued))
+            # Guesses are recorded just after their futures resolve: wait for the records.
+            until(lambda: len(cache.records) == len(half) + len(issued))
+            assert all(cache.ready(k) for k in issued)
         finally:
             pf.shutdown()
     for key in half + issued:

@@ -11,12 +11,15 @@ most `jobs` records. The manifest is written last: a directory without it is unf
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +34,7 @@ from .journal import JOURNAL_FORMAT, BuildError
 from .manifest import load_manifest, write_manifest
 from .outputs import (
     INDEX,
+    LOCK,
     MANIFEST,
     RECEIPT,
     assemble_manifest,
@@ -41,7 +45,7 @@ from .outputs import (
     receipt_bytes,
     source_hashes,
 )
-from .part import PartResult, build_part, crash_point, sha256_hex
+from .part import PartResult, build_part, crash_point, disk_errors, sha256_hex
 
 KEEP_MODES = {"t158": "t158", "mxfp4": "mxfp4", "bf16": "bf16"}
 
@@ -223,6 +227,52 @@ def build_artifact(src: str | os.PathLike, out: str | os.PathLike, *, codec: str
         raise BuildError(f"jobs must be >= 1, got {jobs}")
     t0, out = time.monotonic(), Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    with build_lock(out):
+        return _build_locked(src, out, codec, layers, jobs, progress, t0)
+
+
+@contextmanager
+def build_lock(out: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `out/.build.lock` for the whole build; a second build of the
+    same directory is refused at once. The file is removed (still locked) when the build ends;
+    a killed build leaves it, unlocked, and the next build takes it over (FORMAT.md "Build
+    journal, resume and publication")."""
+    path = out / LOCK
+    while True:
+        with disk_errors(path, "creating the build lock"):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise BuildError(f"{out}: another mtplx build-manifest is running in this directory "
+                             f"(it holds {LOCK}); wait for it to finish or use another output "
+                             f"directory") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        # The build that held it may have removed the file after we opened it: the lock counts
+        # only on the file that is at `path` now.
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        mine = os.fstat(fd)
+        if st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        try:
+            os.unlink(path)  # before the unlock: a waiter that opened it sees a stale inode
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _build_locked(src, out: Path, codec: str, layers, jobs: int, progress: bool,
+                  t0: float) -> BuildReport:
     with open_source(src) as ckpt:
         cfg = ckpt.config
         esrc = ExpertSource(ckpt, codec)
@@ -259,13 +309,28 @@ def build_artifact(src: str | os.PathLike, out: str | os.PathLike, *, codec: str
         install_bytes(out / RECEIPT,
                       receipt_bytes(ckpt, esrc, codec, out, results, manifest, src_hashes))
         crash_point("receipt")
-        write_manifest(manifest, out / MANIFEST)
+        _install_manifest(manifest, out / MANIFEST)
     written = sum(r.written for r in results.values())
     resumed = sum(r.resumed for r in results.values())
     adopted = sum(r.adopted for r in results.values())
     return BuildReport(out, esrc.mode, [names[L] for L in layer_ids],
                        len(layer_ids) * cfg.num_experts, written, resumed, adopted,
                        manifest.manifest_sha256, time.monotonic() - t0)
+
+
+def _install_manifest(manifest, path: Path) -> None:
+    """`write_manifest` (temp file, fsync, rename), with a full disk named like every stage."""
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        with disk_errors(tmp, f"writing {path.name}"):
+            write_manifest(manifest, path)
+    except BaseException:
+        if not path.exists():  # give the space back; a rerun writes it again
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        raise
 
 
 def _refuse_foreign_parts(out: Path, mode: str) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..formats.record import ALIGNMENT, quantization_for
+from . import part as _part
 from .journal import BuildError, fsync_dir
 from .manifest import (
     FORMAT,
@@ -31,9 +32,12 @@ from .manifest import (
 from .manifest import (
     MANIFEST_NAME as MANIFEST,
 )
-from .part import HASH_CHUNK, hash_file
+from .part import HASH_CHUNK, disk_errors, hash_file
 
 RECEIPT = "build-receipt.json"
+# Held (flock) by the running build for its whole run and removed when it ends; a killed build
+# leaves it behind, harmless: the next build takes it over (FORMAT.md "Build journal").
+LOCK = ".build.lock"
 INDEX = "model.safetensors.index.json"
 RECEIPT_FORMAT = "mtplx-build-receipt-v1"
 RESIDENT_SHARD_BYTES = 4 << 30  # resident shards are cut at ~4 GiB (a bigger tensor stands alone)
@@ -66,16 +70,31 @@ def install_chunks(path: Path, chunks) -> tuple[int, str]:
             os.unlink(partial)
             fsync_dir(path.parent)
         return size, h.hexdigest()
-    with open(partial, "wb") as f:
-        for c in chunks:
-            f.write(c)
-            h.update(c)
-            size += len(c)
-        f.flush()
-        os.fsync(f.fileno())
-    os.link(partial, path)
-    os.unlink(partial)
-    fsync_dir(path.parent)
+    doing = f"writing {path.name}"
+    try:
+        with disk_errors(partial, doing):
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            for c in chunks:  # the chunks may read the source: not inside disk_errors
+                with disk_errors(partial, doing):
+                    _part.write_all(fd, c)  # late-bound: tests inject ENOSPC here
+                h.update(c)
+                size += len(c)
+            with disk_errors(partial, doing):
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        # Not journaled: a rerun writes it again from the start, so give the space back now.
+        try:
+            os.unlink(partial)
+        except OSError:
+            pass
+        raise
+    with disk_errors(path, f"publishing {path.name} (hard link from the partial)"):
+        os.link(partial, path)
+        os.unlink(partial)
+        fsync_dir(path.parent)
     return size, h.hexdigest()
 
 
@@ -200,7 +219,8 @@ def receipt_bytes(ckpt, esrc, codec: str, out: Path, results: dict, manifest: Ma
     known = {r.name: (r.size, r.sha256) for r in results.values()}
     outputs = []
     for p in sorted(out.iterdir()):
-        if p.name in (RECEIPT, MANIFEST) or p.name.endswith(".partial") or not p.is_file():
+        if (p.name in (RECEIPT, MANIFEST, LOCK) or p.name.endswith(".partial")
+                or not p.is_file()):
             continue
         size, digest = known.get(p.name) or hash_file(p)
         outputs.append({"file": p.name, "size": size, "sha256": digest})

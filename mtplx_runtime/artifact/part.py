@@ -17,6 +17,8 @@ import hashlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -63,6 +65,27 @@ def write_all(fd: int, data: bytes, offset: int | None = None) -> None:
 
 def _write(fd: int, data: bytes, offset: int | None = None) -> None:
     write_all(fd, data, offset)  # late-bound so a monkeypatched write_all is seen
+
+
+# Errors a full or failing output disk raises; the build stops with a message naming the file
+# and saying how to resume (FORMAT.md "Build journal, resume and publication").
+DISK_ERRORS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+               errno.EIO: "I/O error"}
+
+
+@contextmanager
+def disk_errors(path: Path, doing: str) -> Iterator[None]:
+    """Turn ENOSPC / EDQUOT / EIO raised inside into a BuildError naming `path` (the file being
+    written) and saying that rerunning the same command resumes. Wrap only output writes: a
+    source read failing is not the output disk's fault."""
+    try:
+        yield
+    except OSError as err:
+        why = DISK_ERRORS.get(err.errno)
+        if why is None:
+            raise
+        raise BuildError(f"{path}: {why} while {doing}; free space and rerun the same command "
+                         f"to resume") from err
 
 
 def sha256_hex(data) -> str:
@@ -140,8 +163,9 @@ def build_part(out_dir: Path, name: str, layer: int, layout: RecordLayout, n_exp
             raise BuildError(f"{partial}: a non-empty or linked partial without a journal; remove "
                              f"it to rebuild")
     if not have_p:
-        os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
-        fsync_dir(out_dir)
+        with disk_errors(partial, "creating it"):
+            os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+            fsync_dir(out_dir)
     outputs: list[dict] = []
     running = hashlib.sha256()
     parsed = parse_journal(jpath, n_experts) if have_j else None
@@ -151,58 +175,73 @@ def build_part(out_dir: Path, name: str, layer: int, layout: RecordLayout, n_exp
             raise BuildError(f"{jpath}: journal header differs from this build ({why}); rerun the "
                              f"original command, or remove {partial.name} and the journal")
         good_end = _rescan(parsed, partial, layer, layout, name, source, outputs, running)
-        truncate_file(jpath, good_end)
+        with disk_errors(jpath, "truncating it to the last good record"):
+            truncate_file(jpath, good_end)
     elif have_j:
-        truncate_file(jpath, 0)  # crashed before the header line was complete
-    truncate_file(partial, len(outputs) * stride)
+        with disk_errors(jpath, "truncating a torn header"):
+            truncate_file(jpath, 0)  # crashed before the header line was complete
+    with disk_errors(partial, "truncating it to the last good record"):
+        truncate_file(partial, len(outputs) * stride)
     resumed = len(outputs)
-    journal = JournalWriter(jpath, _write)
-    fd = os.open(partial, os.O_WRONLY | os.O_CLOEXEC)
+    with disk_errors(jpath, "opening it"):
+        journal = JournalWriter(jpath, _write)
+    try:
+        with disk_errors(partial, "opening it"):
+            fd = os.open(partial, os.O_WRONLY | os.O_CLOEXEC)
+    except BaseException:
+        journal.close()
+        raise
     try:
         if parsed is None or parsed.header is None:
-            journal.append(header)
-            # The journal's directory entry must survive a power loss as well as its line:
-            # a partial without its journal is refused on resume.
-            fsync_dir(out_dir)
+            with disk_errors(jpath, "writing the journal header"):
+                journal.append(header)
+                # The journal's directory entry must survive a power loss as well as its line:
+                # a partial without its journal is refused on resume.
+                fsync_dir(out_dir)
         for e in range(resumed, n_experts):
             src_components, handle = source.source_components(layer, e)
             rec = record_bytes(layout, source.record_parts(layer, e, handle))
-            try:
+            doing = f"writing record {e} ({e} of {n_experts} records are durable)"
+            with disk_errors(partial, doing):
                 _write(fd, rec, e * stride)
                 os.fsync(fd)
-                crash_point("record")
-                outputs.append(hashed_output(layout, name, layer, e, rec))
+            crash_point("record")
+            outputs.append(hashed_output(layout, name, layer, e, rec))
+            with disk_errors(jpath, doing):
                 journal.append({"ordinal": e, "source_components": src_components,
                                 "output": outputs[-1]})
-            except OSError as err:
-                if err.errno == errno.ENOSPC:
-                    raise BuildError(f"{partial}: no space left on device while writing record "
-                                     f"{e} ({e} of {n_experts} records are durable); free space "
-                                     f"and rerun the same command to resume") from None
-                raise
             running.update(rec)
             crash_point("journal")
             on_record(stride)
-        os.ftruncate(fd, n_experts * stride)
-        os.fsync(fd)
+        with disk_errors(partial, "truncating it to its final size"):
+            os.ftruncate(fd, n_experts * stride)
+            os.fsync(fd)
+    except BaseException:
+        journal.close()
+        raise
     finally:
         os.close(fd)
-    size, digest = hash_file(partial)
+    with disk_errors(partial, "reading it back"):
+        size, digest = hash_file(partial)
     if size != n_experts * stride or digest != running.hexdigest():
+        journal.close()
         raise BuildError(f"{partial}: durable readback hash {digest} ({size} B) differs from the "
                          f"hash of the records written; the disk returned different bytes")
     try:
-        journal.append({"completion": {"record_count": n_experts, "size": size, "sha256": digest}})
+        with disk_errors(jpath, "writing the completion line"):
+            journal.append({"completion": {"record_count": n_experts, "size": size,
+                                           "sha256": digest}})
     finally:
         journal.close()
     crash_point("completion")
-    try:
-        os.link(partial, final)
-    except FileExistsError:
-        raise BuildError(f"{final}: already exists; refusing to overwrite") from None
-    crash_point("link")
-    os.unlink(partial)
-    fsync_dir(out_dir)
+    with disk_errors(final, "publishing it (hard link from the partial)"):
+        try:
+            os.link(partial, final)
+        except FileExistsError:
+            raise BuildError(f"{final}: already exists; refusing to overwrite") from None
+        crash_point("link")
+        os.unlink(partial)
+        fsync_dir(out_dir)
     return PartResult(name, size, digest, outputs, n_experts - resumed, resumed)
 
 
