@@ -33,7 +33,7 @@ def fill(cache, key, **kw):
 def occupancy(cache):
     """Used slots per tier (0 for a tier that is off)."""
     return {t: (cache.tier(t).used_count if cache.tier(t) is not None else 0)
-            for t in ("device", "host", "transient")}
+            for t in ("compute", "host", "transient")}
 
 
 def access(cache, key):
@@ -48,7 +48,7 @@ def test_lru_trace_exact():
     c = make(2, policy="lru")
     got = [access(c, k) for k in (A, B, A, C, B, A)]
     assert got == [False, False, True, False, False, False]
-    t = c.totals()["device"]
+    t = c.totals()["compute"]
     assert (t["lookups"], t["hits"], t["misses"], t["evictions"]) == (6, 1, 5, 3)
     assert A in c and B in c and C not in c
 
@@ -63,7 +63,7 @@ def test_freq_admission_first_seen_does_not_evict_hotter():
     assert c.reserve(B) is None and A in c
     c.lookup([B])
     assert fill(c, B) is not None and A not in c
-    assert c.totals()["device"]["evictions"] == 1
+    assert c.totals()["compute"]["evictions"] == 1
 
 
 def test_non_admitted_miss_goes_to_transient_pool():
@@ -123,7 +123,7 @@ def test_speculative_uses_free_slots():
     c = make(2)
     access(c, A)
     ref = c.reserve(B, speculative=True)
-    assert ref is not None and ref.tier == "device"
+    assert ref is not None and ref.tier == "compute"
 
 
 def test_transient_prefill_keeps_decode_set():
@@ -137,7 +137,7 @@ def test_transient_prefill_keeps_decode_set():
         assert ref.tier == "transient"
     assert A in c and B in c
     assert c.totals()["transient"]["evictions"] == 9
-    assert c.totals()["device"]["evictions"] == 0
+    assert c.totals()["compute"]["evictions"] == 0
 
 
 def test_transient_borrows_free_device_slot_and_gives_it_back():
@@ -145,7 +145,7 @@ def test_transient_borrows_free_device_slot_and_gives_it_back():
     access(c, A)
     access(c, B)
     x = fill(c, (0, 10), transient=True)
-    assert x.tier == "device" and x.transient
+    assert x.tier == "compute" and x.transient
     assert fill(c, (0, 11), transient=True) is not None and (0, 10) not in c  # evicts x only
     assert fill(c, (0, 12), transient=True) is not None and A in c and B in c
     ref = fill(c, C)  # decode reclaims the lent slot
@@ -162,8 +162,8 @@ def test_scope_capacities():
         access(per, k)
         access(glob, k)
     assert (0, 1) not in per and all(k in glob for k in keys)
-    assert per.stats()[0]["device"]["evictions"] == 1
-    assert glob.totals()["device"]["evictions"] == 0
+    assert per.stats()[0]["compute"]["evictions"] == 1
+    assert glob.totals()["compute"]["evictions"] == 0
     with pytest.raises(ValueError):
         ExpertCache(REC, SLOT, scope="layer", device="cpu")
 
@@ -173,18 +173,18 @@ def test_host_tier_demotion_and_promotion():
     access(c, A)
     access(c, B)  # a demoted
     assert c.where(A).tier == "host"
-    assert access(c, A)  # device miss, host hit, promoted; b demoted
-    assert c.where(A).tier == "device" and c.where(B).tier == "host"
+    assert access(c, A)  # compute-tier miss, host hit, promoted; b demoted
+    assert c.where(A).tier == "compute" and c.where(B).tier == "host"
     assert np.all(c.buffer(c.where(A)) == A[1]) and np.all(c.buffer(c.where(B)) == B[1])
     access(c, C)  # a demoted: host {b, a}
     access(c, D)  # c demoted: host full, b (oldest) dropped
     t = c.totals()
-    assert (t["device"]["evictions"], t["device"]["demotions"]) == (4, 4)
+    assert (t["compute"]["evictions"], t["compute"]["demotions"]) == (4, 4)
     # lookups a b a c d: only the second a hits the host tier
     assert (t["host"]["lookups"], t["host"]["hits"], t["host"]["misses"]) == (5, 1, 4)
     assert (t["host"]["promotions"], t["host"]["evictions"]) == (1, 1)
     assert B not in c and c.where(A).tier == "host" and c.where(C).tier == "host"
-    assert occupancy(c) == {"device": 1, "host": 2, "transient": 0}
+    assert occupancy(c) == {"compute": 1, "host": 2, "transient": 0}
 
 
 def test_promotion_fails_when_device_pinned():
@@ -199,9 +199,9 @@ def test_promotion_fails_when_device_pinned():
 def test_abort_frees_slot():
     c = make(1)
     c.reserve(A)
-    assert occupancy(c)["device"] == 1
+    assert occupancy(c)["compute"] == 1
     c.abort(A)
-    assert occupancy(c)["device"] == 0 and A not in c
+    assert occupancy(c)["compute"] == 0 and A not in c
     assert c.reserve(A) is not None
     c.commit(A)
     with pytest.raises(ValueError):
@@ -230,7 +230,7 @@ def test_record_read_and_stats():
     c = make(2, scope="layer", layers=[0, 1])
     c.record_read((1, 3), 4096, 1.5)
     c.record_read((1, 4), 100, 0.5)
-    s = c.stats()[1]["device"]
+    s = c.stats()[1]["compute"]
     assert s["bytes_read"] == 4196 and s["stall_ms"] == 2.0
 
 
@@ -314,14 +314,14 @@ def test_property_capacity_and_counters(trace, policy, scope, host_slots, trans_
         if scope == "layer":
             for la in range(3):
                 n = sum(1 for k, e in c._entries.items()
-                        if k[0] == la and e.tier == "device" and not e.transient)
+                        if k[0] == la and e.tier == "compute" and not e.transient)
                 assert n <= 2
         assert len(c._entries) == sum(occ.values())
     tot = c.totals()
-    assert tot["device"]["lookups"] == lookups
+    assert tot["compute"]["lookups"] == lookups
     for t in tot.values():
         assert t["hits"] + t["misses"] == t["lookups"]
-    assert tot["host"]["lookups"] <= tot["device"]["misses"]
+    assert tot["host"]["lookups"] <= tot["compute"]["misses"]
 
 
 def test_cuda_unavailable_reason_says_why(monkeypatch):

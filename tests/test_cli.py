@@ -33,7 +33,7 @@ def test_bad_checkpoint_is_a_one_line_error(tmp_path, capsys):
     assert err.startswith("mtplx inspect: error:") and "Traceback" not in err
 
 
-STATS_ROWS = ("device (decode)", "host (decode)", "transient (prefill)", "prefill ", "decode ",
+STATS_ROWS = ("compute (decode)", "host (decode)", "transient (prefill)", "prefill ", "decode ",
               "bytes read / token", "stall share", "lookahead recall", "disk rate", "I/O bound")
 
 
@@ -73,7 +73,7 @@ def test_demo_streamed_tokens_equal_the_resident_models(tmp_path, kernels):
     with demo.one_compute_thread(), rt:
         assert provider.kernels.__name__.endswith("." + kernels)
         streamed, _, _ = demo.stream_generate(model, tok, prompt, 10, io.StringIO(), provider)
-        assert provider.stats()["totals"]["device"]["misses"] > 0  # it really streamed
+        assert provider.stats()["totals"]["compute"]["misses"] > 0  # it really streamed
         # the resident reference reads the source checkpoint, not the artifact
         resident, _ = generate(load_model(tmp_path / "tiny-t158-seed0", dtype="float32"),
                                prompt, max_tokens=10)

@@ -32,7 +32,7 @@ CHILD = textwrap.dedent("""
     plan = make_plan(art, memory_budget=budget, dtype="bfloat16", context=256, prefill_chunk=1)
     model = load_model(art, dtype="bfloat16")
     provider = StreamingExpertProvider(
-        art, model.cfg, model.dtype, device_bytes=plan.device_slots * plan.record_stride,
+        art, model.cfg, model.dtype, compute_bytes=plan.compute_slots * plan.record_stride,
         host_bytes=plan.host_slots * plan.record_stride, lookahead=1)
     model.use_provider(provider)
     stats = GenerationStats()
@@ -41,9 +41,9 @@ CHILD = textwrap.dedent("""
     st = provider.stats()
     provider.close()
     print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "ids": ids, "device_slots": plan.device_slots,
-                      "misses": st["totals"]["device"]["misses"],
-                      "lookups": st["totals"]["device"]["lookups"]}))
+                      "ids": ids, "compute_slots": plan.compute_slots,
+                      "misses": st["totals"]["compute"]["misses"],
+                      "lookups": st["totals"]["compute"]["lookups"]}))
 """)
 
 
@@ -58,7 +58,7 @@ def test_streamed_run_stays_inside_budget(tmp_path):
     # A cache of one token's worth of records above the minimum: a third of the bank.
     budget = floor.minimum_budget + TOP_K * floor.record_stride
     plan = make_plan(art, memory_budget=budget, dtype="bfloat16", context=256, prefill_chunk=1)
-    assert TOP_K <= plan.device_slots < EXPERTS
+    assert TOP_K <= plan.compute_slots < EXPERTS
     # Resident, the same experts decoded to bf16 alone take more than the whole budget.
     rows, cols = cfg.expert_shapes["gate"]
     resident_experts_bytes = EXPERTS * 3 * rows * cols * BF16
@@ -71,9 +71,9 @@ def test_streamed_run_stays_inside_budget(tmp_path):
     assert len(res["ids"]) == MAX_TOKENS
     assert 0 < res["misses"] <= res["lookups"]
     print(f"peak_rss_bytes={res['peak_rss_bytes']} budget_bytes={budget} "
-          f"plan_minimum_bytes={plan.minimum_budget} device_slots={plan.device_slots} "
+          f"plan_minimum_bytes={plan.minimum_budget} compute_slots={plan.compute_slots} "
           f"resident_experts_bytes={resident_experts_bytes} misses={res['misses']} "
           f"lookups={res['lookups']}")
     assert res["peak_rss_bytes"] <= budget, (
         f"peak RSS {res['peak_rss_bytes']:,} B exceeds the budget {budget:,} B "
-        f"(plan minimum {plan.minimum_budget:,} B, {plan.device_slots} slots)")
+        f"(plan minimum {plan.minimum_budget:,} B, {plan.compute_slots} slots)")

@@ -48,12 +48,12 @@ def k3():
 
 def adds_up(p) -> None:
     assert list(p.items) == list(ITEMS)
-    assert sum(p.items.values()) + p.device_slots * p.record_stride + p.slack_bytes \
+    assert sum(p.items.values()) + p.compute_slots * p.record_stride + p.slack_bytes \
         == p.memory_budget
     assert p.host_slots * p.record_stride + p.host_slack_bytes == p.host_budget
     assert p.slack_bytes >= 0 and p.host_slack_bytes >= 0
     assert p.record_stride % 4096 == 0 and p.record_stride >= p.record_bytes
-    assert p.device_slots >= p.working_set_records
+    assert p.compute_slots >= p.working_set_records
 
 
 def test_tiny_artifact_adds_up(tiny):
@@ -64,7 +64,7 @@ def test_tiny_artifact_adds_up(tiny):
     assert p.source == "manifest" and p.mode == "t158"
     assert p.record_bytes == m.records[0].logical_bytes
     assert p.routed_layers == len({r.layer for r in m.records})
-    assert p.device_slots == p.total_records == len(m.records)  # a tiny bank fits whole
+    assert p.compute_slots == p.total_records == len(m.records)  # a tiny bank fits whole
     assert p.host_slots == 0 and p.host_slack_bytes == 3 * 2**20  # nothing left to cache
     assert p.cacheable_share == 1.0 and p.slots_per_layer == p.experts_per_layer
     # Residents are the manifest's stored bytes in bf16, BF16 doubled in float32, F32 kept.
@@ -87,7 +87,7 @@ def test_tiny_slots_scale_with_budget(tiny):
         p = make_plan(art, memory_budget=fixed + extra * low.record_stride + 123,
                       reserve_floor=0, reserve_fraction=0, prefill_chunk=1)
         adds_up(p)
-        assert (p.device_slots, p.slack_bytes) == (extra, 123)
+        assert (p.compute_slots, p.slack_bytes) == (extra, 123)
 
 
 def test_refusal_below_the_minimum(tiny):
@@ -96,7 +96,7 @@ def test_refusal_below_the_minimum(tiny):
     minimum = p.minimum_budget
     at_min = make_plan(art, memory_budget=minimum)
     adds_up(at_min)
-    assert at_min.device_slots == at_min.working_set_records == at_min.top_k
+    assert at_min.compute_slots == at_min.working_set_records == at_min.top_k
     with pytest.raises(PlanError) as e:
         make_plan(art, memory_budget=minimum - 1)
     assert f"{minimum:,} B" in str(e.value) and "dominate" in str(e.value)
@@ -110,7 +110,7 @@ def test_plain_checkpoint_matches_artifact(tiny):
     a = make_plan(art, memory_budget="1GiB", context=64)
     b = make_plan(src, memory_budget="1GiB", context=64)
     assert b.source == "checkpoint"
-    assert (a.items, a.device_slots, a.record_bytes) == (b.items, b.device_slots, b.record_bytes)
+    assert (a.items, a.compute_slots, a.record_bytes) == (b.items, b.compute_slots, b.record_bytes)
 
 
 def test_k3_state_figures_match_spec(k3):
@@ -146,19 +146,19 @@ def test_k3_160gib(k3):
     assert p.items["mla_cache"] == 27_648 * 4096
     assert p.items["io_buffers"] == 16 * 7_741_440
     assert p.slack_bytes < p.record_stride
-    assert p.device_slots == (160 * GiB - sum(p.items.values())) // 7_741_440
+    assert p.compute_slots == (160 * GiB - sum(p.items.values())) // 7_741_440
     assert p.host_slots == 64 * GiB // 7_741_440 == 8876
-    assert p.device_slots == 6124 and p.slots_per_layer == 66
+    assert p.compute_slots == 6124 and p.slots_per_layer == 66
     assert p.total_records == 82_432
     ctx = plan_for(k3, memory_budget="160GiB", context=1_048_576, prefill_chunk=1)
     assert ctx.items["mla_cache"] == 28_991_029_248  # ≈ 29.0 GB ("MLA")
     auto = plan_for(k3, memory_budget="160GiB")
     adds_up(auto)
-    assert auto.prefill_chunk >= 1 and 4 * auto.device_slots >= 3 * p.device_slots
+    assert auto.prefill_chunk >= 1 and 4 * auto.compute_slots >= 3 * p.compute_slots
     assert auto.minimum_chunk == 1 and auto.minimum_budget == p.minimum_budget
     text = format_plan(p)
     for needle in ("resident tensors", "KDA state", "MLA latent cache", "I/O buffers",
-                   "device-tier slots", "host-tier slots: 8876", "slots per layer: device 66",
+                   "compute-tier slots", "host-tier slots: 8876", "slots per layer: device 66",
                    "minimum budget", "105.71 GiB"):
         assert needle in text
 

@@ -123,7 +123,7 @@ class SpyCache(ExpertCache):
         super().abort(key)
         self.aborted.append(tuple(key))
 
-    def record_read(self, key, nbytes, stall_ms=0.0, tier="device"):
+    def record_read(self, key, nbytes, stall_ms=0.0, tier="compute"):
         super().record_read(key, nbytes, stall_ms, tier)
         self.records.append((key, nbytes, stall_ms))
 

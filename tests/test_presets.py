@@ -87,7 +87,7 @@ def test_k3_presets_fit_the_memory_plan(name):
     kw = dict(memory_budget=v["memory_budget"], host_budget=v["host_budget"],
               context=v["context"], dtype=v["dtype"])
     p = plan_for(facts, prefill_chunk=v["prefill_chunk"], **kw)
-    assert p.device_slots >= p.working_set_records
+    assert p.compute_slots >= p.working_set_records
     assert p.items["residents"] == 113_509_540_864  # 105.71 GiB of BF16 residents
     assert plan_for(facts, **kw).prefill_chunk == v["prefill_chunk"]
     if v["kernels"] == "cuda":  # the budget is GPU memory: it must leave room on a 139 GiB H200
@@ -102,7 +102,7 @@ def test_flags_win_over_the_preset_and_the_preset_over_defaults(art, capsys):
     got = plan_json(capsys, "--config", "tiny-demo", "--model", art)
     assert (got["memory_budget"], got["host_budget"]) == (542 * MiB, 240 * 1024)
     assert (got["context"], got["prefill_chunk"]) == (512, 2)
-    assert (got["device_slots"], got["host_slots"]) == (17, 10)  # the preset's comment
+    assert (got["compute_slots"], got["host_slots"]) == (17, 10)  # the preset's comment
     # Explicit flags win, also one equal to the parser's default (--context 4096), also when
     # given before --config; the keys not given still come from the preset.
     got = plan_json(capsys, "--memory-budget", "1GiB", "--config", "tiny-demo", "--model", art,

@@ -53,8 +53,8 @@ def test_global_scope_shares_capacity():
 def test_fast_driver_matches_expert_cache_when_nothing_is_refused():
     tr = synthetic("zipf", tokens=200, layers=3, experts=16, top_k=2, seed=4)
     for per_layer in (2, 4, 7):
-        cache = replay_runtime(tr, policy="lru", device_slots=3 * per_layer, transient_slots=0)
-        dev = cache.totals()["device"]
+        cache = replay_runtime(tr, policy="lru", compute_slots=3 * per_layer, transient_slots=0)
+        dev = cache.totals()["compute"]
         res, _ = profile(tr, ["lru"], [3 * per_layer], workers=1)
         assert (res[0].hits, res[0].misses) == (dev["hits"], dev["misses"])
 

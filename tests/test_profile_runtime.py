@@ -27,12 +27,12 @@ def artifact(tmp_path_factory):
 def test_replay_reproduces_runtime_counters(artifact, tmp_path, policy, slots, host):
     model = load_model(artifact / "src")
     n_moe = len(model.cfg.moe_layers)
-    probe = StreamingExpertProvider(artifact / "art", model.cfg, model.dtype, device_bytes=1,
+    probe = StreamingExpertProvider(artifact / "art", model.cfg, model.dtype, compute_bytes=1,
                                     lookahead=0)
-    stride = probe.cache._dev.slot_bytes
+    stride = probe.cache.tier("compute").slot_bytes
     probe.close()
     provider = StreamingExpertProvider(artifact / "art", model.cfg, model.dtype,
-                                       device_bytes=slots * n_moe * stride,
+                                       compute_bytes=slots * n_moe * stride,
                                        host_bytes=host * n_moe * stride, policy=policy,
                                        lookahead=0)
     model.use_provider(provider)
@@ -42,11 +42,11 @@ def test_replay_reproduces_runtime_counters(artifact, tmp_path, policy, slots, h
     want = provider.stats()["cache"]
     cap = provider.cache.capacity()
     provider.close()
-    cache = replay_runtime(load(str(path)), policy=policy, device_slots=cap["device"],
+    cache = replay_runtime(load(str(path)), policy=policy, compute_slots=cap["compute"],
                            host_slots=cap["host"], transient_slots=cap["transient"],
                            prefill_chunk=5)
     got = cache.stats()
     for layer, tiers in want.items():
-        for tier in ("device", "host", "transient"):
+        for tier in ("compute", "host", "transient"):
             for k in ("lookups", "hits", "misses", "evictions", "promotions", "demotions"):
                 assert got[layer][tier][k] == tiers[tier][k], (layer, tier, k)

@@ -67,7 +67,7 @@ def test_streamed_load_equals_resident_under_reference_kernels(artifact):
         assert rt.model.moe_blocks()[0].provider is rt.provider  # built in place
         assert rt.plan is None and rt.tokenizer is not None
         got, _ = generate(rt.model, PROMPT, max_tokens=6)
-        assert rt.provider.stats()["totals"]["device"]["misses"] > 0  # it really streamed
+        assert rt.provider.stats()["totals"]["compute"]["misses"] > 0  # it really streamed
     assert got == want
 
 
@@ -78,7 +78,7 @@ def test_checkpoint_loads_resident_and_budget_plans(artifact):
     assert rt.kernels is None and rt.plan is None
     with mtplx_runtime.load(art, dtype="float32", kernels="reference",
                             memory_budget="1GiB") as planned:
-        assert planned.plan is not None and planned.plan.device_slots > 0
+        assert planned.plan is not None and planned.plan.compute_slots > 0
         assert isinstance(planned.model.logits(PROMPT), torch.Tensor)
 
 

@@ -269,7 +269,7 @@ def test_metrics(server):
     status, body = _raw(server, "GET", "/metrics")
     text = body.decode()
     assert status == 200
-    for name in ('mtplx_cache_hit_rate{tier="device"}', "mtplx_ssd_bytes_read_total",
+    for name in ('mtplx_cache_hit_rate{tier="compute"}', "mtplx_ssd_bytes_read_total",
                  "mtplx_prefetch_coverage", "mtplx_queue_depth", "mtplx_generated_tokens_total",
                  "mtplx_decode_tokens_per_second"):
         assert name in text

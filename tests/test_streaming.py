@@ -53,13 +53,13 @@ def streamed(src, art, **kw):
     kw.setdefault("kernels", "reference")
     model = load_model(src)
     n_moe = len(model.cfg.moe_layers)
-    probe = StreamingExpertProvider(art, model.cfg, model.dtype, device_bytes=1, lookahead=0,
+    probe = StreamingExpertProvider(art, model.cfg, model.dtype, compute_bytes=1, lookahead=0,
                                     kernels="reference")
     stride = probe.stride_bytes
     probe.close()
     kw.setdefault("lookahead", 0)
     provider = StreamingExpertProvider(art, model.cfg, model.dtype,
-                                       device_bytes=SLOTS_PER_LAYER * n_moe * stride, **kw)
+                                       compute_bytes=SLOTS_PER_LAYER * n_moe * stride, **kw)
     model.use_provider(provider)
     return model, provider
 
@@ -74,9 +74,9 @@ def check_same(got, want):
 def check_counters(provider):
     st = provider.stats()
     for tiers in st["cache"].values():
-        c = tiers["device"]
+        c = tiers["compute"]
         assert c["hits"] + c["misses"] == c["lookups"]
-    dev = st["totals"]["device"]
+    dev = st["totals"]["compute"]
     assert dev["lookups"] > 0 and dev["misses"] > 0
     assert st["prefetch"]["failed_reads"] == 0
     assert st["stall_ms"] >= 0.0 and st["prefetch"]["stall_ms"] >= 0.0
@@ -199,7 +199,7 @@ def test_prefill_windows_are_exact(built, transient_records):
     """A prefill needing more experts than the transient pool holds runs in windows of
     ascending ids into one fp32 sum: bit-identical to the resident model (reference kernels)."""
     src, art, want_logits, want_tokens = built["t158"]
-    probe = StreamingExpertProvider(art, load_model(src).cfg, device_bytes=1, lookahead=0,
+    probe = StreamingExpertProvider(art, load_model(src).cfg, compute_bytes=1, lookahead=0,
                                     kernels="reference")
     stride = probe.stride_bytes
     probe.close()

@@ -7,11 +7,11 @@
          mtplx_runtime.load with --slots-per-layer cache slots per MoE layer, prefill, decode
          --tokens greedy tokens
 
-One line per configuration (verify=1: every record read is checked against its manifest SHA-256,
-the default; verify=0: --no-verify): decode tok/s, device-tier hit rate, SSD bytes per decoded token
-(demand + speculative reads), stall share (time forwards blocked on reads / decode time), the
-I/O bound (raw disk rate / bytes per token), the compute bound (1 / (MoE layers x top-k x time
-per expert)), and tok/s as a ratio of the smaller bound. Page cache is evicted with
+One line per configuration (verify=1: every record read is checked against its manifest SHA-256, the
+default; verify=0: --no-verify): decode tok/s, compute-tier hit rate, SSD bytes per decoded token
+(demand + speculative reads), stall share (time forwards blocked on reads / decode time), the I/O
+bound (raw disk rate / bytes per token), the compute bound (1 / (MoE layers x top-k x time per
+expert)), and tok/s as a ratio of the smaller bound. Page cache is evicted with
 posix_fadvise(DONTNEED) on every bank part before each measurement.
 
     python tools/bench_decode.py [--layers 2] [--experts 896] [--tokens 8]
@@ -87,7 +87,7 @@ def expert_seconds(art: Path, model, kernels, repeats: int = 5) -> float:
     """Median time of one expert at T=1 the way the runtime computes it: the kernel backend's
     expert_mlp on the record bytes as read into a slot (host slots: the cpu / reference path)."""
     cfg = model.cfg
-    with StreamingExpertProvider(art, cfg, model.dtype, device_bytes=1, lookahead=0,
+    with StreamingExpertProvider(art, cfg, model.dtype, compute_bytes=1, lookahead=0,
                                  kernels="reference") as prov:
         buf = aligned_buffer(prov.stride_bytes)
         part, off, length, sha = prov.locate((cfg.moe_layers[0], 0))
@@ -107,7 +107,7 @@ def expert_seconds(art: Path, model, kernels, repeats: int = 5) -> float:
 
 def snapshot(provider) -> dict:
     st = provider.stats()
-    dev, pf = st["totals"]["device"], st["prefetch"]
+    dev, pf = st["totals"]["compute"], st["prefetch"]
     return {"hits": dev["hits"], "lookups": dev["lookups"], "stall_ms": st["stall_ms"],
             "bytes": pf["demand_bytes"] + pf["spec_bytes"]}
 
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=2, help="MoE layers in the slice")
     ap.add_argument("--experts", type=int, default=896, help="routed experts per layer")
     ap.add_argument("--tokens", type=int, default=8, help="decode steps timed per config")
-    ap.add_argument("--slots-per-layer", type=int, default=32, help="device-tier cache slots")
+    ap.add_argument("--slots-per-layer", type=int, default=32, help="compute-tier cache slots")
     ap.add_argument("--kernels", default=None, help="expert kernel backend (default: auto)")
     ap.add_argument("--dir", type=Path, default=None,
                     help="where the slice and artifact go (default: a temp dir under /work)")

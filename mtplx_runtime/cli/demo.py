@@ -118,12 +118,12 @@ def _tier_rows(before: dict, after: dict) -> dict[str, tuple[int, int, int]]:
     """{row: (lookups, hits, misses)}: device and host over decode; the prefill row counts the
     prompt's lookups (their misses are read into transient slots, from disk)."""
     d = {t: {k: after[t][k] - before[t][k] for k in ("lookups", "hits", "misses")}
-         for t in ("device", "host")}
-    pre_hits = before["device"]["hits"] + before["host"]["hits"]
-    return {"device": (d["device"]["lookups"], d["device"]["hits"], d["device"]["misses"]),
+         for t in ("compute", "host")}
+    pre_hits = before["compute"]["hits"] + before["host"]["hits"]
+    return {"compute": (d["compute"]["lookups"], d["compute"]["hits"], d["compute"]["misses"]),
             "host": (d["host"]["lookups"], d["host"]["hits"], d["host"]["misses"]),
-            "transient": (before["device"]["lookups"], pre_hits,
-                          before["device"]["lookups"] - pre_hits)}
+            "transient": (before["compute"]["lookups"], pre_hits,
+                          before["compute"]["lookups"] - pre_hits)}
 
 
 def print_stats(model, provider, stats, after_prefill, disk, out) -> None:
@@ -135,11 +135,11 @@ def print_stats(model, provider, stats, after_prefill, disk, out) -> None:
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p(f"{'cache tier':<22}{'slots':>6}{'lookups':>9}{'hits':>7}{'misses':>8}{'hit rate':>10}")
     rows = _tier_rows(after_prefill["tiers"], end["tiers"])
-    for tier, phase in (("device", "decode"), ("host", "decode"), ("transient", "prefill")):
+    for tier, phase in (("compute", "decode"), ("host", "decode"), ("transient", "prefill")):
         n, h, m = rows[tier]
         p(f"{tier + ' (' + phase + ')':<22}{caps[tier]:>6}{n:>9}{h:>7}{m:>8}{_rate(h, n):>10}")
-    last = "host" if caps["host"] else "device"  # the tier in front of the disk
-    m = rows[last][2] / rows["device"][0] if rows["device"][0] else 0.0
+    last = "host" if caps["host"] else "compute"  # the tier in front of the disk
+    m = rows[last][2] / rows["compute"][0] if rows["compute"][0] else 0.0
     dec_bytes = (end["bytes"] - after_prefill["bytes"]) / n_dec
     pre_bytes = after_prefill["bytes"] / max(stats.prompt_tokens, 1)
     total_ms = 1000 * (stats.prefill_s + stats.decode_s)
@@ -167,9 +167,9 @@ def print_stats(model, provider, stats, after_prefill, disk, out) -> None:
 
 EXPLAIN = """\
 The model's routed experts live in bank files on disk; each token's router picks top-{k} of
-{e} experts in each of {n} MoE layers, and a small cache holds the recent ones. device: the
-tier the model computes from; host: the second tier device victims fall to; transient: the
-prompt's experts, read once for all its tokens (prefill) so they never evict decode experts.
+{e} experts in each of {n} MoE layers, and a small cache holds the recent ones. compute: the
+slots the kernels read from; host: the second tier that compute-tier victims fall to; transient:
+the prompt's experts, read once for all its tokens (prefill) so they never evict decode experts.
 A cache miss waits for a read (stall); lookahead guesses the next layer's experts from this
 layer's hidden state and reads them early. The I/O bound is the fastest decode this disk
 allows at this miss rate (ARCHITECTURE.md "I/O bound"). The tiny model decodes far below it
@@ -232,7 +232,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         print(f"model: {cfg.num_hidden_layers} layers, {len(cfg.moe_layers)} MoE layers x "
               f"{cfg.num_experts} experts (top-{cfg.num_experts_per_token}); cache "
-              f"{args.slots_per_layer} device + {args.host_slots_per_layer} host slots per "
+              f"{args.slots_per_layer} compute + {args.host_slots_per_layer} host slots per "
               f"layer, lookahead {args.lookahead}, kernels "
               f"{name_of(provider.kernels)}")
         print(f"prompt: {args.prompt!r} ({len(prompt)} tokens)")

@@ -2,7 +2,7 @@
 
     model dir (manifest + config, or a plain checkpoint) -> ModelFacts
         -> fixed items (residents, KDA state, MLA cache, workspace, I/O buffers, reserve)
-        -> what is left / record stride = device-tier slots; host budget / stride = host slots
+        -> what is left / record stride = compute-tier slots; host budget / stride = host slots
 
 Every item is computed from the config and the record geometry, never measured, so the same
 arithmetic checks the full-size K3 on any machine (FORMAT.md "Decode state", "Bank parts").
@@ -124,7 +124,7 @@ def facts_from_dir(model_dir: str | Path, manifest=None) -> ModelFacts:
 
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
-    """Bytes per item; `sum(items) + device_slots * record_stride + slack_bytes ==
+    """Bytes per item; `sum(items) + compute_slots * record_stride + slack_bytes ==
     memory_budget`. Host-tier slots come from `host_budget` alone. Neither tier gets more slots
     than the bank has records; bytes beyond that stay slack (unused)."""
 
@@ -144,7 +144,7 @@ class MemoryPlan:
     working_set_records: int  # records one layer needs at once: min(E, chunk x top-k)
     decoded_experts: int
     items: dict[str, int] = field(default_factory=dict)  # ITEMS order
-    device_slots: int = 0
+    compute_slots: int = 0
     host_slots: int = 0
     slack_bytes: int = 0
     host_slack_bytes: int = 0
@@ -158,7 +158,7 @@ class MemoryPlan:
 
     @property
     def slots_per_layer(self) -> int:
-        return self.device_slots // self.routed_layers
+        return self.compute_slots // self.routed_layers
 
     @property
     def host_slots_per_layer(self) -> int:
@@ -170,7 +170,7 @@ class MemoryPlan:
 
     @property
     def cacheable_share(self) -> float:
-        return min(1.0, (self.device_slots + self.host_slots) / self.total_records)
+        return min(1.0, (self.compute_slots + self.host_slots) / self.total_records)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -228,7 +228,7 @@ def plan_for(facts: ModelFacts, *, memory_budget: int | str, host_budget: int | 
     """The plan for `facts` inside `memory_budget` (bytes or a size string). Raises PlanError.
 
     prefill_chunk None picks the largest power of two <= 256 that fits and keeps at least 3/4
-    of chunk 1's device slots (the minimum reported is then chunk 1's); io_buffers None = top-k
+    of chunk 1's compute slots (the minimum reported is then chunk 1's); io_buffers None = top-k
     (one layer's misses in flight); decoded_experts None = the working set (the ExpertProvider
     protocol returns every needed expert decoded at once)."""
     budget, host = parse_bytes(memory_budget), parse_bytes(host_budget)
@@ -251,7 +251,7 @@ def plan_for(facts: ModelFacts, *, memory_budget: int | str, host_budget: int | 
     while chunk <= MAX_AUTO_CHUNK:
         p = _plan(facts, budget, host, context, dtype, batch, chunk, io_buffers,
                   decoded_experts, reserve_fraction, reserve_floor, strict=False)
-        if p is None or 4 * p.device_slots < 3 * first.device_slots:  # keep 3/4 of the cache
+        if p is None or 4 * p.compute_slots < 3 * first.compute_slots:  # keep 3/4 of the cache
             break
         best, chunk = p, chunk * 2
     # The floor to report is chunk 1's: any budget above it plans (with a smaller chunk).
@@ -300,7 +300,7 @@ def _plan(facts, budget, host, context, dtype, batch, chunk, io_buffers, decoded
         record_bytes=facts.record_bytes, record_stride=stride,
         routed_layers=len(facts.routed_layers), experts_per_layer=n_exp, top_k=k,
         working_set_records=working, decoded_experts=decoded, items=items,
-        device_slots=slots, host_slots=host_slots, slack_bytes=left - slots * stride,
+        compute_slots=slots, host_slots=host_slots, slack_bytes=left - slots * stride,
         host_slack_bytes=host - host_slots * stride, minimum_budget=minimum, minimum_chunk=chunk,
         minimum_dominant=top)
 
@@ -331,8 +331,8 @@ def format_plan(plan: MemoryPlan) -> str:
             ("I/O buffers", p.items["io_buffers"],
              f"{p.items['io_buffers'] // p.record_stride} x {p.record_stride:,} B"),
             ("reserve", p.items["reserve"], "runtime floor + fraction of the budget"),
-            ("device-tier slots", p.device_slots * p.record_stride,
-             f"{p.device_slots} slots x {p.record_stride:,} B"),
+            ("compute-tier slots", p.compute_slots * p.record_stride,
+             f"{p.compute_slots} slots x {p.record_stride:,} B"),
             ("slack", p.slack_bytes, "unused")]
     out = [f"memory plan: {p.mode} records of {p.record_bytes:,} B from {p.source}, "
            f"{p.routed_layers} routed layers x {p.experts_per_layer} experts, top-{p.top_k}",
@@ -344,7 +344,7 @@ def format_plan(plan: MemoryPlan) -> str:
                f"of host budget {fmt_bytes(p.host_budget)})")
     out.append(f"slots per layer: device {p.slots_per_layer}, host {p.host_slots_per_layer}; "
                f"working set {p.working_set_records} records per layer")
-    out.append(f"cacheable: {p.device_slots + p.host_slots} of {p.total_records} experts "
+    out.append(f"cacheable: {p.compute_slots + p.host_slots} of {p.total_records} experts "
                f"({100 * p.cacheable_share:.1f}%)")
     out.append(f"minimum budget: {fmt_bytes(p.minimum_budget)} ({p.minimum_budget:,} B) at "
                f"prefill chunk {p.minimum_chunk}; largest item: {p.minimum_dominant}")

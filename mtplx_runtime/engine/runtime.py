@@ -132,15 +132,15 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
         plan = None
         if cache_slots is not None:
             n = len(bank.layers)
-            device_bytes, host_bytes = cache_slots[0] * n * stride, cache_slots[1] * n * stride
+            compute_bytes, host_bytes = cache_slots[0] * n * stride, cache_slots[1] * n * stride
         else:
             plan = make_plan(root, memory_budget=memory_budget or mem_available_bytes(),
                              host_budget=host_budget, context=context, dtype=dtype,
                              prefill_chunk=prefill_chunk, manifest=bank.manifest)
-            device_bytes = plan.device_slots * plan.record_stride
+            compute_bytes = plan.compute_slots * plan.record_stride
             host_bytes = plan.host_slots * plan.record_stride
         provider = StreamingExpertProvider(
-            bank, cfg, torch_dtype, device_bytes=device_bytes, host_bytes=host_bytes,
+            bank, cfg, torch_dtype, compute_bytes=compute_bytes, host_bytes=host_bytes,
             policy=cache_policy, lookahead=lookahead, verify_sha256=verify,
             kernels=backend)
         try:

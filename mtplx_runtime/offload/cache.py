@@ -3,8 +3,9 @@
 It does NO I/O. A caller (the prefetcher) asks `lookup`, `reserve`s a slot for each miss, fills
 `buffer(ref)` with the record bytes, then `commit`s (or `abort`s). Tiers:
 
-    device (the tier the model computes from)  <- promote --  host (optional, pinned RAM)
-    device victim                              -- demote  ->  host (else dropped)
+    compute (the slots the kernels read: GPU memory with the cuda kernels, host memory else)
+        <- promote -- host (optional, pinned RAM)
+    compute-tier victim -- demote -> host (else dropped)
     transient pool (optional): prefill and non-admitted misses; never evicts decode experts
 
 Keys are ExpertKey = (layer, expert). An entry is *loading* between reserve and commit and is
@@ -23,12 +24,12 @@ from .policy import Scope, _LazyHeap, make_policy
 from .slots import SlotTier, copy_slot
 
 ExpertKey = tuple[int, int]
-TIERS = ("device", "host", "transient")
+TIERS = ("compute", "host", "transient")
 
 
 @dataclass(frozen=True, slots=True)
 class SlotRef:
-    """Where a key's record lives: tier 'device' | 'transient' | 'host', slot index, and
+    """Where a key's record lives: tier 'compute' | 'transient' | 'host', slot index, and
     whether the entry is transient (outside the replacement order, first to be reclaimed)."""
 
     key: ExpertKey
@@ -48,14 +49,15 @@ class _Entry:
 
 @dataclass(slots=True)
 class TierCounters:
-    """Per (layer, tier). lookups == hits + misses; host lookups happen on device misses only."""
+    """Per (layer, tier). lookups == hits + misses; host lookups happen on compute-tier misses
+    only."""
 
     lookups: int = 0
     hits: int = 0
     misses: int = 0
     evictions: int = 0  # entries leaving this tier to make room (demoted or dropped)
-    demotions: int = 0  # device victims moved to the host tier (counted on 'device')
-    promotions: int = 0  # host hits copied up to the device tier (counted on 'host')
+    demotions: int = 0  # compute-tier victims moved to the host tier (counted on 'compute')
+    promotions: int = 0  # host hits copied up to the compute tier (counted on 'host')
     bytes_read: int = 0  # reported by the caller: record_read
     stall_ms: float = 0.0  # reported by the caller: time waiting for I/O
 
@@ -89,31 +91,31 @@ class _HostOrder:
 
 
 class ExpertCache:
-    """Expert slots in a device tier, an optional host tier and an optional transient pool.
+    """Expert slots in a compute tier, an optional host tier and an optional transient pool.
 
     record_bytes: size of one expert record (every slot holds exactly one; slots are
-    `alignment`-aligned). device_bytes / host_bytes / transient_bytes: tier budgets in bytes
+    `alignment`-aligned). compute_bytes / host_bytes / transient_bytes: tier budgets in bytes
     (host and transient are off at 0). scope: 'layer' (each of `layers` gets an equal share of
     the device and host slots) or 'global' (one shared capacity). policy: 'lru' or 'freq'
     (decayed frequency, `decay` per access, `admission`). device: 'cpu', 'cuda' or 'auto' (GPU
     memory when cupy sees one; the host tier is then CUDA-pinned).
     """
 
-    def __init__(self, record_bytes: int, device_bytes: int, host_bytes: int = 0, *,
+    def __init__(self, record_bytes: int, compute_bytes: int, host_bytes: int = 0, *,
                  scope: str = "layer", policy: str = "lru", layers: Iterable[int] | None = None,
                  transient_bytes: int = 0, decay: float = 0.99, admission: bool = True,
                  device: str = "auto", alignment: int = 4096):
         layers = sorted(set(layers)) if layers is not None else None
         self.record_bytes = int(record_bytes)
         self.scope_kind, self.policy_name = scope, policy
-        self._dev = SlotTier("device", record_bytes, device_bytes, alignment, device=device)
-        on_gpu = self._dev.device == "cuda"
+        self._compute = SlotTier("compute", record_bytes, compute_bytes, alignment, device=device)
+        on_gpu = self._compute.device == "cuda"
         self._host = (SlotTier("host", record_bytes, host_bytes, alignment, pinned_host=on_gpu)
                       if host_bytes > 0 else None)
         self._trans = (SlotTier("transient", record_bytes, transient_bytes, alignment,
-                                device=self._dev.device) if transient_bytes > 0 else None)
-        self._tiers = {"device": self._dev, "host": self._host, "transient": self._trans}
-        self._scope = Scope(scope, self._dev.num_slots,
+                                device=self._compute.device) if transient_bytes > 0 else None)
+        self._tiers = {"compute": self._compute, "host": self._host, "transient": self._trans}
+        self._scope = Scope(scope, self._compute.num_slots,
                             lambda g: make_policy(policy, decay=decay, admission=admission),
                             layers)
         self._admission_gate = policy == "freq" and admission
@@ -130,11 +132,11 @@ class ExpertCache:
                ) -> tuple[dict[ExpertKey, SlotRef], list[ExpertKey]]:
         """Split `keys` into hits {key: SlotRef} (ready to compute from) and misses [key].
 
-        A key still loading is a miss (wait on the prefetcher's future, do not reserve again).
-        A device miss found in the host tier is promoted (host -> device copy, counted as a host
-        hit); if no device slot can be freed the hit's ref points at the host tier. `transient`
-        (prefill) lookups count but leave the replacement order untouched. Does not block on
-        I/O.
+        A key still loading is a miss (wait on the prefetcher's future, do not reserve again). A
+        compute-tier miss found in the host tier is promoted (host -> compute copy, counted as a
+        host hit); if no compute slot can be freed the hit's ref points at the host tier.
+        `transient` (prefill) lookups count but leave the replacement order untouched. Does not
+        block on I/O.
         """
         hits: dict = {}
         misses: list = []
@@ -142,21 +144,21 @@ class ExpertCache:
             for key in keys:
                 key = (int(key[0]), int(key[1]))
                 c = self._counters[key[0]]
-                c["device"].lookups += 1
+                c["compute"].lookups += 1
                 if not transient:
                     self._scope.policy(key).touch(key)
                 e = self._entries.get(key)
                 if e is not None and e.tier != "host":
                     if e.ready:
-                        c["device"].hits += 1
+                        c["compute"].hits += 1
                         hits[key] = SlotRef(key, e.tier, e.slot, e.transient)
                         if e.transient:
                             self._transients.move_to_end(key)
                     else:
-                        c["device"].misses += 1
+                        c["compute"].misses += 1
                         misses.append(key)
                     continue
-                c["device"].misses += 1
+                c["compute"].misses += 1
                 if self._host is not None:
                     c["host"].lookups += 1
                     if e is not None:
@@ -192,7 +194,7 @@ class ExpertCache:
 
         Victims are never pinned or loading. `speculative` (prefetch) never evicts an expert the
         policy rates hotter than `key` (nor one admission would keep); it returns None instead.
-        `transient` (prefill) takes the transient pool, else a free device slot, else evicts
+        `transient` (prefill) takes the transient pool, else a free compute slot, else evicts
         another transient entry: never a decode-set expert. A demand miss that admission
         refuses, or that finds every candidate pinned, also falls back to the transient route.
         Raises ValueError if `key` is already cached or loading.
@@ -258,8 +260,8 @@ class ExpertCache:
         return self._scope.capacity(tuple(key))
 
     def tier(self, name: str) -> SlotTier | None:
-        """The SlotTier behind 'device', 'host' or 'transient' (None when that tier is off);
-        kernels that address slots by index read the device tier's buffer directly."""
+        """The SlotTier behind 'compute', 'host' or 'transient' (None when that tier is off);
+        kernels that address slots by index read the compute tier's buffer directly."""
         return self._tiers[name]
 
     def buffer(self, ref: SlotRef):
@@ -276,7 +278,7 @@ class ExpertCache:
     # ---- counters ------------------------------------------------------------------------
 
     def record_read(self, key: ExpertKey, nbytes: int, stall_ms: float = 0.0,
-                    tier: str = "device") -> None:
+                    tier: str = "compute") -> None:
         """Account bytes read from storage for `key` and time spent waiting on them."""
         with self._lock:
             c = self._counters[int(key[0])][tier]
@@ -313,9 +315,9 @@ class ExpertCache:
             return self._place_transient(key)
         pol = self._scope.policy(key)
         if len(pol) < self._scope.capacity(key):
-            slot = self._free_device_slot()
+            slot = self._free_compute_slot()
             if slot is not None:
-                return ("device", slot, False)
+                return ("compute", slot, False)
             return None if speculative else self._place_transient(key)
         victim = pol.victim(self._evictable)
         if speculative:
@@ -323,20 +325,20 @@ class ExpertCache:
                 return None
         elif victim is None or (self._admission_gate and not pol.admit(key, victim)):
             return self._place_transient(key)
-        self._evict_device(victim)
-        return ("device", self._dev.alloc(), False)
+        self._evict_compute(victim)
+        return ("compute", self._compute.alloc(), False)
 
-    def _free_device_slot(self) -> int | None:
-        slot = self._dev.alloc()
-        if slot is None:  # reclaim a device slot lent to a transient entry
-            t = self._oldest_transient("device")
+    def _free_compute_slot(self) -> int | None:
+        slot = self._compute.alloc()
+        if slot is None:  # reclaim a compute slot lent to a transient entry
+            t = self._oldest_transient("compute")
             if t is not None:
                 self._drop(t, self._entries[t], count=True)
-                slot = self._dev.alloc()
+                slot = self._compute.alloc()
         return slot
 
     def _place_transient(self, key):
-        for tier in (self._trans, self._dev):
+        for tier in (self._trans, self._compute):
             if tier is None:
                 continue
             slot = tier.alloc()
@@ -367,23 +369,23 @@ class ExpertCache:
             tier = "host"
         else:
             self._scope.policy(key).remove(key)
-            tier = "device"
+            tier = "compute"
         if count:
             self._counters[key[0]][tier].evictions += 1
 
-    def _evict_device(self, victim) -> None:
-        """Move a device victim to the host tier if it earns a place there, else drop it."""
+    def _evict_compute(self, victim) -> None:
+        """Move a compute-tier victim to the host tier if it earns a place there, else drop it."""
         e = self._entries[victim]
-        c = self._counters[victim[0]]["device"]
+        c = self._counters[victim[0]]["compute"]
         c.evictions += 1
         score = self._scope.policy(victim).score(victim)
         hslot = self._host_slot_for(victim, score) if self._host is not None else None
         if hslot is None:
             self._drop(victim, e)
             return
-        copy_slot(self._host, hslot, self._dev, e.slot)
+        copy_slot(self._host, hslot, self._compute, e.slot)
         self._scope.policy(victim).remove(victim)
-        self._dev.release(e.slot)
+        self._compute.release(e.slot)
         e.tier, e.slot = "host", hslot
         self._host_scope.policy(victim).insert(victim, score)
         c.demotions += 1
@@ -398,7 +400,7 @@ class ExpertCache:
         return self._host.alloc()
 
     def _promote(self, key, e: _Entry, transient: bool) -> SlotRef:
-        """Copy a host-tier entry up to a device slot; on failure leave it (host ref)."""
+        """Copy a host-tier entry up to a compute slot; on failure leave it (host ref)."""
         placed = self._place(key, speculative=False, transient=transient)
         if placed is None:
             return SlotRef(key, "host", e.slot)

@@ -10,7 +10,7 @@ kernels, chosen once at construction) computes; this module only wires them to t
 and resident logits are bit-identical; `cpu` and `cuda` differ by fp32 summation order. Prefill
 (tokens > 1) reads each needed expert once for all its tokens into transient slots, in windows
 no larger than the transient pool, so it never evicts decode experts (on the GPU it shares the
-device tier). `experts` still hands out decoded ExpertWeights for callers that want the weights.
+compute tier). `experts` still hands out decoded ExpertWeights for callers that want the weights.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class StreamingExpertProvider:
     manifest, record layout and record index are used as they are, nothing is parsed twice), or
     the artifact directory (the bank is opened here).
     cfg: the ModelConfig (expert shapes, top-k); dtype / device: what the returned weights are.
-    device_bytes / host_bytes / transient_bytes: cache tier budgets (transient None: room for
-    max(top_k, 4) records; 0 disables transient slots and prefill then uses the device tier).
+    compute_bytes / host_bytes / transient_bytes: cache tier budgets (transient None: room for
+    max(top_k, 4) records; 0 disables transient slots and prefill then uses the compute tier).
     policy, scope: ExpertCache replacement ('lru' | 'freq', 'layer' | 'global').
     lookahead: how many later MoE layers the model guesses for in decode (`hint`; 0: off).
     threads, max_inflight_bytes, direct: reader and prefetcher settings. verify_sha256 (default
@@ -59,7 +59,7 @@ class StreamingExpertProvider:
     """
 
     def __init__(self, bank: BankExpertLayout | str | os.PathLike, cfg,
-                 dtype: torch.dtype = torch.float32, *, device_bytes: int, host_bytes: int = 0,
+                 dtype: torch.dtype = torch.float32, *, compute_bytes: int, host_bytes: int = 0,
                  transient_bytes: int | None = None, policy: str = "lru", scope: str = "layer",
                  lookahead: int = 1, threads: int = 4, max_inflight_bytes: int | None = None,
                  direct: bool | str = "auto", verify_sha256: bool = True, device: str = "cpu",
@@ -82,13 +82,13 @@ class StreamingExpertProvider:
         self.stride_bytes = self.layout.logical_bytes
         layers = bank.layers
         # CUDA kernels address slots as base + index * stride of ONE device buffer, so on the
-        # GPU prefill shares the device tier instead of a separate transient pool.
+        # GPU prefill shares the compute tier instead of a separate transient pool.
         self.on_gpu = self.kernels.DEVICE == "cuda"
         if self.on_gpu:
             transient_bytes = 0
         elif transient_bytes is None:
             transient_bytes = max(cfg.num_experts_per_token, 4) * self.stride_bytes
-        self.cache = ExpertCache(self.stride_bytes, device_bytes, host_bytes, scope=scope,
+        self.cache = ExpertCache(self.stride_bytes, compute_bytes, host_bytes, scope=scope,
                                  policy=policy, layers=layers, transient_bytes=transient_bytes,
                                  device="cuda" if self.on_gpu else "cpu")
         self._transient_slots = self.cache.capacity()["transient"]
@@ -97,7 +97,7 @@ class StreamingExpertProvider:
         self.reader = from_manifest(bank.root, self.manifest, direct=direct, threads=threads,
                                     verify_sha256=verify_sha256,
                                     max_open_files=max(64, len(self.manifest.sidecar.parts)))
-        self.guard = SlotGuard()  # CUDA events of the kernels reading each device slot
+        self.guard = SlotGuard()  # CUDA events of the kernels reading each compute slot
         if self.on_gpu:
             self.reader = DeviceReader(self.reader, staging_bytes=self.stride_bytes,
                                        guard=self.guard, threads=threads)
@@ -202,7 +202,7 @@ class StreamingExpertProvider:
         args = (x[rows], torch.where(mine, ids, -1)[rows], weights[rows])  # [n, R], [n, K] x2
         if self.on_gpu:  # slot indices into the one device buffer; tensors on the GPU
             slots = {k[1]: ref.slot for k, ref in refs.items()}
-            storage = self.cache.tier("device")
+            storage = self.cache.tier("compute")
             dev = args[0].device if args[0].is_cuda else torch.device("cuda")
             args = tuple(a.to(dev) for a in args)
             part = self.kernels.expert_mlp(*args, slots, storage, self.layout,
@@ -254,7 +254,7 @@ class StreamingExpertProvider:
         """Cache counters per layer and tier, totals, prefetch counters, lookahead scores per
         depth, stall time and the prefill dedup factor (expert uses / unique experts)."""
         totals = self.cache.totals()
-        dev = totals["device"]
+        dev = totals["compute"]
         return {
             "cache": self.cache.stats(),
             "totals": totals,

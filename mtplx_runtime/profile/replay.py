@@ -250,7 +250,7 @@ def io_figures(res: Result, decode_tokens: int, rec_bytes: int, disk_gbps: float
 
 # ---- exact replay through a real ExpertCache ---------------------------------------------
 
-def replay_runtime(trace: Trace, *, policy: str = "lru", device_slots: int, host_slots: int = 0,
+def replay_runtime(trace: Trace, *, policy: str = "lru", compute_slots: int, host_slots: int = 0,
                    transient_slots: int | None = None, scope: str = "layer", decay: float = 0.99,
                    admission: bool = True, prefill_chunk: int = 64) -> ExpertCache:
     """Replay every line of `trace` into a fresh ExpertCache with the lookup / pin / reserve /
@@ -259,7 +259,7 @@ def replay_runtime(trace: Trace, *, policy: str = "lru", device_slots: int, host
     names); slot counts are the runtime cache's `capacity()`; transient None: max(top_k, 4)."""
     if transient_slots is None:
         transient_slots = max(trace.top_k, 4)
-    cache = ExpertCache(1, device_slots, host_slots, scope=scope, policy=policy,
+    cache = ExpertCache(1, compute_slots, host_slots, scope=scope, policy=policy,
                         layers=trace.layers, transient_bytes=transient_slots, decay=decay,
                         admission=admission, device="cpu", alignment=1)
     for _decode, first, n in trace.forwards(prefill_chunk):
