@@ -200,6 +200,91 @@ def test_bad_completion_requests_get_4xx(server, body, status, param):
     assert err["message"] and err["type"] and err["param"] == param
 
 
+def _body_text(**fields) -> bytes:
+    """A completion body with some fields written as raw JSON text (NaN, 1e999, ...)."""
+    head = json.dumps({"model": MODEL, "prompt": PROMPT})[:-1]
+    return (head + "".join(f', "{k}": {v}' for k, v in fields.items()) + "}").encode()
+
+
+@pytest.mark.parametrize("stream", ["false", "true"])
+@pytest.mark.parametrize("name,value", [
+    ("temperature", "NaN"), ("temperature", "Infinity"), ("temperature", "-Infinity"),
+    ("temperature", "1e999"), ("top_p", "NaN"), ("top_p", "-1e999"), ("top_p", "Infinity"),
+    ("max_tokens", "NaN"), ("seed", "Infinity"),
+])
+def test_non_finite_numbers_are_400_before_any_stream(server, name, value, stream):
+    got, payload = _raw(server, "POST", "/v1/completions",
+                        _body_text(**{name: value, "stream": stream}))
+    assert got == 400, payload
+    err = json.loads(payload)["error"]
+    assert err["param"] == name and err["type"] == "invalid_request_error", err
+
+
+@pytest.mark.parametrize("fields", [
+    {"temperature": "1e-300"}, {"temperature": "5e-324"}, {"temperature": "1e-30"},
+    {"temperature": "1", "top_p": "1e-300"}, {"temperature": "5e-324", "top_p": "1e-300"},
+])
+def test_vanishing_temperature_or_top_p_is_greedy(server, fields, expected):
+    got, payload = _raw(server, "POST", "/v1/completions", _body_text(max_tokens=12, **fields))
+    assert got == 200, payload
+    assert json.loads(payload)["choices"][0]["text"] == expected
+    got, payload = _raw(server, "POST", "/v1/completions",
+                        _body_text(max_tokens=12, stream="true", **fields))
+    events = [json.loads(line[6:]) for line in payload.decode().splitlines()
+              if line.startswith("data: {")]
+    assert got == 200 and all("error" not in e for e in events), payload
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == expected
+
+
+def _nested(levels: int, leaf: str = "1") -> str:
+    return '{"a": ' * levels + leaf + "}" * levels
+
+
+@pytest.mark.parametrize("levels", [100, 1200, 5000])
+@pytest.mark.parametrize("field", ["messages", "tools"])
+def test_deeply_nested_json_is_400(server, field, levels):
+    msgs = '[{"role": "user", "content": "hi"}]'
+    nested = "[" * levels + "]" * levels if field == "messages" else f"[{_nested(levels)}]"
+    body = (f'{{"model": "{MODEL}", "messages": {msgs if field == "tools" else nested}'
+            + (f', "tools": {nested}' if field == "tools" else "") + "}").encode()
+    got, payload = _raw(server, "POST", "/v1/chat/completions", body)
+    assert got == 400, payload[:200]
+    err = json.loads(payload)["error"]
+    assert err["code"] == "invalid_json" and "nested" in err["message"], err
+
+
+def _nan_logits(method):
+    def broken(*args, **kwargs):
+        return method(*args, **kwargs) * float("nan")
+    return broken
+
+
+def test_non_finite_logits_are_an_error_not_empty_text(server, monkeypatch):
+    model = server["rt"].model
+    failed = server["engine"].counters.failed
+    # At prefill: every answer, streamed or not, is a 500 with an OpenAI error body (no 200).
+    monkeypatch.setattr(model, "prefill", _nan_logits(model.prefill))
+    for stream in ("false", "true"):
+        got, payload = _raw(server, "POST", "/v1/completions", _body_text(stream=stream))
+        err = json.loads(payload)["error"]
+        assert got == 500 and err["code"] == "model_error", payload
+        assert "non-finite logits" in err["message"] and err["type"] == "server_error"
+    got, payload = _raw(server, "POST", "/v1/chat/completions",
+                        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                         "stream": True})
+    assert got == 500 and json.loads(payload)["error"]["code"] == "model_error"
+    monkeypatch.undo()
+    # At decode, after the first token: the stream's 200 is out, so an error event ends it.
+    monkeypatch.setattr(model, "decode", _nan_logits(model.decode))
+    got, payload = _raw(server, "POST", "/v1/completions", _body_text(stream="true"))
+    lines = [line for line in payload.decode().splitlines() if line.startswith("data: ")]
+    assert got == 200 and lines[-1] == "data: [DONE]", payload
+    assert json.loads(lines[-2][6:])["error"]["code"] == "model_error"
+    got, payload = _raw(server, "POST", "/v1/completions", _body_text())
+    assert got == 500 and json.loads(payload)["error"]["code"] == "model_error"
+    assert server["engine"].counters.failed == failed + 5
+
+
 def test_bad_chat_requests_and_routes(server, client):
     for body in ({"model": MODEL, "messages": "hi"},
                  {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
