@@ -14,7 +14,14 @@ import torch
 from mtplx_runtime import load_model
 from mtplx_runtime.cli import SUBCOMMANDS
 from mtplx_runtime.cli import main as cli_main
-from mtplx_runtime.engine.generate import GenerationStats, generate, generate_step, prefill, sample
+from mtplx_runtime.engine.generate import (
+    GenerationStats,
+    NonFiniteLogits,
+    generate,
+    generate_step,
+    prefill,
+    sample,
+)
 from mtplx_runtime.engine.tokenizer import load_tokenizer
 from mtplx_runtime.engine.trace import TRACE_FORMAT, RouteTrace, moe_blocks, read_trace
 from mtplx_runtime.fixtures.tiny import make_tiny
@@ -94,9 +101,53 @@ def test_top_k_and_top_p_restrict_the_support():
 
 
 def test_sample_rejects_bad_arguments():
-    for kw in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}):
+    for kw in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1},
+               {"temperature": float("nan")}, {"temperature": float("inf")},
+               {"top_p": float("nan")}):
         with pytest.raises(ValueError):
             sample(torch.zeros(4), **kw)
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 1e-300}, {"temperature": 5e-324},
+                                {"temperature": 1e-38}, {"temperature": 1e-30},
+                                {"temperature": 1.0, "top_p": 1e-300},
+                                {"temperature": 1e-300, "top_p": 1e-300, "top_k": 3}])
+def test_vanishing_temperature_or_top_p_samples_as_greedy(kw):
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 20
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        best = sample(x)
+        g = torch.Generator().manual_seed(0)
+        assert [sample(x, generator=g, **kw) for _ in range(20)] == [best] * 20
+
+
+def test_non_finite_logits_stop_generation():
+    class Broken:  # finite prefill logits, then a NaN at decode position 2
+        def new_state(self):
+            return type("S", (), {"tokens": 0})()
+
+        def prefill(self, ids, state):
+            state.tokens += len(ids)
+            out = torch.zeros(len(ids), 10)
+            out[:, 1] = 1
+            return out
+
+        def decode(self, t, state):
+            out = self.prefill([t], state)[0]
+            out[4] = float("nan") if state.tokens == 3 else 0
+            return out
+
+    g = generate_step(Broken(), [5, 6], max_tokens=5)
+    assert next(g) == 1
+    with pytest.raises(NonFiniteLogits, match="decode at position 2"):
+        next(g)
+
+    class Inf(Broken):
+        def prefill(self, ids, state):
+            return super().prefill(ids, state) / 0  # +inf, and NaN where 0 / 0
+
+    with pytest.raises(NonFiniteLogits, match="non-finite logits .* in prefill"):
+        generate(Inf(), [5, 6], max_tokens=3)
 
 
 # ---- generate_step -----------------------------------------------------------------------------
@@ -282,6 +333,33 @@ def test_cli_bad_streaming_requests_are_one_line_errors(cli, tiny, capsys):
     capsys.readouterr()
     rc = cli(["generate", "--model", str(tiny), "--prompt", "x", "--kernels", "cpu"])
     assert rc == 2 and "--kernels cpu runs on streamed experts" in capsys.readouterr().err
+
+
+def _poison(checkpoint, name: str) -> None:
+    """Overwrite tensor `name` (BF16) in its safetensors shard with NaNs, in place."""
+    import struct
+
+    for f in checkpoint.glob("*.safetensors"):
+        with open(f, "r+b") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+            if name in header:
+                assert header[name]["dtype"] == "BF16"
+                begin, end = header[name]["data_offsets"]
+                fh.seek(8 + n + begin)
+                fh.write(b"\xc0\x7f" * ((end - begin) // 2))  # bf16 quiet NaN
+                return
+    raise AssertionError(f"{name} not in {checkpoint}")
+
+
+def test_cli_generate_corrupt_model_is_an_error(cli, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    make_tiny(bad, "t158")
+    _poison(bad, "language_model.model.norm.weight")
+    rc = cli(["generate", "--model", str(bad), "--prompt", PROMPT, "--max-tokens", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1, err
+    assert err[-1].startswith("mtplx generate: error: the model produced non-finite logits")
 
 
 def test_cli_chat_two_turns_then_eof(cli, tiny, monkeypatch, capsys):

@@ -2,14 +2,18 @@
 
 One module-scoped server (uvicorn on uvloop in a thread, 127.0.0.1, ephemeral port, an API key);
 greedy output is compared with `mtplx generate`; bad requests get 4xx with an OpenAI error body;
-a raw-socket client that disconnects mid-stream frees the engine; 20 concurrent clients.
+a raw-socket client that disconnects mid-stream frees the engine; 20 concurrent clients. Slow
+clients: more servers over the same app with small limits (`_serve`) and raw sockets that
+trickle request bytes, each bounded in count and time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -63,7 +67,7 @@ def server(art):
     while not srv.started:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.02)
-    yield {"port": sock.getsockname()[1], "engine": engine, "rt": rt}
+    yield {"port": sock.getsockname()[1], "engine": engine, "rt": rt, "app": app}
     srv.should_exit = True
     thread.join(TIMEOUT)
     engine.close()
@@ -200,6 +204,91 @@ def test_bad_completion_requests_get_4xx(server, body, status, param):
     assert err["message"] and err["type"] and err["param"] == param
 
 
+def _body_text(**fields) -> bytes:
+    """A completion body with some fields written as raw JSON text (NaN, 1e999, ...)."""
+    head = json.dumps({"model": MODEL, "prompt": PROMPT})[:-1]
+    return (head + "".join(f', "{k}": {v}' for k, v in fields.items()) + "}").encode()
+
+
+@pytest.mark.parametrize("stream", ["false", "true"])
+@pytest.mark.parametrize("name,value", [
+    ("temperature", "NaN"), ("temperature", "Infinity"), ("temperature", "-Infinity"),
+    ("temperature", "1e999"), ("top_p", "NaN"), ("top_p", "-1e999"), ("top_p", "Infinity"),
+    ("max_tokens", "NaN"), ("seed", "Infinity"),
+])
+def test_non_finite_numbers_are_400_before_any_stream(server, name, value, stream):
+    got, payload = _raw(server, "POST", "/v1/completions",
+                        _body_text(**{name: value, "stream": stream}))
+    assert got == 400, payload
+    err = json.loads(payload)["error"]
+    assert err["param"] == name and err["type"] == "invalid_request_error", err
+
+
+@pytest.mark.parametrize("fields", [
+    {"temperature": "1e-300"}, {"temperature": "5e-324"}, {"temperature": "1e-30"},
+    {"temperature": "1", "top_p": "1e-300"}, {"temperature": "5e-324", "top_p": "1e-300"},
+])
+def test_vanishing_temperature_or_top_p_is_greedy(server, fields, expected):
+    got, payload = _raw(server, "POST", "/v1/completions", _body_text(max_tokens=12, **fields))
+    assert got == 200, payload
+    assert json.loads(payload)["choices"][0]["text"] == expected
+    got, payload = _raw(server, "POST", "/v1/completions",
+                        _body_text(max_tokens=12, stream="true", **fields))
+    events = [json.loads(line[6:]) for line in payload.decode().splitlines()
+              if line.startswith("data: {")]
+    assert got == 200 and all("error" not in e for e in events), payload
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == expected
+
+
+def _nested(levels: int, leaf: str = "1") -> str:
+    return '{"a": ' * levels + leaf + "}" * levels
+
+
+@pytest.mark.parametrize("levels", [100, 1200, 5000])
+@pytest.mark.parametrize("field", ["messages", "tools"])
+def test_deeply_nested_json_is_400(server, field, levels):
+    msgs = '[{"role": "user", "content": "hi"}]'
+    nested = "[" * levels + "]" * levels if field == "messages" else f"[{_nested(levels)}]"
+    body = (f'{{"model": "{MODEL}", "messages": {msgs if field == "tools" else nested}'
+            + (f', "tools": {nested}' if field == "tools" else "") + "}").encode()
+    got, payload = _raw(server, "POST", "/v1/chat/completions", body)
+    assert got == 400, payload[:200]
+    err = json.loads(payload)["error"]
+    assert err["code"] == "invalid_json" and "nested" in err["message"], err
+
+
+def _nan_logits(method):
+    def broken(*args, **kwargs):
+        return method(*args, **kwargs) * float("nan")
+    return broken
+
+
+def test_non_finite_logits_are_an_error_not_empty_text(server, monkeypatch):
+    model = server["rt"].model
+    failed = server["engine"].counters.failed
+    # At prefill: every answer, streamed or not, is a 500 with an OpenAI error body (no 200).
+    monkeypatch.setattr(model, "prefill", _nan_logits(model.prefill))
+    for stream in ("false", "true"):
+        got, payload = _raw(server, "POST", "/v1/completions", _body_text(stream=stream))
+        err = json.loads(payload)["error"]
+        assert got == 500 and err["code"] == "model_error", payload
+        assert "non-finite logits" in err["message"] and err["type"] == "server_error"
+    got, payload = _raw(server, "POST", "/v1/chat/completions",
+                        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                         "stream": True})
+    assert got == 500 and json.loads(payload)["error"]["code"] == "model_error"
+    monkeypatch.undo()
+    # At decode, after the first token: the stream's 200 is out, so an error event ends it.
+    monkeypatch.setattr(model, "decode", _nan_logits(model.decode))
+    got, payload = _raw(server, "POST", "/v1/completions", _body_text(stream="true"))
+    lines = [line for line in payload.decode().splitlines() if line.startswith("data: ")]
+    assert got == 200 and lines[-1] == "data: [DONE]", payload
+    assert json.loads(lines[-2][6:])["error"]["code"] == "model_error"
+    got, payload = _raw(server, "POST", "/v1/completions", _body_text())
+    assert got == 500 and json.loads(payload)["error"]["code"] == "model_error"
+    assert server["engine"].counters.failed == failed + 5
+
+
 def test_bad_chat_requests_and_routes(server, client):
     for body in ({"model": MODEL, "messages": "hi"},
                  {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
@@ -310,3 +399,154 @@ def test_engine_queue_bound_and_failures_do_not_kill_it(server, caplog):
     assert engine.counters.failed == 2
     logged = [r for r in caplog.records if r.name == "mtplx_runtime.server.engine"]
     assert len(logged) == 2 and all("boom" in str(r.exc_info[1]) for r in logged)
+
+
+# ---- slow and incomplete clients ---------------------------------------------------------------
+
+@contextlib.contextmanager
+def _serve(app, **limits):
+    """Another uvicorn server over `app` on 127.0.0.1 with connection `limits` (make_server)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = make_server(app, host="127.0.0.1", port=sock.getsockname()[1], **limits)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        srv.should_exit = True
+        thread.join(TIMEOUT)
+        sock.close()
+    assert not thread.is_alive()
+
+
+LIFETIME = 4 * TIMEOUT  # the longest a trickler keeps going (a bound, not a timing)
+SLOW_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow-"
+
+
+class Tricklers:
+    """`n` connections that each send `first` (part of a request), then one more header-name
+    byte every `interval` s on a helper thread, until the server closes them, `close()`, or
+    LIFETIME s. `answers[i]` is what the server sent on connection i before closing it."""
+
+    def __init__(self, port: int, n: int, first: bytes, interval: float = 0.05):
+        self.socks = []
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+            s.sendall(first)
+            self.socks.append(s)
+        self.answers: dict[int, bytes] = {}
+        self._got = {i: b"" for i in range(n)}
+        self._stop = threading.Event()
+        self._interval = interval
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + LIFETIME
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            live = {s: i for i, s in enumerate(self.socks) if i not in self.answers}
+            if not live:
+                return
+            readable, _, _ = select.select(list(live), [], [], self._interval)
+            for s in readable:  # the server answered or closed: read up to its close
+                try:
+                    chunk = s.recv(65536)
+                except OSError:
+                    chunk = b""
+                if chunk:
+                    self._got[live[s]] += chunk
+                else:
+                    self.answers[live[s]] = self._got[live[s]]
+            for s in live:
+                if s not in readable:
+                    with contextlib.suppress(OSError):  # closed under us: read next round
+                        s.send(b"a")
+
+    def wait(self, count: int) -> None:
+        """Until the server has closed `count` of the connections (fails after TIMEOUT s)."""
+        deadline = time.monotonic() + TIMEOUT
+        while len(self.answers) < count:
+            assert time.monotonic() < deadline and self._thread.is_alive(), \
+                f"{len(self.answers)} of {len(self.socks)} closed, waiting for {count}"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(TIMEOUT)
+        for s in self.socks:
+            s.close()
+
+
+def _is_408(answer: bytes) -> bool:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return (head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower()
+            and json.loads(body)["error"]["code"] == "request_timeout")
+
+
+def test_trickling_clients_cannot_lock_out_complete_requests(server, expected):
+    """30 slow heads against a cap of 16 (and deadlines far away): the longest-incomplete are
+    shed with 408 so a complete request still gets its answer, never a 503."""
+    with _serve(server["app"], max_connections=16, header_timeout=600, body_timeout=600) as port:
+        slow = Tricklers(port, 30, SLOW_HEAD)
+        try:
+            slow.wait(30 - 15)  # the server holds 15 of them, one slot under the cap
+            assert all(_is_408(a) for a in slow.answers.values()), slow.answers
+            shed = set(slow.answers)
+            assert shed == set(range(len(shed))), shed  # the oldest went first
+            for _ in range(3):
+                got, payload = _raw({"port": port}, "POST", "/v1/completions",
+                                    {"model": MODEL, "prompt": PROMPT, "max_tokens": 12})
+                assert got == 200, payload
+                assert json.loads(payload)["choices"][0]["text"] == expected
+            slow.wait(30 - 15 + 1)  # the first complete request took a trickler's slot
+            assert all(_is_408(a) for a in slow.answers.values())
+        finally:
+            slow.close()
+
+
+def test_slow_heads_and_bodies_get_408(server):
+    """Short deadlines: 20 trickling heads, a body that stops at 9 of 1000 bytes, a partial
+    second head on a keep-alive connection all get 408 and are closed; a silent connection is
+    closed; a complete request meanwhile gets 200."""
+    with _serve(server["app"], max_connections=64, header_timeout=1.5, body_timeout=1.5) as port:
+        slow = Tricklers(port, 20, SLOW_HEAD)
+        try:
+            body = Tricklers(port, 1, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                             b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Type: "
+                             b"application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ",
+                             interval=TIMEOUT)  # sends nothing after the first 9 body bytes
+            silent = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+            keep = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+            assert _raw({"port": port}, "GET", "/health")[0] == 200
+            keep.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = keep.recv(65536)
+            assert first.startswith(b"HTTP/1.1 200 "), first
+            keep.sendall(b"GET /hea")  # the next request stalls mid-head
+            slow.wait(20)
+            body.wait(1)
+            assert all(_is_408(a) for a in slow.answers.values()), slow.answers
+            assert _is_408(body.answers[0]), body.answers
+            assert silent.recv(65536) == b""  # nothing sent: closed without a response
+            rest = b""
+            while chunk := keep.recv(65536):
+                rest += chunk
+            assert _is_408(rest), rest
+        finally:
+            slow.close()
+            body.close()
+
+
+@pytest.mark.parametrize("flag", ["--header-timeout", "--body-timeout"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_timeout_flags_are_checked(art, flag, value):
+    from mtplx_runtime.cli.generate import CliError
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    with pytest.raises(CliError, match=flag):
+        build(parser.parse_args(["--model", str(art), flag, value]))

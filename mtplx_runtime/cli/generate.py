@@ -203,6 +203,7 @@ def stats_line(rt, stats) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from ..engine.chat import parse_assistant, render_chat
+    from ..engine.generate import NonFiniteLogits
 
     try:
         text = prompt_text(args)
@@ -222,7 +223,11 @@ def main(args: argparse.Namespace) -> int:
         if not prompt:
             print(f"{PROG}: error: the prompt encodes to no tokens", file=sys.stderr)
             return 2
-        ids, stats = run_turn(rt, args, prompt, printer)
+        try:
+            ids, stats = run_turn(rt, args, prompt, printer)
+        except NonFiniteLogits as e:  # a corrupt model: say so, never "empty text, exit 0"
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 1
         if args.chat:
             reply = parse_assistant(ids, rt.tokenizer, thinking=thinking)
             print(f"[reply: {len(reply['reasoning'])} chars reasoning, "

@@ -13,11 +13,15 @@ or `[EOS]`, `Tokenizer.stop_ids`); `stats.stop_reason` is then "stop" and `stats
 it. Otherwise it ends with "length" after `max_tokens` ids. No decode forward is run for the last
 yielded id when `max_tokens` ends generation (its logits would never be used).
 
+Logits that are not all finite (NaN/inf: a corrupt checkpoint or artifact) stop generation with
+`NonFiniteLogits` rather than sampling garbage or nothing.
+
 Shape legend: T tokens, V vocab (163840).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +31,27 @@ import torch
 # on_forward(phase, first_position, n_tokens): called after each model forward, while the MoE
 # layers' `last_ids` still hold that forward's route (the route-trace writer hooks in here).
 ForwardHook = Callable[[str, int, int], None]
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model produced NaN or infinite logits: its weights (or the bytes read for them) are
+    corrupt, or the numerics overflowed. Generation cannot continue meaningfully."""
+
+
+def check_logits(logits: torch.Tensor, phase: str, position: int) -> torch.Tensor:
+    """`logits` unchanged if all finite, else raise NonFiniteLogits (one reduction over V)."""
+    if not bool(torch.isfinite(logits).all()):
+        bad = int((~torch.isfinite(logits)).sum())
+        raise NonFiniteLogits(f"the model produced non-finite logits ({bad} of {logits.numel()} "
+                              f"NaN/inf) in {phase} at position {position}; the checkpoint or "
+                              "artifact may be corrupt (mtplx verify checks an artifact)")
+    return logits
+
+
+# Below the smallest normal fp32 number a temperature rounds to 0 (or a denormal that GPUs
+# flush to 0) when logits are divided by it, giving 0 / 0 = NaN: such a temperature samples as
+# greedy, its limit.
+_MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
 
 
 @dataclass(slots=True)
@@ -61,18 +86,21 @@ def sample(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0
            top_k: int = 0, generator: torch.Generator | None = None) -> int:
     """One token id from `logits` [V] (any float dtype; filtered and sampled in fp32).
 
-    temperature 0 is greedy argmax (top_k/top_p ignored; the lowest id wins a tie). Otherwise
-    logits / temperature, then top-k (keep the k largest; 0 = all), then top-p (keep the
-    smallest most-probable set whose mass reaches top_p; the best id is always kept), then one
-    draw from `generator` (seed it for reproducible output; it must live on logits' device).
+    temperature 0 is greedy argmax (top_k/top_p ignored; the lowest id wins a tie), and so is a
+    temperature too small to divide fp32 logits by (below ~1.2e-38). Otherwise (logits - max) /
+    temperature (shifted first, so a tiny temperature gives -inf, never +inf or NaN), then top-k
+    (keep the k largest; 0 = all), then top-p (keep the smallest most-probable set whose mass
+    reaches top_p; the best id is always kept, so a vanishing top_p is greedy), then one draw
+    from `generator` (seed it for reproducible output; it must live on logits' device).
+    Logits are expected finite (`check_logits`).
     """
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
+    if not (0 <= temperature < math.inf and 0 < top_p <= 1 and top_k >= 0):  # NaN fails too
+        raise ValueError(f"need finite temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
                          f"{temperature}, {top_p}, {top_k}")
     x = logits.float().reshape(-1)  # [V] fp32
-    if temperature == 0:
+    if temperature < _MIN_TEMPERATURE:
         return int(torch.argmax(x))
-    x = x / temperature
+    x = (x - x.max()) / temperature  # max -> 0, the rest <= 0 (-inf when tiny): no NaN
     if 0 < top_k < x.numel():
         keep = torch.topk(x, top_k).indices  # exactly k ids, ties broken by topk
         masked = torch.full_like(x, float("-inf"))
@@ -82,7 +110,9 @@ def sample(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0
         order = torch.argsort(x, descending=True)  # [V]
         probs = torch.softmax(x[order], dim=-1)  # [V] sorted descending
         before = torch.cumsum(probs, dim=-1) - probs  # mass strictly ahead of each id
-        drop = order[before >= top_p]  # the first id has 0 ahead of it: always kept
+        cut = before >= top_p  # top_p is compared in fp32: 1e-300 becomes 0
+        cut[0] = False  # the best id is always kept
+        drop = order[cut]
         x = x.clone()
         x[drop] = float("-inf")
     probs = torch.softmax(x, dim=-1)  # [V]
@@ -106,7 +136,7 @@ def prefill(model, state, ids: Sequence[int], chunk: int = 64,
     for i in range(0, len(ids), chunk):
         part = ids[i:i + chunk]
         start = state.tokens
-        last = model.prefill(part, state)[-1]  # [V]
+        last = check_logits(model.prefill(part, state)[-1], "prefill", start + len(part) - 1)
         if on_forward is not None:
             on_forward("prefill", start, len(part))
     return last
@@ -156,7 +186,7 @@ def generate_step(model, prompt_ids: Iterable[int], *, max_tokens: int,
             break
         t1 = time.perf_counter()  # the consumer's time between yields is not ours
         pos = state.tokens
-        logits = model.decode(tok, state)  # [V]
+        logits = check_logits(model.decode(tok, state), "decode", pos)  # [V]
         stats.decode_forwards += 1
         stats.decode_s += time.perf_counter() - t1
         if hook is not None:  # trace writing is not model time

@@ -1,7 +1,11 @@
 """The HTTP surface: a small hand-written ASGI app over `engine.Engine` (OpenAI-compatible).
 
-    request -> auth -> bounded body -> JSON -> validate (4xx + OpenAI error body)
-        -> render (chat) / encode (completion) -> Engine.submit -> events -> JSON or SSE
+    request -> auth -> bounded body -> JSON (depth-limited) -> validate (4xx + OpenAI error
+        body) -> render (chat) / encode (completion) -> Engine.submit -> events -> JSON or SSE
+
+Everything the server can refuse is refused before a 200: a stream sends its 200 only once the
+engine reports the first token ("start"), so a generation that fails at once (non-finite
+logits) is a 500 with an OpenAI error body; only a failure after that is an in-band error event.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus text). A concurrent `receive()` watches for `http.disconnect` and sets
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 
 from .engine import QueueFull, Request
 from .metrics import metrics_text
-from .params import ApiError, chat_params, completion_params, error_body
+from .params import ApiError, chat_params, completion_params, error_body, parse_json
 
 
 class _Gone(Exception):
@@ -113,10 +117,7 @@ class App:
                 raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
             if not msg.get("more_body", False):
                 break
-        try:
-            return json.loads(b"".join(chunks))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        return parse_json(b"".join(chunks))
 
     async def _generate(self, p: dict, chat: bool, receive, send) -> None:
         loop = asyncio.get_running_loop()
@@ -149,18 +150,20 @@ class App:
             req.cancel.set()  # finished: a no-op; left early: skip or stop the generation
 
     async def _next(self, req):
+        """The next "start" | "delta" | "done" event; an "error" event raises ApiError 500."""
         ev = await req.events.get()
         if ev[0] == "gone":
             raise _Gone
         if ev[0] == "error":
             raise ApiError(500, f"generation failed: {ev[1]}", type_="server_error",
-                           code="engine_error")
+                           code=ev[2])
         return ev
 
     async def _collect(self, req, head, chat, send) -> None:
         parts = {"content": [], "reasoning": []}
-        while (ev := await self._next(req))[0] == "delta":
-            parts[ev[1]].append(ev[2])
+        while (ev := await self._next(req))[0] in ("start", "delta"):
+            if ev[0] == "delta":
+                parts[ev[1]].append(ev[2])
         _, finish, usage, _ = ev
         text = "".join(parts["content"])
         if chat:
@@ -175,6 +178,10 @@ class App:
     async def _stream(self, req, head, chat, include_usage, send) -> None:
         if chat:
             head = {**head, "object": "chat.completion.chunk"}
+        # The 200 waits for the engine's first event ("start": the prompt ran and the first
+        # token was sampled), so a request that fails at once (a corrupt model's non-finite
+        # logits at prefill, a sampling error) gets a plain HTTP error, not an error in a 200.
+        first = await self._next(req)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"),
                                 (b"cache-control", b"no-cache")]})
@@ -193,9 +200,12 @@ class App:
         if chat:
             await event([choice({"role": "assistant", "content": ""})])
         try:
-            while (ev := await self._next(req))[0] == "delta":
-                key = "content" if ev[1] == "content" else "reasoning_content"
-                await event([choice({key: ev[2]}, text=ev[2])])
+            ev = first
+            while ev[0] in ("start", "delta"):
+                if ev[0] == "delta":
+                    key = "content" if ev[1] == "content" else "reasoning_content"
+                    await event([choice({key: ev[2]}, text=ev[2])])
+                ev = await self._next(req)
             _, finish, usage, _ = ev
             await event([choice(finish=finish)])
             if include_usage:

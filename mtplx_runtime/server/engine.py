@@ -23,8 +23,10 @@ from ..engine.chat import ChannelText
 
 log = logging.getLogger("mtplx_runtime.server.engine")
 
-# Events put on a request's asyncio queue: ("delta", kind, text) with kind "content" or
-# "reasoning"; ("done", finish_reason, usage dict); ("error", message).
+# Events put on a request's asyncio queue: ("start",) once the first token is sampled (the
+# prompt ran and sampling works: a stream may send its 200 now); ("delta", kind, text) with kind
+# "content" or "reasoning"; ("done", finish_reason, usage dict, seconds); ("error", message,
+# code) with code "model_error" (non-finite logits: a corrupt model) or "engine_error".
 
 
 class QueueFull(Exception):
@@ -171,7 +173,10 @@ class Engine:
                 # the server; the client gets the error, the log keeps the traceback
                 log.exception("generation failed")
                 self.counters.failed += 1
-                req.emit("error", f"{type(e).__name__}: {e}")
+                from ..engine.generate import NonFiniteLogits  # torch: imported on use
+
+                code = "model_error" if isinstance(e, NonFiniteLogits) else "engine_error"
+                req.emit("error", f"{type(e).__name__}: {e}", code)
             finally:
                 self.running = None
         while True:  # shutting down: tell every waiter
@@ -180,7 +185,7 @@ class Engine:
             except queue.Empty:
                 return
             if req is not None:
-                req.emit("error", "the server is shutting down")
+                req.emit("error", "the server is shutting down", "engine_error")
 
     def _run(self, req: Request) -> None:
         from ..engine.generate import GenerationStats, generate_step
@@ -200,6 +205,8 @@ class Engine:
             for t in gen:
                 if req.cancel.is_set():
                     break
+                if stats.generated_tokens == 1:
+                    req.emit("start")
                 for kind, s in text.push(t):
                     stop.push(kind, s)
                 if stop.hit:

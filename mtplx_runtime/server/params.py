@@ -8,9 +8,15 @@ unvalidated reaches the engine. Thinking is on unless the request turns it off w
 
 from __future__ import annotations
 
+import json
+import math
+
 from ..engine.chat import THINKING_EFFORTS
 
 MAX_STOPS = 4
+# Deepest JSON nesting a body may have. Real requests (messages, tool schemas) stay far below;
+# a deeper body is refused before anything walks it recursively (render_chat, json.dumps).
+MAX_JSON_DEPTH = 64
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -37,10 +43,43 @@ def _number(body: dict, name: str, default, low, high, *, integer=False, low_ope
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
     if not ok or isinstance(v, bool):
         raise _bad(name, f"{name} must be {'an integer' if integer else 'a number'}")
+    if isinstance(v, float) and not math.isfinite(v):  # NaN passes every comparison below
+        raise _bad(name, f"{name} must be a finite number")
     if (v <= low if low_open else v < low) or (high is not None and v > high):
         side = "(" if low_open else "["
         raise _bad(name, f"{name} must be in {side}{low}, {high if high is not None else 'inf'}]")
     return v
+
+
+def parse_json(raw: bytes) -> object:
+    """The request body as JSON; malformed, or nested deeper than MAX_JSON_DEPTH, is a 400.
+
+    Python's json accepts NaN and Infinity literals (and turns 1e999 into inf); `_number`
+    refuses those where a number is wanted."""
+    try:
+        body = json.loads(raw)
+        deep = _too_deep(body, MAX_JSON_DEPTH)
+    except RecursionError:  # the C decoder's own guard, about a thousand levels down
+        deep = True
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    if deep:
+        raise ApiError(400, f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep",
+                       code="invalid_json")
+    return body
+
+
+def _too_deep(obj, limit: int) -> bool:
+    """Whether `obj` nests lists/objects more than `limit` levels (iterative: no recursion)."""
+    level = [obj] if isinstance(obj, (list, dict)) else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c)
+                 if isinstance(v, (list, dict))]
+    return False
 
 
 def _common(body, cfg) -> dict:

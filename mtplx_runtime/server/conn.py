@@ -1,0 +1,154 @@
+"""The connection layer under `mtplx serve`: request read deadlines and room for complete requests.
+
+uvicorn's h11 protocol has no deadline for reading a request: `timeout_keep_alive` runs only
+between requests (armed after a response, cancelled by the next byte), a fresh connection is
+never timed out, and the app sees a request only once its head is complete. So a client that
+trickles header bytes (or declares Content-Length 1000 and sends 9) holds its connection for as
+long as it likes, and `limit_concurrency` counts it: enough of them and every complete request
+gets 503. The protection therefore sits in the protocol, as a subclass of uvicorn's
+`H11Protocol` that `serve.make_server` hands to uvicorn (`Config(http=...)`):
+
+    connection (or first byte after a keep-alive response)
+        -> head phase: the request head must be complete within `header_timeout`
+        -> body phase: the body must be complete within `body_timeout` of the head
+        -> answering (no deadline: a long generation or stream is not a slow request)
+        -> idle between requests: uvicorn's `timeout_keep_alive`
+    a deadline missed: 408 with an OpenAI error body and `connection: close` (a connection that
+    sent nothing, or is idle between requests, is just closed)
+
+Connection cap (`--max-connections`, uvicorn's `limit_concurrency`): uvicorn answers 503 to a
+request arriving while the open connections reach the cap. Admission keeps a slot free for
+complete requests instead: when a new connection brings the count to the cap, the connection
+that has been incomplete the longest (still sending its head or body, or idle between requests)
+is shed (408 as above) until one slot is free again. A connection whose request is being
+answered is never shed, so 503 remains only for when the cap is full of real requests. Oldest
+first means a burst of new connections sheds the tricklers that have held on longest, and a
+client that connected a moment ago has the most time to finish its request.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+
+from .params import ApiError, error_body
+
+
+def _timeout_response(message: str) -> bytes:
+    body = json.dumps(error_body(ApiError(408, message, code="request_timeout"))).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)) + body
+
+
+def guarded_h11(header_timeout: float, body_timeout: float) -> type:
+    """uvicorn's H11Protocol with request read deadlines and shedding at the connection cap
+    (module docstring); pass as `uvicorn.Config(http=...)` with `limit_concurrency` set."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    if not (header_timeout > 0 and body_timeout > 0):
+        raise ValueError(f"timeouts must be > 0, got {header_timeout}, {body_timeout}")
+    late = {"head": _timeout_response(f"request head not received within {header_timeout:g} s"),
+            "body": _timeout_response(f"request body not received within {body_timeout:g} s")}
+    began = itertools.count()  # a ticket per request start: uvloop's clock is per iteration
+    shed = _timeout_response("incomplete request dropped to make room for complete ones (the "
+                             "server is at its connection limit)")
+
+    class GuardedH11Protocol(H11Protocol):
+        _timer = None
+        _phase: str | None = None  # "head" | "body" | None (answering or idle)
+        _since = 0  # ticket of the current request's (or idle spell's) start: shedding order
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._since = next(began)
+            self._arm("head", header_timeout)
+            self._admit()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            self._track()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # may parse a pipelined head (handle_events)
+            if self._phase is None:
+                self._since = next(began)  # idle from now (or answering the next)
+            self._track()
+
+        # -- phases ----------------------------------------------------------------------
+
+        def _track(self) -> None:
+            """Follow h11's view of the client: which deadline (if any) applies now."""
+            if self.transport.is_closing():
+                return self._disarm()
+            state, cycle = self.conn.their_state, self.cycle
+            if state is h11.IDLE:  # before a head: a fresh connection or between requests
+                if self._phase == "head":
+                    return  # keeps the deadline it started with
+                if self.conn.trailing_data[0]:  # part of a next head arrived
+                    self._since = next(began)
+                    return self._arm("head", header_timeout)
+                return self._disarm()  # idle: uvicorn's keep-alive timeout applies
+            answering = cycle is not None and cycle.response_started \
+                and not cycle.response_complete
+            if state is h11.SEND_BODY and not answering:
+                if self._phase != "body":
+                    self._arm("body", body_timeout)
+                return None
+            return self._disarm()
+
+        def _arm(self, phase: str, seconds: float) -> None:
+            self._disarm()
+            self._phase = phase
+            self._timer = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._phase = None, None
+
+        def _expired(self) -> None:
+            self._timer = None
+            if not self.transport.is_closing():
+                self._close(late[self._phase])
+
+        def _partial(self) -> bool:
+            """Whether the client has sent part of a request that no response answered yet."""
+            if self._phase == "head":
+                return bool(self.conn.trailing_data[0])
+            cycle = self.cycle
+            return self._phase == "body" and cycle is not None and not cycle.response_started
+
+        def _close(self, response: bytes) -> None:
+            """408 if a request is half-sent (else nothing), then close. The app, if it was
+            reading the body, sees a disconnect; its late reply is dropped by uvicorn."""
+            if self._partial():
+                self.transport.write(response)
+            self._disarm()
+            self.connections.discard(self)
+            self.transport.close()
+
+        # -- admission -------------------------------------------------------------------
+
+        def _sheddable(self) -> bool:
+            if self.transport is None or self.transport.is_closing():
+                return False
+            return self._phase is not None or self.conn.their_state is h11.IDLE
+
+        def _admit(self) -> None:
+            """Keep one slot under the cap free for complete requests (module docstring)."""
+            limit = self.limit_concurrency
+            excess = 0 if limit is None else len(self.connections) - limit + 1
+            if excess <= 0:
+                return
+            others = (p for p in self.connections
+                      if p is not self and isinstance(p, GuardedH11Protocol) and p._sheddable())
+            for victim in heapq.nsmallest(excess, others, key=lambda p: p._since):
+                victim._close(shed)
+
+    return GuardedH11Protocol
