@@ -330,6 +330,9 @@ def test_cli_bad_streaming_requests_are_one_line_errors(cli, tiny, capsys):
     assert rc == 2  # a plain checkpoint (or a build without streaming.py)
     assert "mtplx generate: error:" in capsys.readouterr().err
     assert cli(["generate", "--model", str(tiny), "--prompt", "x", "--top-p", "0"]) == 2
+    for bad in ("nan", "inf", "-1"):  # NaN passes `< 0`: it must still be a one-line error
+        assert cli(["generate", "--model", str(tiny), "--prompt", "x", "--temperature", bad]) == 2
+        assert "--temperature must be >= 0" in capsys.readouterr().err
     capsys.readouterr()
     rc = cli(["generate", "--model", str(tiny), "--prompt", "x", "--kernels", "cpu"])
     assert rc == 2 and "--kernels cpu runs on streamed experts" in capsys.readouterr().err
@@ -352,7 +355,7 @@ def _poison(checkpoint, name: str) -> None:
     raise AssertionError(f"{name} not in {checkpoint}")
 
 
-def test_cli_generate_corrupt_model_is_an_error(cli, tmp_path, capsys):
+def test_cli_generate_corrupt_model_is_an_error(cli, tmp_path, monkeypatch, capsys):
     bad = tmp_path / "bad"
     make_tiny(bad, "t158")
     _poison(bad, "language_model.model.norm.weight")
@@ -360,6 +363,10 @@ def test_cli_generate_corrupt_model_is_an_error(cli, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1, err
     assert err[-1].startswith("mtplx generate: error: the model produced non-finite logits")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert cli(["chat", "--model", str(bad), "--max-tokens", "4"]) == 1  # chat too, no traceback
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "mtplx chat: error: the model produced non-finite logits")
 
 
 def test_cli_chat_two_turns_then_eof(cli, tiny, monkeypatch, capsys):

@@ -27,6 +27,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from ..engine.chat import parse_assistant, render_chat
+    from ..engine.generate import NonFiniteLogits
 
     try:
         rt = load_runtime(args)
@@ -47,7 +48,11 @@ def main(args: argparse.Namespace) -> int:
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
             prompt = render_chat(rt.tokenizer, messages, thinking=thinking)
-            ids, stats = run_turn(rt, args, prompt, ReplyPrinter(rt.tokenizer, thinking))
+            try:
+                ids, stats = run_turn(rt, args, prompt, ReplyPrinter(rt.tokenizer, thinking))
+            except NonFiniteLogits as e:  # a corrupt model: say so, never an empty reply
+                print(f"{PROG}: error: {e}", file=sys.stderr)
+                return 1
             reply = parse_assistant(ids, rt.tokenizer, thinking=thinking)
             messages.append({"role": "assistant", "content": reply["content"],
                              "reasoning_content": reply["reasoning"]})

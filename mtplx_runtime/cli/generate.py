@@ -13,6 +13,7 @@ decoded once and kept resident (tiny models, tests). `load_runtime`, `run_turn` 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -90,7 +91,7 @@ def load_runtime(args):
                          ("--lookahead", args.lookahead, 0), ("--context", args.context, 1)):
         if v < low:
             raise CliError(f"{flag} must be >= {low}, got {v}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
+    if not 0 <= args.temperature < math.inf or not 0 < args.top_p <= 1:  # NaN fails both
         raise CliError("--temperature must be >= 0 and --top-p in (0, 1]")
     if (args.kernels not in (None, "auto", "reference") and args.memory_budget is None
             and not is_artifact(args.model)):
