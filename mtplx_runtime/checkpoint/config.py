@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
@@ -127,7 +128,7 @@ class ModelConfig:
         for f in fields(self):
             v = getattr(self, f.name)
             if not _TYPE_OK[f.type](v):
-                raise ConfigError(f"{f.name} = {v!r} is not of type {f.type}")
+                raise ConfigError(f"{f.name} = {_short(v)} is not of type {f.type}")
         for name, hi in _INT_BOUNDS.items():
             v = getattr(self, name)
             lo = 0 if name in ("qk_rope_head_dim", "num_shared_experts") else 1
@@ -344,14 +345,15 @@ def _k3_text_config(d: dict) -> dict:
     if "text_config" in d:
         if d.get("model_type") != "kimi_k3":
             raise ConfigError(
-                f"nested text_config under model_type {d.get('model_type')!r}; expected 'kimi_k3'"
+                f"nested text_config under model_type {_short(d.get('model_type'))}; "
+                "expected 'kimi_k3'"
             )
         text = d["text_config"]
         if not isinstance(text, dict) or text.get("model_type") != "kimi_linear":
             raise ConfigError("text_config must be an object with model_type 'kimi_linear'")
         return {**{k: d[k] for k in _TOP_LEVEL if k in d}, **text}
     if d.get("model_type") not in ("kimi_linear", "kimi_k3"):
-        raise ConfigError(f"model_type {d.get('model_type')!r} is not a Kimi K3 config")
+        raise ConfigError(f"model_type {_short(d.get('model_type'))} is not a Kimi K3 config")
     lac = d.get("linear_attn_config")
     present = {
         "routed_expert_hidden_size": "routed_expert_hidden_size" in d,
@@ -391,6 +393,15 @@ def load_json(path: Path, *, error: type[Exception] = CheckpointError) -> object
         raise error(f"{path}: not valid JSON: {e}") from None
     except RecursionError:
         raise error(f"{path}: not valid JSON: nested too deeply") from None
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
+
+
+def _short(v: object) -> str:
+    """A bounded repr for error messages (a hostile value may be huge or deeply nested)."""
+    return _REPR.repr(v)
 
 
 def _reject_constant(name: str) -> None:
