@@ -319,11 +319,11 @@ def test_value_replacements_raise_only_documented_errors(reader):
 @pytest.mark.parametrize("reader", sorted(BYTE_CASES))
 def test_byte_mutations_more(reader):
     check, n = BYTE_CASES[reader]
-    _fuzz(mutated(VALID[reader]), check, SLOW, 20 * n)
+    _fuzz(mutated(VALID[reader]), check, SLOW, 4 * n)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("reader", sorted(VALUE_CASES))
 def test_value_replacements_more(reader):
     check, n = VALUE_CASES[reader]
-    _fuzz(replaced(_valid_obj(reader), reader == "trace"), check, SLOW, 20 * n)
+    _fuzz(replaced(_valid_obj(reader), reader == "trace"), check, SLOW, 4 * n)
