@@ -109,15 +109,23 @@ def _check_shards(m: Manifest, root: Path, rep: VerifyReport, hashes: bool) -> d
             except CheckpointError as e:
                 rep.problems.append(f"{s.name}: bad safetensors header: {e}")
                 continue
-            with os.fdopen(open_regular(p, what="safetensors file"), "rb") as f:
-                n = 8 + int.from_bytes(f.read(8), "little")
-                f.seek(0)
-                got = hashlib.sha256(f.read(n)).hexdigest()
+            try:  # never raises: a file swapped after the stat above is one more problem
+                with os.fdopen(open_regular(p, what="safetensors file"), "rb") as f:
+                    n = 8 + int.from_bytes(f.read(8), "little")
+                    f.seek(0)
+                    got = hashlib.sha256(f.read(n)).hexdigest()
+            except CheckpointError as e:
+                rep.problems.append(f"{s.name}: {e}")
+                continue
             if n != s.header_bytes or got != s.header_sha256:
                 rep.problems.append(f"{s.name}: header changed (header_bytes {n} vs "
                                     f"{s.header_bytes}, header_sha256 {got} vs {s.header_sha256})")
-        if hashes and s.sha256 is not None and _file_sha256(p) != s.sha256:
-            rep.problems.append(f"{s.name}: sha256 mismatch (whole file)")
+        if hashes and s.sha256 is not None:
+            try:
+                if _file_sha256(p) != s.sha256:
+                    rep.problems.append(f"{s.name}: sha256 mismatch (whole file)")
+            except CheckpointError as e:
+                rep.problems.append(f"{s.name}: {e}")
     return tensors
 
 
