@@ -28,6 +28,7 @@ from mtplx_runtime.artifact.manifest import (
 from mtplx_runtime.checkpoint.safetensors_io import write_safetensors
 from mtplx_runtime.cli import verify as verify_cli
 from mtplx_runtime.fixtures.tiny import tiny_config
+from mtplx_runtime.formats.record import tensor_name
 
 RES = "resident-00001-of-00001.safetensors"
 
@@ -51,7 +52,7 @@ def build(root, mode="t158", bits=None):
         for e in range(desc.experts):
             off, segs = e * rb, []
             for comp, dtype, shape, length in desc.layout:
-                tensor = "" if comp == "pad" else f"model.layers.{layer}.mlp.experts.{e}.{comp}"
+                tensor = "" if comp == "pad" else tensor_name(layer, e, *comp.split("_proj."))
                 segs.append(Segment(comp, tensor, name, off, length, dtype, tuple(shape)))
                 off += length
             records.append(Record(layer, e, rb, segs, sha(data[e * rb:(e + 1) * rb]), e * rb,

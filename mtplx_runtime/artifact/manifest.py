@@ -18,11 +18,10 @@ import hashlib
 import json
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.safetensors_io import CheckpointError, no_duplicate_keys
+from ..checkpoint.safetensors_io import CheckpointError, no_duplicate_keys, open_regular
 from ..formats.record import ALIGNMENT, MODES, PAD
 
 FORMAT = "mtplx-expert-manifest-v1"
@@ -235,6 +234,8 @@ def parse_manifest_bytes(raw: bytes, *, where: str = "manifest",
             d = json.loads(text, parse_constant=_reject_constant)
         except ValueError as e:
             raise ManifestError(f"{where}: not valid JSON: {e}") from None
+        except RecursionError:
+            raise ManifestError(f"{where}: not valid JSON: nested too deeply") from None
         claimed = d.pop("manifest_sha256", _ABSENT) if isinstance(d, dict) else _ABSENT
         if claimed is _ABSENT:
             claimed = None
@@ -282,19 +283,10 @@ def load_manifest(path: str | os.PathLike, *, require_digest: bool = True) -> Ma
     """Read a manifest file safely: no symlink follow, a regular file of at most
     128 MiB, UTF-8 JSON without duplicate keys; value and structure rules, digest recomputed."""
     path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise ManifestError(f"{path}: file not found") from None
-    except OSError as e:
-        if path.is_symlink():
-            raise ManifestError(f"{path}: is a symlink (manifests are read without following "
-                                "symlinks)") from None
-        raise ManifestError(f"{path}: cannot open: {e}") from None
+    # lstat first, then O_NOFOLLOW | O_NONBLOCK and fstat: a FIFO in its place never blocks.
+    fd = open_regular(path, follow_symlinks=False, error=ManifestError, what="manifest")
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ManifestError(f"{path}: not a regular file")
         if st.st_size > MAX_MANIFEST_BYTES:
             raise ManifestError(f"{path}: {st.st_size} bytes exceeds the {MAX_MANIFEST_BYTES}-byte "
                                 "manifest size cap")
@@ -401,16 +393,19 @@ class _Parser:
 
     @staticmethod
     def dtype(v: object, where: str) -> str:
-        if v not in DTYPE_BYTES or type(v) is not str:
+        if type(v) is not str or v not in DTYPE_BYTES:
             raise ManifestError(f"{where}: unknown dtype {v!r}")
         return v
 
     def shape(self, v: object, where: str) -> tuple[int, ...]:
         if type(v) is not list:
             raise ManifestError(f"{where}: shape must be an array of integers >= 1, got {v!r}")
+        if not all(type(x) is int for x in v):  # before hashing: a list or {} is unhashable
+            for x in v:
+                self.int_(x, f"{where} shape", 1)
         key = tuple(v)
         hit = self._shapes.get(key)
-        if hit is not None and all(type(x) is int for x in v):
+        if hit is not None:
             return hit
         for x in v:
             self.int_(x, f"{where} shape", 1)
@@ -550,6 +545,9 @@ class _Parser:
 # ---- Structure rules: shards, records and bank parts agree ----
 
 MAX_SHARDS, MAX_RECORDS, MAX_RESIDENTS, MAX_PARTS = 4096, 100_000, 1_000_000, 1024
+# A segment's tensor is "{prefix}{layer}.mlp.switch_mlp.experts.{expert}.{component}" (the
+# builder's formats.record.tensor_name), "" for a pad segment (FORMAT.md rule 7).
+EXPERT_TENSOR_PREFIX = "model.layers."
 
 
 def rec(r) -> str:
@@ -681,6 +679,13 @@ def _check_records(m: Manifest, shards: dict, names: tuple[str, ...]) -> None:
     if total != m.artifact["routed_expert_bytes"]:
         raise ManifestError(f"record logical_bytes sum to {total}, artifact.routed_expert_bytes "
                             f"is {m.artifact['routed_expert_bytes']}")
+    for r in m.records:  # rule 7, last: the other rules explain a moved record better
+        stem = f"{EXPERT_TENSOR_PREFIX}{r.layer}.mlp.switch_mlp.experts.{r.expert}."
+        for s in r.segments:
+            want = "" if s.component == PAD else stem + s.component
+            if s.tensor != want:
+                raise ManifestError(f"{rec(r)} segment {s.component}: tensor {s.tensor[:80]!r} "
+                                    f"is not {want!r} (rule 7)")
 
 
 def _check_sidecar(m: Manifest) -> None:
@@ -701,6 +706,9 @@ def _check_sidecar(m: Manifest) -> None:
     for r in m.records:
         if r.sidecar_offset is None:
             raise ManifestError(f"{rec(r)}: no sidecar_offset/sidecar_length")
+        if r.sha256 is None:
+            raise ManifestError(f"{rec(r)}: sha256 is required for a record in a bank part "
+                                "(rule 11)")
         if not 0 <= r.part < len(sc.parts):
             raise ManifestError(f"{rec(r)}: part {r.part} is outside 0..{len(sc.parts) - 1}")
         p = sc.parts[r.part]

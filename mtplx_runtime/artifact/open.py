@@ -23,7 +23,7 @@ from typing import NamedTuple
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.layouts import ExpertLayout, ExpertRecord, ProjectionRecord, is_expert_tensor
 from ..checkpoint.reader import Checkpoint, open_checkpoint
-from ..checkpoint.safetensors_io import CheckpointError
+from ..checkpoint.safetensors_io import CheckpointError, open_regular
 from ..formats import FormatError
 from ..formats.record import RecordLayout, mode_codec, record_layout, record_parts
 from .descriptor import K3_T158_DESCRIPTOR, descriptor_for, validate_descriptor
@@ -190,19 +190,14 @@ def _check_part(path: Path, size: int) -> None:
 
 
 def _open_part(path: Path, size: int) -> int:
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: bank part named by the manifest is missing") from None
-    except OSError as e:
-        why = "is a symlink" if path.is_symlink() else f"cannot be opened: {e}"
-        raise CheckpointError(f"{path}: bank part {why}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+    """lstat, then O_NOFOLLOW | O_NONBLOCK and fstat (`open_regular`): a FIFO or device put in
+    a part's place after open time fails at once instead of blocking the read."""
+    fd = open_regular(path, follow_symlinks=False, what="bank part")
+    size_now = os.fstat(fd).st_size
+    if size_now != size:
         os.close(fd)
-        what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"{st.st_size} bytes"
-        raise CheckpointError(f"{path}: bank part is {what}; the manifest says {size} bytes")
+        raise CheckpointError(f"{path}: bank part is {size_now} bytes; the manifest says {size} "
+                              "bytes")
     return fd
 
 

@@ -13,10 +13,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from .safetensors_io import CheckpointError, no_duplicate_keys
+from .safetensors_io import CheckpointError, no_duplicate_keys, read_regular
+
+# config.json, the index and tokenizer JSON files are small; a larger one is hostile.
+MAX_JSON_BYTES = 64 * 2**20
 
 
 class ConfigError(CheckpointError):
@@ -39,6 +43,22 @@ _TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddin
 _K3_MARKERS = (
     "routed_expert_hidden_size", "attn_res_block_size", "linear_attn_config.gate_lower_bound"
 )
+
+# Upper bounds of the integer fields (lower bound 1; 0 for the two marked in __post_init__):
+# generous next to K3's values (FORMAT.md "Geometry"), small enough that nothing derived from
+# them (layer lists, tensor tables, shapes) is unbounded.
+MAX_LAYERS = 1024
+_INT_BOUNDS = {
+    "vocab_size": 1 << 24, "hidden_size": 1 << 20, "num_hidden_layers": MAX_LAYERS,
+    "intermediate_size": 1 << 22, "num_experts": 1 << 16, "num_experts_per_token": 1 << 16,
+    "moe_intermediate_size": 1 << 20, "routed_expert_hidden_size": 1 << 20,
+    "num_shared_experts": 256, "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
+    "q_lora_rank": 1 << 20, "kv_lora_rank": 1 << 20, "qk_nope_head_dim": 1 << 12,
+    "qk_rope_head_dim": 1 << 12, "v_head_dim": 1 << 12, "kda_num_heads": 1 << 12,
+    "kda_head_dim": 1 << 12, "kda_short_conv_kernel_size": 64,
+    "attn_res_block_size": MAX_LAYERS, "max_position_embeddings": 1 << 40,
+}
+MIN_GATE_LOWER_BOUND = -1000.0
 
 _TYPE_OK = {
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -108,27 +128,30 @@ class ModelConfig:
         for f in fields(self):
             v = getattr(self, f.name)
             if not _TYPE_OK[f.type](v):
-                raise ConfigError(f"{f.name} = {v!r} is not of type {f.type}")
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
-                     "num_experts", "num_experts_per_token", "moe_intermediate_size",
-                     "routed_expert_hidden_size", "num_attention_heads", "num_key_value_heads",
-                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
-                     "kda_num_heads", "kda_head_dim", "kda_short_conv_kernel_size",
-                     "attn_res_block_size", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("qk_rope_head_dim", "num_shared_experts"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("rms_norm_eps", "routed_scaling_factor", "activation_situ_beta",
-                     "activation_situ_linear_beta"):
+                raise ConfigError(f"{f.name} = {_short(v)} is not of type {f.type}")
+        for name, hi in _INT_BOUNDS.items():
+            v = getattr(self, name)
+            lo = 0 if name in ("qk_rope_head_dim", "num_shared_experts") else 1
+            if v < lo:
+                raise ConfigError(f"{name} must be {'>= 0' if lo == 0 else 'positive'}, got {v}")
+            if v > hi:
+                raise ConfigError(f"{name} = {v} exceeds {hi}, the most this runtime accepts")
+        for name, hi in (("rms_norm_eps", 1.0), ("routed_scaling_factor", 1e6),
+                         ("activation_situ_beta", 1e6), ("activation_situ_linear_beta", 1e6)):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"{name} must be finite and positive, got {v}")
-        if not math.isfinite(self.kda_gate_lower_bound):
-            raise ConfigError(
-                f"kda_gate_lower_bound must be finite, got {self.kda_gate_lower_bound}"
-            )
+            if v > hi:
+                raise ConfigError(f"{name} = {v} exceeds {hi}")
+        lb = self.kda_gate_lower_bound
+        if not math.isfinite(lb):
+            raise ConfigError(f"kda_gate_lower_bound must be finite, got {lb}")
+        # The decay gate g = lower_bound * sigmoid(...) must lie in (lower_bound, 0]
+        # (FORMAT.md "KDA", step 3): a positive bound grows the state without limit (NaN logits),
+        # and below MIN_GATE_LOWER_BOUND exp(g) is 0 long before, so the value means nothing more.
+        if not MIN_GATE_LOWER_BOUND <= lb < 0:
+            raise ConfigError(f"kda_gate_lower_bound = {lb} must be in "
+                              f"[{MIN_GATE_LOWER_BOUND}, 0) (linear_attn_config.gate_lower_bound)")
         if self.num_experts_per_token > self.num_experts:
             raise ConfigError(
                 f"num_experts_per_token {self.num_experts_per_token} exceeds num_experts "
@@ -152,14 +175,21 @@ class ModelConfig:
         self._check_supported()
 
     def _check_layer_lists(self) -> None:
+        # Linear in the list lengths, which are bounded by num_hidden_layers (itself bounded).
         n = self.num_hidden_layers
-        both = sorted(set(self.kda_layers) & set(self.full_attn_layers))
+        for name in ("kda_layers", "full_attn_layers"):
+            if len(getattr(self, name)) > n:
+                raise ConfigError(f"{name} has {len(getattr(self, name))} entries, more than "
+                                  f"num_hidden_layers ({n})")
+        kda, full = set(self.kda_layers), set(self.full_attn_layers)
+        both = sorted(kda & full)
         if both:
             raise ConfigError(
                 f"layers {both} (1-based) are in both kda_layers and full_attn_layers"
             )
         listed = list(self.kda_layers) + list(self.full_attn_layers)
-        dupes = sorted({x for x in listed if listed.count(x) > 1})
+        seen: set[int] = set()
+        dupes = sorted({x for x in listed if x in seen or seen.add(x)})
         if dupes:
             raise ConfigError(f"layers {dupes} (1-based) are listed twice")
         outside = sorted(x for x in listed if not 1 <= x <= n)
@@ -257,7 +287,10 @@ class ModelConfig:
             if f.type == "tuple[int, ...]" and isinstance(v, list):
                 v = tuple(v)
             elif f.type == "float" and _TYPE_OK["float"](v):
-                v = float(v)
+                try:
+                    v = float(v)
+                except OverflowError:  # an integer beyond the float range
+                    raise ConfigError(f"{key} = {v} is out of range") from None
             values[f.name] = v
         if missing:
             raise ConfigError(f"missing required fields: {', '.join(missing)}")
@@ -312,14 +345,15 @@ def _k3_text_config(d: dict) -> dict:
     if "text_config" in d:
         if d.get("model_type") != "kimi_k3":
             raise ConfigError(
-                f"nested text_config under model_type {d.get('model_type')!r}; expected 'kimi_k3'"
+                f"nested text_config under model_type {_short(d.get('model_type'))}; "
+                "expected 'kimi_k3'"
             )
         text = d["text_config"]
         if not isinstance(text, dict) or text.get("model_type") != "kimi_linear":
             raise ConfigError("text_config must be an object with model_type 'kimi_linear'")
         return {**{k: d[k] for k in _TOP_LEVEL if k in d}, **text}
     if d.get("model_type") not in ("kimi_linear", "kimi_k3"):
-        raise ConfigError(f"model_type {d.get('model_type')!r} is not a Kimi K3 config")
+        raise ConfigError(f"model_type {_short(d.get('model_type'))} is not a Kimi K3 config")
     lac = d.get("linear_attn_config")
     present = {
         "routed_expert_hidden_size": "routed_expert_hidden_size" in d,
@@ -348,13 +382,27 @@ def _quantization_config(d: dict, text: dict) -> dict | None:
 
 
 
-def load_json(path: Path) -> object:
-    """Read a JSON file, rejecting duplicate keys; errors name the file."""
+def load_json(path: Path, *, error: type[Exception] = CheckpointError) -> object:
+    """Read a JSON file (a regular file of at most MAX_JSON_BYTES, opened without blocking),
+    rejecting duplicate keys and NaN/Infinity; errors are `error` naming the file."""
+    raw = read_regular(path, limit=MAX_JSON_BYTES, error=error, what="JSON file")
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys,
+                          parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
+        raise error(f"{path}: not valid JSON: {e}") from None
+    except RecursionError:
+        raise error(f"{path}: not valid JSON: nested too deeply") from None
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
+
+
+def _short(v: object) -> str:
+    """A bounded repr for error messages (a hostile value may be huge or deeply nested)."""
+    return _REPR.repr(v)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")

@@ -33,7 +33,7 @@ from ..formats.q2k import BLOCK_BYTES, BLOCK_ELEMS, Q2KCodec
 from .config import ModelConfig
 from .layouts import ExpertRecord, ProjectionRecord
 from .residents import check_residents
-from .safetensors_io import CheckpointError, TensorInfo
+from .safetensors_io import CheckpointError, TensorInfo, open_regular
 
 CONFIG = "config.json"
 GGUF_MAGIC = b"GGUF"
@@ -44,7 +44,8 @@ GGML_TYPES = {0: ("F32", 4, 1), 30: ("BF16", 2, 1), 10: ("Q2_K", BLOCK_BYTES, BL
 NUMPY_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2")}  # BF16 as raw bits
 PROJECTIONS = ("gate", "up", "down")
 SHARD_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")
-EXPERT_NAME = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+# Bounded digit run: int() of a longer one is a ValueError (and no layer number is that long).
+EXPERT_NAME = re.compile(r"blk\.(\d{1,9})\.ffn_(gate|up|down)_exps\.weight")
 
 # Bounds on a hostile header (the K3 headers hold a ~160k-entry tokenizer, a few MB).
 MAX_HEADER_BYTES = 1 << 30
@@ -140,10 +141,8 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise CheckpointError(f"{self.path}: file not found") from None
+        self._fd = -1
+        self._fd = open_regular(self.path, what="GGUF file")  # never blocks on a FIFO
         try:
             self.size = os.fstat(self._fd).st_size
             self._parse()

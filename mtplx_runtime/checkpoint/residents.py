@@ -2,7 +2,10 @@
 
 `resident_tensor_specs(cfg)` is the one table of names, shapes and dtypes (FORMAT.md
 "Resident tensors"); the reader checks checkpoints against it and the fixture writer writes from it.
-Tensors outside the table (vision tower, mm_projector, extras) are ignored.
+Tensors outside the text model (vision tower, mm_projector) are ignored; a text tensor
+(`language_model.model.*`, `language_model.lm_head.*`) that is neither in the table nor a routed
+expert is an error: the config would silently ignore weights the checkpoint holds (e.g.
+`num_shared_experts: 0` beside shared-expert tensors; FORMAT.md "What the readers validate").
 
 `A_log`: written 1-D with the head count padded up to a multiple of 128
 (the published 128 entries for 96 heads, tail zero). Its stored rank is unconfirmed and the
@@ -12,14 +15,25 @@ whose length is the padded or the plain head count; only the first `kda_num_head
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
 from .config import ModelConfig
+from .layouts import is_expert_tensor
 from .safetensors_io import CheckpointError, SafetensorsFile
 
 BACKBONE = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"
+_TEXT_PREFIXES = (BACKBONE, "language_model.lm_head.")
+_LAYER = re.compile(r"layers\.(\d{1,9})\.")
+# Which config key decides whether a tensor exists (for the "ignored tensor" message).
+_DECIDED_BY = (("shared_experts.", "num_shared_experts"), ("lm_head.", "tie_word_embeddings"),
+               ("routed_expert_norm.", "latent_moe_use_norm"),
+               ("self_attn.g_proj.", "mla_use_output_gate / linear_attn_config.kda_layers"),
+               ("block_sparse_moe.", "first_k_dense_replace"),
+               ("mlp.", "first_k_dense_replace"),
+               ("self_attn.", "linear_attn_config.kda_layers / full_attn_layers"))
 
 
 class ResidentSpec(NamedTuple):
@@ -119,6 +133,11 @@ def check_residents(
 ) -> None:
     """Raise CheckpointError naming the tensor (and its file) unless every resident matches."""
     specs = resident_tensor_specs(cfg)
+    for name, shard in where.items():
+        if name.startswith(_TEXT_PREFIXES) and name not in specs and not is_expert_tensor(name):
+            raise CheckpointError(f"{shard.path}: tensor {name!r} is not used by the config "
+                                  f"({_decided_by(name, cfg)}); a config that ignores weights "
+                                  f"the checkpoint holds is refused")
     missing = [name for name in specs if name not in where]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -136,3 +155,13 @@ def check_residents(
                 f"{shard.path}: tensor {name!r} is {info.dtype}{list(info.shape)}, the config "
                 f"requires {spec.dtype}{list(spec.shape)}"
             )
+
+
+def _decided_by(name: str, cfg: ModelConfig) -> str:
+    m = _LAYER.search(name)
+    if m and int(m[1]) >= cfg.num_hidden_layers:
+        return f"num_hidden_layers is {cfg.num_hidden_layers}"
+    for part, key in _DECIDED_BY:
+        if part in name:
+            return f"see {key}"
+    return "no such tensor in a K3 text model"

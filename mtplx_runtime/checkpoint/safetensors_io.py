@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,78 @@ MAX_HEADER_BYTES = 100_000_000
 
 class CheckpointError(ValueError):
     """A checkpoint file or directory that cannot be read as claimed; the message names the file."""
+
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = True,
+                 error: type[Exception] = CheckpointError, what: str = "file") -> int:
+    """A read-only fd of the regular file `path`, never blocking (FORMAT.md "What the readers
+    validate"): the path is stat-ed first (lstat when symlinks are refused) and a FIFO,
+    directory, device or socket is refused without opening it; the open itself is O_NONBLOCK
+    (and O_NOFOLLOW when refusing symlinks) and re-checked with fstat, so a file swapped in
+    between cannot block either. Errors are `error` (a ValueError subclass) naming the path."""
+    try:
+        st = os.stat(path) if follow_symlinks else os.lstat(path)
+    except FileNotFoundError:
+        raise error(f"{path}: file not found") from None
+    except OSError as e:
+        raise error(f"{path}: cannot examine the {what}: {e.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise error(f"{path}: is a symlink (the {what} is read without following symlinks)")
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{path}: not a regular file ({_kind(st.st_mode)}); the {what} must be one")
+    flags = os.O_RDONLY | _O_CLOEXEC | _O_NONBLOCK | (0 if follow_symlinks else _O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise error(f"{path}: file not found") from None
+    except OSError as e:
+        if not follow_symlinks and os.path.islink(path):
+            raise error(f"{path}: is a symlink (the {what} is read without following "
+                        "symlinks)") from None
+        raise error(f"{path}: cannot open the {what}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path}: not a regular file ({_kind(st.st_mode)}); the {what} must be one")
+        if _O_NONBLOCK:
+            os.set_blocking(fd, True)  # no effect on regular-file reads; plain fd from here
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | os.PathLike, *, limit: int, follow_symlinks: bool = True,
+                 error: type[Exception] = CheckpointError, what: str = "file") -> bytes:
+    """The bytes of the regular file `path` (`open_regular`), at most `limit` of them."""
+    fd = open_regular(path, follow_symlinks=follow_symlinks, error=error, what=what)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise error(f"{path}: {size} bytes exceeds the {limit}-byte limit for the {what}")
+        chunks, total = [], 0
+        while chunk := os.read(fd, min(16 * 2**20, limit + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:  # the file grew after fstat
+                raise error(f"{path}: exceeds the {limit}-byte limit for the {what}")
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +130,8 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise CheckpointError(f"{self.path}: file not found") from None
+        self._fd = -1
+        self._fd = open_regular(self.path, what="safetensors file")
         try:
             self.size = os.fstat(self._fd).st_size
             self.metadata, self.tensors = self._parse_header()
@@ -84,6 +155,8 @@ class SafetensorsFile:
             header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
         except (UnicodeDecodeError, ValueError) as e:
             raise self._fail(f"header is not valid JSON: {e}") from None
+        except RecursionError:
+            raise self._fail("header is not valid JSON: nested too deeply") from None
         if not isinstance(header, dict):
             raise self._fail("header is not a JSON object")
         metadata = header.pop("__metadata__", None) or {}
@@ -110,7 +183,7 @@ class SafetensorsFile:
         if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
             raise self._fail(f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets")
         dtype, shape, offs = spec["dtype"], spec["shape"], spec["data_offsets"]
-        if dtype not in ST_DTYPES:
+        if type(dtype) is not str or dtype not in ST_DTYPES:
             raise self._fail(f"tensor {name!r}: unknown dtype {dtype!r}")
         ints = lambda xs: isinstance(xs, list) and all(  # noqa: E731
             isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs

@@ -32,14 +32,17 @@ from __future__ import annotations
 
 import base64
 import codecs
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import tiktoken
 
+from ..checkpoint.config import load_json
+from ..checkpoint.safetensors_io import read_regular
+
 NUM_SPECIAL_IDS = 256
+MAX_RANKS_BYTES = 256 * 2**20  # K3's tiktoken.model is about 2.4 MB
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 
@@ -98,7 +101,9 @@ EOS = "[EOS]"
 def read_ranks(path: str | Path) -> dict[bytes, int]:
     """Parse a tiktoken BPE file (`base64 rank` per line) without tiktoken's path-keyed cache."""
     ranks: dict[bytes, int] = {}
-    for n, line in enumerate(Path(path).read_bytes().splitlines(), 1):
+    # A regular file opened without blocking (a FIFO or directory is a ValueError naming it).
+    raw = read_regular(path, limit=MAX_RANKS_BYTES, what="tokenizer file")
+    for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -255,7 +260,9 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     root = Path(model_dir)
     ranks = read_ranks(root / "tiktoken.model")
     cfg_path = root / "tokenizer_config.json"
-    config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    config = load_json(cfg_path) if cfg_path.exists() else {}  # ValueError naming the file
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_path}: not a JSON object")
     return Tokenizer(
         ranks,
         _config_specials(config, len(ranks)),

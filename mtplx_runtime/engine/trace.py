@@ -31,6 +31,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..checkpoint.safetensors_io import open_regular
+
 TRACE_FORMAT = "mtplx-route-trace-v1"
 
 
@@ -109,19 +111,114 @@ class RouteTrace:
         self.close()
 
 
-def read_trace(path: str | Path) -> tuple[dict, Iterator[dict]]:
-    """(header, token lines) of a trace file; checks the format string, drops a partial tail."""
-    fh = open(path, encoding="utf-8")
-    header = json.loads(fh.readline())
+class TraceError(ValueError):
+    """A route-trace file that is not `mtplx-route-trace-v1`; the message names the file and
+    line."""
+
+
+MAX_TRACE_LINE = 64 * 2**20  # one token line; a longer one is hostile
+MAX_TRACE_ID = 1 << 24  # layer indices, expert ids, top-k, depths
+
+
+def _int(v: object, lo: int = 0, hi: int = MAX_TRACE_ID) -> bool:
+    return type(v) is int and lo <= v <= hi
+
+
+def _ids(v: object, experts: int) -> bool:
+    return type(v) is list and all(type(e) is int and 0 <= e < experts for e in v) \
+        and len(set(v)) == len(v)
+
+
+def _json_line(raw: str, where: str) -> object:
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except ValueError as e:
+        raise TraceError(f"{where}: not valid JSON: {e}") from None
+    except RecursionError:
+        raise TraceError(f"{where}: not valid JSON: nested too deeply") from None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def check_header(header: object, where: str) -> dict:
+    """The header line's fields (FORMAT.md "Route traces"), else TraceError."""
+    if not isinstance(header, dict):
+        raise TraceError(f"{where}: the header is not a JSON object")
     if header.get("format") != TRACE_FORMAT:
+        raise TraceError(f"{where}: format {header.get('format')!r}, expected {TRACE_FORMAT!r}")
+    layers, experts, k = header.get("layers"), header.get("experts"), header.get("top_k")
+    if type(layers) is not list or not all(_int(x) for x in layers) \
+            or len(set(layers)) != len(layers):
+        raise TraceError(f"{where}: header layers must be distinct layer indices")
+    if not _int(experts, 1) or not _int(k, 1, experts):
+        raise TraceError(f"{where}: header needs experts >= 1 and 1 <= top_k <= experts, got "
+                         f"{experts!r}, {k!r}")
+    rb = header.get("record_bytes")
+    if rb is not None and not _int(rb, 1, 1 << 48):
+        raise TraceError(f"{where}: header record_bytes must be a positive integer or null")
+    if not isinstance(header.get("model", ""), str):
+        raise TraceError(f"{where}: header model must be a string")
+    return header
+
+
+def check_line(obj: object, header: dict, where: str) -> dict:
+    """One token line: `t`, `phase`, `routes` for every header layer (at most top_k distinct
+    ids below experts each), optional `predicted`; unknown keys ignored. Else TraceError."""
+    experts, k = header["experts"], header["top_k"]
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: not a JSON object")
+    if not _int(obj.get("t"), 0, 1 << 62) or obj.get("phase") not in ("prefill", "decode"):
+        raise TraceError(f"{where}: needs an integer t >= 0 and phase prefill or decode")
+    routes = obj.get("routes")
+    if not isinstance(routes, dict):
+        raise TraceError(f"{where}: routes is not a JSON object")
+    for layer in header["layers"]:
+        ids = routes.get(str(layer))
+        if not _ids(ids, experts) or len(ids) > k:
+            raise TraceError(f"{where}: routes of layer {layer} must be at most {k} distinct "
+                             f"ids in 0..{experts - 1}")
+    predicted = obj.get("predicted", {})
+    if not isinstance(predicted, dict):
+        raise TraceError(f"{where}: predicted is not a JSON object")
+    for la, by_depth in predicted.items():
+        if not (la.isdecimal() and len(la) <= 9 and isinstance(by_depth, dict)) or not all(
+                d.isdecimal() and len(d) <= 9 and _ids(ids, experts)
+                for d, ids in by_depth.items()):
+            raise TraceError(f"{where}: predicted must map layer -> depth -> distinct ids in "
+                             f"0..{experts - 1}")
+    return obj
+
+
+def read_trace(path: str | Path) -> tuple[dict, Iterator[dict]]:
+    """(header, token lines) of a trace file; drops a partial tail. The file must be a regular
+    file (opened without blocking); a malformed header or line is a TraceError naming the line."""
+    fd = open_regular(path, error=TraceError, what="route trace")
+    fh = open(fd, encoding="utf-8", errors="strict")
+    try:
+        first = fh.readline(MAX_TRACE_LINE + 1)
+        header = check_header(_json_line(first, f"{path}:1"), f"{path}:1")
+    except UnicodeDecodeError as e:
         fh.close()
-        raise ValueError(f"{path}: format {header.get('format')!r}, expected {TRACE_FORMAT!r}")
+        raise TraceError(f"{path}:1: not UTF-8: {e}") from None
+    except BaseException:
+        fh.close()
+        raise
 
     def lines() -> Iterator[dict]:
         with fh:
-            for raw in fh:
+            n = 1
+            while True:
+                n += 1
+                try:
+                    raw = fh.readline(MAX_TRACE_LINE + 1)
+                except UnicodeDecodeError as e:
+                    raise TraceError(f"{path}:{n}: not UTF-8: {e}") from None
                 if not raw.endswith("\n"):
-                    return  # partial last line after a crash
-                yield json.loads(raw)
+                    if len(raw) > MAX_TRACE_LINE:
+                        raise TraceError(f"{path}:{n}: longer than {MAX_TRACE_LINE} characters")
+                    return  # end of file, or a partial last line after a crash
+                yield check_line(_json_line(raw, f"{path}:{n}"), header, f"{path}:{n}")
 
     return header, lines()

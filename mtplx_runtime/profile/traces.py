@@ -11,12 +11,14 @@ L layers, K ids (ascending; -1 pads a short row of an imported trace). The plain
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..engine.trace import TRACE_FORMAT, read_trace
+from ..checkpoint.safetensors_io import open_regular
+from ..engine.trace import TRACE_FORMAT, TraceError, read_trace
 
 
 @dataclass
@@ -97,36 +99,48 @@ def read_plain(path: str | Path) -> Trace:
     """The plain import format: one token per line, layers separated by ';', ids by spaces or
     commas; '#' lines are comments, except `# layers=...` and `# experts=...` settings."""
     rows, layers, experts = [], None, None
-    with open(path, encoding="utf-8") as fh:
-        for raw in fh:
-            line = raw.strip()
-            if line.startswith("#"):
-                for word in line[1:].split():
-                    name, _, val = word.partition("=")
-                    if name == "layers" and val:
-                        layers = [int(x) for x in val.split(",")]
-                    elif name == "experts" and val:
-                        experts = int(val)
-                continue
-            if not line:
-                continue
-            rows.append([[int(x) for x in part.replace(",", " ").split()]
-                         for part in line.split(";")])
+    with open(open_regular(path, error=TraceError, what="route list"), encoding="utf-8") as fh:
+        n = 0
+        try:
+            for n, raw in enumerate(fh, 1):  # noqa: B007 (n names the line in errors)
+                line = raw.strip()
+                if line.startswith("#"):
+                    for word in line[1:].split():
+                        name, _, val = word.partition("=")
+                        if name == "layers" and val:
+                            layers = [_plain_int(x) for x in val.split(",")]
+                        elif name == "experts" and val:
+                            experts = _plain_int(val)
+                    continue
+                if not line:
+                    continue
+                rows.append([[_plain_int(x) for x in part.replace(",", " ").split()]
+                             for part in line.split(";")])
+        except (ValueError, UnicodeDecodeError) as e:
+            raise TraceError(f"{path}:{n + 1 if isinstance(e, UnicodeDecodeError) else n}: "
+                             f"{e}") from None
     if not rows:
-        raise ValueError(f"{path}: no route lines")
+        raise TraceError(f"{path}: no route lines")
     nl = len(rows[0])
     if any(len(r) != nl for r in rows):
-        raise ValueError(f"{path}: every line must list the same number of layers ({nl})")
+        raise TraceError(f"{path}: every line must list the same number of layers ({nl})")
     for r in rows:
         for ids in r:
             if len(set(ids)) != len(ids):
-                raise ValueError(f"{path}: repeated expert id in {ids}")
+                raise TraceError(f"{path}: repeated expert id in {ids}")
     layers = layers or list(range(nl))
     if len(layers) != nl:
-        raise ValueError(f"{path}: `# layers=` names {len(layers)} layers, lines have {nl}")
+        raise TraceError(f"{path}: `# layers=` names {len(layers)} layers, lines have {nl}")
     top_k = max(len(ids) for r in rows for ids in r)
     routes = _dense(rows, top_k)
     return _from_array(routes, layers, experts, str(path))
+
+
+def _plain_int(x: str) -> int:
+    """A 0-based id of a plain route list (at most 9 digits)."""
+    if not (x.isdecimal() and len(x) <= 9):
+        raise ValueError(f"{x[:40]!r} is not a 0-based integer")
+    return int(x)
 
 
 def _from_array(routes: np.ndarray, layers=None, experts=None, name="") -> Trace:
@@ -151,9 +165,11 @@ def load(source: str) -> Trace:
         return synthetic(kind, **kw)
     p = Path(source)
     if p.suffix == ".npy":
-        return _from_array(np.load(p), name=str(p))
-    with open(p, encoding="utf-8") as fh:
-        first = fh.readline()
+        with os.fdopen(open_regular(p, error=TraceError, what="route array"), "rb") as fh:
+            return _from_array(np.load(fh, allow_pickle=False), name=str(p))
+    with open(open_regular(p, error=TraceError, what="route trace"), encoding="utf-8",
+              errors="replace") as fh:
+        first = fh.readline(1 << 20)
     try:
         head = json.loads(first)
     except ValueError:
