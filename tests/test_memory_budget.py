@@ -19,9 +19,11 @@ PROMPT = [3, 17, 42, 99]
 MAX_TOKENS = 6
 BF16 = 2
 
-# Runs in a fresh interpreter, so ru_maxrss is this run's peak alone.
+# Runs in a fresh interpreter and reads VmHWM, the peak of this process's own address space.
+# (ru_maxrss would not do: Linux carries it across fork + exec, so the child would report the
+# pytest process's RSS at fork time whenever that is larger.)
 CHILD = textwrap.dedent("""
-    import json, resource, sys
+    import json, sys
     from mtplx_runtime.engine.generate import GenerationStats, generate_step
     from mtplx_runtime import load_model
     from mtplx_runtime.engine.plan import make_plan
@@ -40,7 +42,8 @@ CHILD = textwrap.dedent("""
                              prefill_chunk=plan.prefill_chunk, stats=stats))
     st = provider.stats()
     provider.close()
-    print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    print(json.dumps({"peak_rss_bytes": int(hwm.split()[1]) * 1024,
                       "ids": ids, "compute_slots": plan.compute_slots,
                       "misses": st["totals"]["compute"]["misses"],
                       "lookups": st["totals"]["compute"]["lookups"]}))

@@ -250,7 +250,9 @@ class RecordReader:
         """Open one part (called under the fd-cache lock); resolves "auto" on first use."""
         name, size, _ = self.parts[part]
         path = self.root / name
-        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+        # O_NONBLOCK: a FIFO swapped in for a part fails the regular-file check below instead
+        # of blocking the open (it changes nothing for regular files).
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
             fd = self._probe_direct(path, flags) if self._direct is None else None
             if self._direct is None:  # the probe's fd is the part's fd: one open per part
