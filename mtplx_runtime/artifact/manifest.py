@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.safetensors_io import CheckpointError, no_duplicate_keys, open_regular
+from ..checkpoint.safetensors_io import CheckpointError, no_duplicate_keys, read_regular
 from ..formats.record import ALIGNMENT, MODES, PAD
 
 FORMAT = "mtplx-expert-manifest-v1"
@@ -284,21 +284,9 @@ def load_manifest(path: str | os.PathLike, *, require_digest: bool = True) -> Ma
     128 MiB, UTF-8 JSON without duplicate keys; value and structure rules, digest recomputed."""
     path = Path(path)
     # lstat first, then O_NOFOLLOW | O_NONBLOCK and fstat: a FIFO in its place never blocks.
-    fd = open_regular(path, follow_symlinks=False, error=ManifestError, what="manifest")
-    try:
-        st = os.fstat(fd)
-        if st.st_size > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{path}: {st.st_size} bytes exceeds the {MAX_MANIFEST_BYTES}-byte "
-                                "manifest size cap")
-        chunks, total = [], 0
-        while chunk := os.read(fd, min(16 * 2**20, MAX_MANIFEST_BYTES + 1 - total)):
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > MAX_MANIFEST_BYTES:  # the file grew after fstat
-                raise ManifestError(f"{path}: exceeds the {MAX_MANIFEST_BYTES}-byte size cap")
-    finally:
-        os.close(fd)
-    return parse_manifest_bytes(b"".join(chunks), where=str(path), require_digest=require_digest)
+    raw = read_regular(path, limit=MAX_MANIFEST_BYTES, follow_symlinks=False,
+                       error=ManifestError, what="manifest")
+    return parse_manifest_bytes(raw, where=str(path), require_digest=require_digest)
 
 
 def write_manifest(manifest: Manifest, path: str | os.PathLike) -> str:

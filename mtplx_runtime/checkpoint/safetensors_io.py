@@ -90,13 +90,13 @@ def read_regular(path: str | os.PathLike, *, limit: int, follow_symlinks: bool =
     try:
         size = os.fstat(fd).st_size
         if size > limit:
-            raise error(f"{path}: {size} bytes exceeds the {limit}-byte limit for the {what}")
+            raise error(f"{path}: {size} bytes exceeds the {limit}-byte size cap for the {what}")
         chunks, total = [], 0
         while chunk := os.read(fd, min(16 * 2**20, limit + 1 - total)):
             chunks.append(chunk)
             total += len(chunk)
             if total > limit:  # the file grew after fstat
-                raise error(f"{path}: exceeds the {limit}-byte limit for the {what}")
+                raise error(f"{path}: exceeds the {limit}-byte size cap for the {what}")
     finally:
         os.close(fd)
     return b"".join(chunks)

@@ -316,28 +316,10 @@ def encode_segments(tok: Tokenizer, segments: Segments) -> list[int]:
     return ids
 
 
-def render_chat(
-    tok: Tokenizer,
-    messages: list[dict],
-    *,
-    thinking: bool = True,
-    tools: list[dict] | None = None,
-    thinking_effort: str | None = None,
-    tool_choice: str | None = None,
-    response_format: dict | str | None = None,
-    add_generation_prompt: bool = True,
-) -> list[int]:
-    """Prompt ids of a chat (see `build_segments`)."""
-    segments = build_segments(
-        messages,
-        thinking=thinking,
-        tools=tools,
-        thinking_effort=thinking_effort,
-        tool_choice=tool_choice,
-        response_format=response_format,
-        add_generation_prompt=add_generation_prompt,
-    )
-    return encode_segments(tok, segments)
+def render_chat(tok: Tokenizer, messages: list[dict], **options: Any) -> list[int]:
+    """Prompt ids of a chat: `build_segments(messages, **options)` (thinking, tools, thinking
+    effort, tool choice, response format, generation prompt), encoded."""
+    return encode_segments(tok, build_segments(messages, **options))
 
 
 # ---- parsing a generated reply ---------------------------------------------------------------
