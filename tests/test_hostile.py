@@ -150,7 +150,8 @@ def test_bank_part_fifo_verify_records_and_generate(art):
     rep = no_hang(lambda: verify_artifact(art, records=True), p)["ok"]
     assert not rep.ok
     assert any(p.name in x and "FIFO" in x for x in rep.problems), rep.problems
-    raises(lambda: open_artifact(art), CheckpointError, "bank part is not a regular file", p)
+    raises(lambda: open_artifact(art), CheckpointError,
+           r"not a regular file \(a FIFO\); the bank part must be one", p)
     raises(lambda: load(art, tokenizer=False), CheckpointError, "bank part", p)
     # A FIFO swapped in after open time: the read-time open refuses it too.
     raises(lambda: _open_part(p, 4096), CheckpointError, "FIFO", p)

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 from pathlib import Path
 from typing import NamedTuple
 
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.layouts import ExpertLayout, ExpertRecord, ProjectionRecord, is_expert_tensor
 from ..checkpoint.reader import Checkpoint, open_checkpoint
-from ..checkpoint.safetensors_io import CheckpointError, open_regular
+from ..checkpoint.safetensors_io import CheckpointError, open_regular, stat_regular
 from ..formats import FormatError
 from ..formats.record import RecordLayout, mode_codec, record_layout, record_parts
 from .descriptor import K3_T158_DESCRIPTOR, descriptor_for, validate_descriptor
@@ -176,17 +175,10 @@ class BankExpertLayout(ExpertLayout):
 def _check_part(path: Path, size: int) -> None:
     """A bank part must be a regular file (not a symlink, FIFO or device) of the manifest's size;
     checked with lstat so nothing is opened (opening a FIFO would block)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: bank part named by the manifest is missing") from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: bank part cannot be examined: {e}") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise CheckpointError(f"{path}: bank part is a symlink")
-    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-        what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"{st.st_size} bytes"
-        raise CheckpointError(f"{path}: bank part is {what}; the manifest says {size} bytes")
+    st = stat_regular(path, follow_symlinks=False, what="bank part")
+    if st.st_size != size:
+        raise CheckpointError(f"{path}: bank part is {st.st_size} bytes; the manifest says {size} "
+                              "bytes")
 
 
 def _open_part(path: Path, size: int) -> int:

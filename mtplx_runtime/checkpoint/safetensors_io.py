@@ -44,13 +44,11 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = True,
-                 error: type[Exception] = CheckpointError, what: str = "file") -> int:
-    """A read-only fd of the regular file `path`, never blocking (FORMAT.md "What the readers
-    validate"): the path is stat-ed first (lstat when symlinks are refused) and a FIFO,
-    directory, device or socket is refused without opening it; the open itself is O_NONBLOCK
-    (and O_NOFOLLOW when refusing symlinks) and re-checked with fstat, so a file swapped in
-    between cannot block either. Errors are `error` (a ValueError subclass) naming the path."""
+def stat_regular(path: str | os.PathLike, *, follow_symlinks: bool = True,
+                 error: type[Exception] = CheckpointError, what: str = "file") -> os.stat_result:
+    """The stat of `path` when it is a regular file (lstat when symlinks are refused); a FIFO,
+    directory, device, socket or (refused) symlink is an `error` naming the path, and nothing
+    is opened, so nothing can block."""
     try:
         st = os.stat(path) if follow_symlinks else os.lstat(path)
     except FileNotFoundError:
@@ -61,6 +59,17 @@ def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = True,
         raise error(f"{path}: is a symlink (the {what} is read without following symlinks)")
     if not stat.S_ISREG(st.st_mode):
         raise error(f"{path}: not a regular file ({_kind(st.st_mode)}); the {what} must be one")
+    return st
+
+
+def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = True,
+                 error: type[Exception] = CheckpointError, what: str = "file") -> int:
+    """A read-only fd of the regular file `path`, never blocking (FORMAT.md "What the readers
+    validate"): the path is stat-ed first (lstat when symlinks are refused) and a FIFO,
+    directory, device or socket is refused without opening it; the open itself is O_NONBLOCK
+    (and O_NOFOLLOW when refusing symlinks) and re-checked with fstat, so a file swapped in
+    between cannot block either. Errors are `error` (a ValueError subclass) naming the path."""
+    stat_regular(path, follow_symlinks=follow_symlinks, error=error, what=what)
     flags = os.O_RDONLY | _O_CLOEXEC | _O_NONBLOCK | (0 if follow_symlinks else _O_NOFOLLOW)
     try:
         fd = os.open(path, flags)
