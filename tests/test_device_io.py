@@ -55,7 +55,7 @@ def test_staged_reads_land_in_the_slot_after_the_guard(part):
         assert log == ["wait", "copy"]  # the event is waited on before the slot is written
         assert np.array_equal(slots[1], data[PAGE:3 * PAGE])
         digest = hashlib.sha256(data[:PAGE].tobytes()).hexdigest()
-        assert dr.read_into(0, 0, PAGE, slots[0], sha256=digest).result() == PAGE
+        assert dr.read_into(0, 0, PAGE, slots[0], digest=digest).result() == PAGE
         assert log == ["wait", "copy", "copy"]  # slot 0 had no kernel: no wait; slot 1's is gone
         assert np.array_equal(slots[0][:PAGE], data[:PAGE])
         futs = [dr.read_into(0, i * PAGE, PAGE, slots[i % 2]) for i in range(4)]
@@ -70,7 +70,7 @@ def test_staged_read_errors_reach_the_future(part):
     slot = aligned_buffer(2 * PAGE)
     try:
         with pytest.raises(RecordHashError):
-            dr.read_into(0, 0, PAGE, slot, sha256="0" * 64).result()
+            dr.read_into(0, 0, PAGE, slot, digest="0" * 64).result()
         with pytest.raises(ValueError, match="outside the part"):
             dr.read_into(0, 3 * PAGE, 2 * PAGE, slot).result()
         with pytest.raises(ValueError, match="destination holds"):

@@ -1,12 +1,14 @@
 """Read-time integrity is on by default: a flipped byte in a bank record or a resident shard stops
 `load` / `mtplx generate` with a message naming the file (and the expert), `--no-verify` turns
-the checks off and says so, and a verified shard is not re-hashed until the file changes."""
+the checks off and says so, a verified shard is not re-hashed until the file changes, and a
+record whose SHA-256 passed once is checked with its learned XXH64 after that."""
 
 from __future__ import annotations
 
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 import mtplx_runtime
@@ -18,6 +20,7 @@ from mtplx_runtime.artifact.open import open_source
 from mtplx_runtime.cli import main as cli_main
 from mtplx_runtime.engine.generate import generate
 from mtplx_runtime.fixtures.tiny import make_tiny
+from mtplx_runtime.offload.digests import MAGIC, RecordDigests
 
 PROMPT = [5, 6, 7, 8]
 
@@ -114,3 +117,122 @@ def test_an_unwritable_receipt_directory_only_costs_a_rehash(art, tmp_path, monk
     m = load_manifest(art / MANIFEST_NAME)
     assert integrity.admit_shards(art, m).hashed
     assert integrity.admit_shards(art, m).hashed  # no receipt could be kept: hashed again
+
+
+# ---- the fast record check: XXH64 learned from reads whose SHA-256 matched -------------------
+
+def read_record(bank, art, key) -> bytearray:
+    part, offset, length, _ = bank.locate(*key)
+    with open(art / bank.manifest.sidecar.parts[part].file, "rb") as f:
+        f.seek(offset)
+        return bytearray(f.read(length))
+
+
+def test_native_xxh64_matches_the_xxhash_package():
+    xxhash = pytest.importorskip("xxhash")
+    from mtplx_runtime.kernels import cpu_native
+    rng = np.random.default_rng(7)
+    for n in [*range(0, 70), 4095, 4096, 65537, 1 << 20]:
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        for seed in (0, 1, 2**64 - 1):
+            assert cpu_native.xxh64(data, seed) == xxhash.xxh64_intdigest(data, seed), (n, seed)
+    view = memoryview(np.arange(64, dtype=np.uint32))  # a typed, multi-byte view hashes its bytes
+    assert cpu_native.xxh64(view) == xxhash.xxh64_intdigest(view.tobytes())
+
+
+def test_first_read_hashes_sha256_then_xxh64_is_learned_and_kept(built, tmp_path):
+    with open_source(built) as a:
+        bank = a.expert_layout
+    key = (bank.layers[0], 3)
+    data = read_record(bank, built, key)
+    first = RecordDigests(built, bank.manifest, receipts=tmp_path)
+    check = first.check(key)
+    assert check.verify(memoryview(data)) is None
+    assert check.verify(memoryview(data)) is None
+    assert first.stats() == {"xxh64": 1, "sha256": 1, "relearned": 0}
+    first.save()
+    second = RecordDigests(built, bank.manifest, receipts=tmp_path)  # a later process
+    assert second.learned() == 1
+    assert second.check(key).verify(memoryview(data)) is None
+    assert second.stats() == {"xxh64": 1, "sha256": 0, "relearned": 0}
+    data[100] ^= 0x10  # damaged after learning: XXH64 differs, SHA-256 settles it
+    assert "do not match sha256" in second.check(key).verify(memoryview(data))
+    assert second.stats()["sha256"] == 0  # a failed check counts as no pass
+
+
+def test_a_wrong_learned_value_costs_a_rehash_never_a_verdict(built, tmp_path, caplog):
+    with open_source(built) as a:
+        bank = a.expert_layout
+    key = (bank.layers[0], 0)
+    good = read_record(bank, built, key)
+    d = RecordDigests(built, bank.manifest, receipts=tmp_path)
+    d.check(key).verify(memoryview(good))
+    d.save()
+    raw = bytearray(d.path.read_bytes())
+    raw[16:24] = (12345).to_bytes(8, "little")  # record 0's learned value, now wrong
+    d.path.write_bytes(bytes(raw))
+    again = RecordDigests(built, bank.manifest, receipts=tmp_path)
+    assert again.check(key).verify(memoryview(good)) is None  # SHA-256 says the bytes are right
+    assert again.stats() == {"xxh64": 0, "sha256": 1, "relearned": 1}
+    assert "stale" in caplog.text
+    assert again.check(key).verify(memoryview(good)) is None
+    assert again.stats()["xxh64"] == 1
+
+
+@pytest.mark.parametrize("damage", ["short", "magic", "count", "fifo", "directory", "symlink"])
+def test_a_damaged_or_special_checksum_file_is_ignored(built, tmp_path, damage, caplog):
+    with open_source(built) as a:
+        bank = a.expert_layout
+    path = RecordDigests(built, bank.manifest, receipts=tmp_path).path
+    n = len(bank.manifest.records)
+    good = MAGIC + n.to_bytes(8, "little") + bytes(range(1, 9)) * n
+    if damage == "short":
+        path.write_bytes(good[:-1])
+    elif damage == "magic":
+        path.write_bytes(b"X" + good[1:])
+    elif damage == "count":
+        path.write_bytes(MAGIC + (n + 1).to_bytes(8, "little") + good[16:])
+    elif damage == "fifo":
+        os.mkfifo(path)
+    elif damage == "directory":
+        path.mkdir()
+    else:
+        (tmp_path / "elsewhere").write_bytes(good)
+        path.symlink_to(tmp_path / "elsewhere")
+    d = RecordDigests(built, bank.manifest, receipts=tmp_path)  # returns: nothing blocks
+    assert d.learned() == 0 and "ignoring the record checksums" in caplog.text
+
+
+def test_without_the_native_library_every_read_is_sha256_checked(built, tmp_path, monkeypatch,
+                                                                  caplog):
+    from mtplx_runtime.kernels import cpu_native
+    monkeypatch.setattr(cpu_native, "unavailable_reason", lambda: "no compiler (test)")
+    with open_source(built) as a:
+        bank = a.expert_layout
+    key = (bank.layers[0], 1)
+    data = read_record(bank, built, key)
+    d = RecordDigests(built, bank.manifest, receipts=tmp_path)
+    assert "SHA-256 only" in caplog.text and "no compiler (test)" in caplog.text
+    for _ in range(2):
+        assert d.check(key).verify(memoryview(data)) is None
+    assert d.stats() == {"xxh64": 0, "sha256": 2, "relearned": 0} and d.learned() == 0
+    data[5] ^= 1
+    assert "do not match sha256" in d.check(key).verify(memoryview(data))
+
+
+def test_a_record_damaged_after_its_xxh64_was_learned_stops_generate(art, capsys):
+    """The learned path end to end: a clean run learns every record it reads and saves them at
+    close; a byte flipped afterwards is caught by XXH64 and confirmed by SHA-256."""
+    assert generate_cli(art) == 0
+    with open_source(art) as a:
+        bank = a.expert_layout
+    values = np.frombuffer(RecordDigests(art, bank.manifest).path.read_bytes()[16:], "<u8")
+    learned = [r for r, v in zip(bank.manifest.records, values) if v]
+    assert learned and len(learned) < len(values)
+    capsys.readouterr()
+    for r in learned:  # only records read (and learned) before: the XXH64 path must catch them
+        part, offset, _, _ = bank.locate(r.layer, r.expert)
+        flip(art / bank.manifest.sidecar.parts[part].file, offset + 100)
+    assert generate_cli(art) == 2
+    err = capsys.readouterr().err
+    assert "expert (layer 1, expert" in err and "do not match sha256" in err

@@ -63,7 +63,7 @@ class FakeReader:
         self.reads: Counter = Counter()
         self.on_land = lambda: None  # called as each read lands, before its future resolves
 
-    def read_into(self, part, offset, length, buf, sha256=None):
+    def read_into(self, part, offset, length, buf, digest=None):
         fut: Future = Future()
         key = key_of(offset)
         with self.lock:

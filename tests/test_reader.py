@@ -248,7 +248,7 @@ def test_sha256_mismatch_after_one_flipped_byte(tmp_path):
     parts, data = make_parts(tmp_path, n=1, pages=16)
     good = hashlib.sha256(data[0][4 * PAGE:8 * PAGE]).hexdigest()
     with RecordReader(tmp_path, parts, direct="auto", verify_sha256=True) as r:
-        assert r.read_into(0, 4 * PAGE, 4 * PAGE, aligned_buffer(4 * PAGE), sha256=good.upper()
+        assert r.read_into(0, 4 * PAGE, 4 * PAGE, aligned_buffer(4 * PAGE), digest=good.upper()
                            ).result() == 4 * PAGE
         with pytest.raises(ValueError, match="no digest"):
             r.read_into(0, 0, PAGE, aligned_buffer(PAGE))

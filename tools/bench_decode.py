@@ -7,16 +7,19 @@
          mtplx_runtime.load with --slots-per-layer cache slots per MoE layer, prefill, decode
          --tokens greedy tokens
 
-One line per configuration (verify=1: every record read is checked against its manifest SHA-256, the
-default; verify=0: --no-verify): decode tok/s, compute-tier hit rate, SSD bytes per decoded token
-(demand + speculative reads), stall share (time forwards blocked on reads / decode time), the I/O
-bound (raw disk rate / bytes per token), the compute bound (1 / (MoE layers x top-k x time per
-expert)), and tok/s as a ratio of the smaller bound. Page cache is evicted with
+One line per configuration (verify=off: --no-verify; verify=sha256: the default read-time
+check on a fresh receipt directory, so every record's first read is checked against its manifest
+SHA-256; verify=xxh64: the same again after that run, so the records it read are checked with
+their learned XXH64, the steady state of a long-running user): decode tok/s, compute-tier hit
+rate, SSD bytes per decoded token (demand + speculative reads), stall share (time forwards
+blocked on reads / decode time), the I/O bound (raw disk rate / bytes per token), the compute
+bound (1 / (MoE layers x top-k x time per expert)), tok/s as a ratio of the smaller bound, and
+the record checks passed by XXH64 alone / by SHA-256. Page cache is evicted with
 posix_fadvise(DONTNEED) on every bank part before each measurement.
 
     python tools/bench_decode.py [--layers 2] [--experts 896] [--tokens 8]
                                  [--slots-per-layer 32] [--kernels auto|reference|cpu|cuda]
-                                 [--dir DIR] [--keep] [--config NAME|PATH]
+                                 [--repeats 1] [--dir DIR] [--keep] [--config NAME|PATH]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 
 from mtplx_runtime import load, load_model
 from mtplx_runtime.artifact.build import build_artifact
+from mtplx_runtime.artifact.integrity import RECEIPTS_ENV
 from mtplx_runtime.artifact.manifest import MANIFEST_NAME, load_manifest
 from mtplx_runtime.engine.generate import GenerationStats, generate_step
 from mtplx_runtime.engine.presets import PresetError, add_config_arg, parse_args
@@ -90,8 +94,8 @@ def expert_seconds(art: Path, model, kernels, repeats: int = 5) -> float:
     with StreamingExpertProvider(art, cfg, model.dtype, compute_bytes=1, lookahead=0,
                                  kernels="reference") as prov:
         buf = aligned_buffer(prov.stride_bytes)
-        part, off, length, sha = prov.locate((cfg.moe_layers[0], 0))
-        prov.reader.read_into(part, off, length, buf, sha256=sha).result()
+        part, off, length, check = prov.locate((cfg.moe_layers[0], 0))
+        prov.reader.read_into(part, off, length, buf, digest=check).result()
         layout = prov.layout
     args = dict(shapes=cfg.expert_shapes, beta=cfg.activation_situ_beta,
                 beta_lin=cfg.activation_situ_linear_beta)
@@ -122,13 +126,15 @@ def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens:
             if before is None:  # prefill done, no decode forward yet
                 before = snapshot(rt.provider)
         after = snapshot(rt.provider)
+        checks = rt.provider.stats()["checks"] or {}
     d = {k: after[k] - before[k] for k in after}
     n = stats.decode_forwards
     return {"tokens": n, "decode_s": stats.decode_s,
             "tok_s": n / stats.decode_s,
             "hit_rate": d["hits"] / d["lookups"] if d["lookups"] else 0.0,
             "bytes_per_token": d["bytes"] / n,
-            "stall_share": d["stall_ms"] / 1e3 / stats.decode_s}
+            "stall_share": d["stall_ms"] / 1e3 / stats.decode_s,
+            "checks": "/".join(str(checks.get(k, 0)) for k in ("xxh64", "sha256"))}
 
 
 def commit() -> str:
@@ -148,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernels", default=None, help="expert kernel backend (default: auto)")
     ap.add_argument("--dir", type=Path, default=None,
                     help="where the slice and artifact go (default: a temp dir under /work)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds over every configuration (the disk's rate drifts between runs)")
     ap.add_argument("--keep", action="store_true",
                     help="keep the slice in --dir and reuse an artifact already built there")
     add_config_arg(ap)  # of a preset's keys only `kernels` is a flag here
@@ -193,15 +201,27 @@ def main(argv=None) -> int:
         print(f"# raw_odirect_seq_gbps={disk / 1e9:.3f} expert_ms={t_exp * 1e3:.1f} "
               f"(one t158 expert, T=1, bf16 model) compute_bound_tok_s={compute_bound:.3f}",
               flush=True)
-        for la, verify in ((0, False), (0, True), (1, False), (1, True)):
-            r = run_config(art, paths, la, a.slots_per_layer, a.tokens, kernels, verify)
-            io_bound = disk / r["bytes_per_token"] if r["bytes_per_token"] else float("inf")
-            ratio = r["tok_s"] / min(io_bound, compute_bound)
-            print(f"lookahead={la} verify={int(verify)} tok_s={r['tok_s']:.3f} "
-                  f"hit_rate={r['hit_rate']:.3f} "
-                  f"bytes_per_token={r['bytes_per_token']:.0f} "
-                  f"stall_share={r['stall_share']:.3f} io_bound_tok_s={io_bound:.3f} "
-                  f"compute_bound_tok_s={compute_bound:.3f} ratio={ratio:.2f}", flush=True)
+        for rep in range(a.repeats):
+            if rep:  # the disk's rate drifts: measure it again before every round
+                disk = raw_disk_bps(paths)
+                print(f"# round={rep} raw_odirect_seq_gbps={disk / 1e9:.3f}", flush=True)
+            for la in (0, 1):
+                # A fresh receipt directory per round and lookahead: "sha256" learns, "xxh64"
+                # reuses; odd rounds move "off" last so no configuration always runs first.
+                os.environ[RECEIPTS_ENV] = tempfile.mkdtemp(prefix="receipts_", dir=base)
+                order = ("off", "sha256", "xxh64") if rep % 2 == 0 else ("sha256", "xxh64", "off")
+                for verify in order:
+                    r = run_config(art, paths, la, a.slots_per_layer, a.tokens, kernels,
+                                   verify != "off")
+                    io_bound = (disk / r["bytes_per_token"] if r["bytes_per_token"]
+                                else float("inf"))
+                    ratio = r["tok_s"] / min(io_bound, compute_bound)
+                    print(f"round={rep} lookahead={la} verify={verify} tok_s={r['tok_s']:.3f} "
+                          f"hit_rate={r['hit_rate']:.3f} "
+                          f"bytes_per_token={r['bytes_per_token']:.0f} "
+                          f"stall_share={r['stall_share']:.3f} io_bound_tok_s={io_bound:.3f} "
+                          f"compute_bound_tok_s={compute_bound:.3f} ratio={ratio:.2f} "
+                          f"checks_xxh64/sha256={r['checks']}", flush=True)
     finally:
         if not a.keep:
             shutil.rmtree(base, ignore_errors=True)

@@ -26,14 +26,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.safetensors_io import CheckpointError
+from ..checkpoint.safetensors_io import CheckpointError, read_regular
 from .manifest import Manifest
 
-__all__ = ["IntegrityError", "ShardAdmission", "admit_shards", "receipts_dir"]
+__all__ = ["IntegrityError", "ShardAdmission", "admit_shards", "receipt_path", "receipts_dir"]
 
 RECEIPTS_ENV = "MTPLX_RECEIPT_DIR"
 RESIDENT_KINDS = ("safetensors", "preserved-safetensors")  # "sidecar" shards are bank files
 _CHUNK = 8 << 20
+_MAX_RECEIPT_BYTES = 16 << 20  # a few hundred bytes per shard; K3 has 64 shards
 log = logging.getLogger(__name__)
 
 
@@ -58,6 +59,15 @@ def receipts_dir() -> Path:
     return Path(base) / "mtplx" / "receipts"
 
 
+def receipt_path(root: str | os.PathLike, manifest: Manifest, suffix: str,
+                 receipts: Path | None = None) -> Path:
+    """The receipt file of one artifact directory and manifest digest, ending in `suffix`."""
+    receipts = receipts_dir() if receipts is None else Path(receipts)
+    real = os.path.realpath(root)
+    key = hashlib.sha256(f"{real}\0{manifest.manifest_sha256}".encode()).hexdigest()[:32]
+    return receipts / f"{key}{suffix}"
+
+
 def _identity(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
@@ -76,11 +86,9 @@ def admit_shards(root: str | os.PathLike, manifest: Manifest, *,
     Raises IntegrityError naming the first damaged shard (and suggesting `mtplx verify`).
     Blocks for the hashing; a shard whose receipt matches is not read at all."""
     root = Path(root)
-    receipts = receipts_dir() if receipts is None else Path(receipts)
     real = os.path.realpath(root)
-    key = hashlib.sha256(f"{real}\0{manifest.manifest_sha256}".encode()).hexdigest()[:32]
-    receipt_path = receipts / f"{key}.json"
-    known = _read_receipt(receipt_path, real, manifest.manifest_sha256)
+    receipt = receipt_path(root, manifest, ".json", receipts)
+    known = _read_receipt(receipt, real, manifest.manifest_sha256)
     out, todo, seen = ShardAdmission(), [], {}
     for s in manifest.shards:
         if s.kind not in RESIDENT_KINDS:
@@ -107,7 +115,7 @@ def admit_shards(root: str | os.PathLike, manifest: Manifest, *,
                 "checks every file (--no-verify skips this check)")
         out.hashed.append(s.name)
     if todo:
-        _write_receipt(receipt_path, real, manifest.manifest_sha256,
+        _write_receipt(receipt, real, manifest.manifest_sha256,
                        {**{n: known[n] for n in out.trusted}, **{s.name: seen[s.name]
                                                                  for s in todo}})
     return out
@@ -116,9 +124,12 @@ def admit_shards(root: str | os.PathLike, manifest: Manifest, *,
 def _read_receipt(path: Path, real: str, digest: str | None) -> dict[str, list[int]]:
     """{shard: identity} of a receipt written for this directory and manifest; {} when there is
     none or it is unreadable (a damaged receipt only costs a re-hash)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    if not os.path.lexists(path):
+        return {}
+    try:  # never blocks: a FIFO or device planted in the receipt directory is refused
+        data = json.loads(read_regular(path, limit=_MAX_RECEIPT_BYTES, follow_symlinks=False,
+                                       what="integrity receipt"))
+    except (ValueError, RecursionError):  # CheckpointError is a ValueError
         return {}
     if not isinstance(data, dict) or data.get("root") != real or data.get("manifest") != digest:
         return {}

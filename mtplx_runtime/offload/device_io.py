@@ -7,14 +7,14 @@
 
 Both paths resolve the returned future only once the bytes are in the slot, so the cache's commit
 (and a kernel launch after it) never sees a half-written record. The staging path reuses the
-RecordReader's checks, retries and sha256 verification; kvikio reads are hashed from a host copy
-when a digest is given (verification is a debugging mode: it costs a device-to-host copy).
+RecordReader's checks, retries and digest checks; kvikio reads are checked on a host copy
+of the slot (a device-to-host copy per record: on this path read-time checking costs PCIe
+bandwidth until a device-side check exists).
 Nothing here imports cupy or kvikio at module import: the CPU build never needs them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
@@ -27,7 +27,7 @@ from .buffers import (
     buffer_address,
     gpu_reader_unavailable_reason,
 )
-from .reader import RecordHashError
+from .reader import Digest, RecordHashError, check_digest
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def kvikio_mode() -> str:
 
 
 class DeviceReader:
-    """`read_into(part, offset, length, buf, *, sha256=None) -> Future[int]` into device slots,
+    """`read_into(part, offset, length, buf, *, digest=None) -> Future[int]` into device slots,
     the RecordReader contract (which it wraps) for cupy destinations.
 
     use_kvikio: True, False or "auto" (kvikio when cupy sees a GPU and kvikio imports: the
@@ -108,34 +108,36 @@ class DeviceReader:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mtplx-devread")
 
     def read_into(self, part: int, offset: int, length: int, buf, *,
-                  sha256: str | None = None) -> Future[int]:
+                  digest: Digest | None = None) -> Future[int]:
         if getattr(buf, "nbytes", length) < length:
             raise ValueError(f"destination holds {buf.nbytes} B, the read needs {length}")
         run = self._kvikio_read if self.kvikio else self._staged_read
-        return self._pool.submit(run, part, offset, length, buf, sha256)
+        return self._pool.submit(run, part, offset, length, buf, digest)
 
-    def _staged_read(self, part, offset, length, buf, sha256) -> int:
+    def _staged_read(self, part, offset, length, buf, digest) -> int:
         host = self._staging.get()  # never blocks: one buffer per pool thread
         try:
             view = host[:length]
-            self.reader.read_into(part, offset, length, view, sha256=sha256).result()
+            self.reader.read_into(part, offset, length, view, digest=digest).result()
             self.guard.wait(buf)
             self._to_device(view, buf[:length])
         finally:
             self._staging.put(host)
         return length
 
-    def _kvikio_read(self, part, offset, length, buf, sha256) -> int:
+    def _kvikio_read(self, part, offset, length, buf, digest) -> int:
         self.guard.wait(buf)
         with self._kvikio_lock:
             future = self._kvikio.read_into(part, offset, length, buf[:length])
         got = future.get()
         if got != length:
             raise OSError(f"part {part}: kvikio read {got} of {length} B at offset {offset}")
-        if sha256 is not None:
-            digest = hashlib.sha256(buf[:length].get().tobytes()).hexdigest()
-            if digest != sha256.lower():
-                raise RecordHashError(f"part {part} offset {offset}: sha256 {digest} != {sha256}")
+        if digest is not None:
+            why = check_digest(digest.lower() if isinstance(digest, str) else digest,
+                               memoryview(buf[:length].get()).cast("B"))
+            if why is not None:
+                raise RecordHashError(f"part {part} bytes at offset {offset} length {length} "
+                                      f"{why}")
         return length
 
     @property

@@ -22,16 +22,16 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 
-from .reader import RecordHashError
+from .reader import Digest, RecordHashError
 
 __all__ = ["ExpertKey", "PrefetchError", "NoSlotError", "Prefetcher", "PrefetchStats"]
 
 log = logging.getLogger("mtplx_runtime.offload.prefetch")
 
 ExpertKey = tuple[int, int]  # (layer, expert), the model's 0-based layer index
-# locate(key) -> (part index, absolute byte offset in the part file, length in bytes, sha256|None);
+# locate(key) -> (part index, absolute byte offset in the part file, length in bytes, digest|None);
 # KeyError when the key has no record. Any other exception is a bug and is not swallowed.
-Locate = Callable[[ExpertKey], tuple[int, int, int, "str | None"]]
+Locate = Callable[[ExpertKey], tuple[int, int, int, "Digest | None"]]
 
 
 class PrefetchError(OSError):
@@ -70,12 +70,12 @@ class PrefetchStats:
 
 
 class _Job:
-    __slots__ = ("key", "part", "offset", "length", "sha256", "slot", "future", "speculative",
+    __slots__ = ("key", "part", "offset", "length", "digest", "slot", "future", "speculative",
                  "state", "recorded")
 
-    def __init__(self, key, part, offset, length, sha256, slot, speculative):
+    def __init__(self, key, part, offset, length, digest, slot, speculative):
         self.key, self.part, self.offset, self.length = key, part, offset, length
-        self.sha256, self.slot, self.speculative = sha256, slot, speculative
+        self.digest, self.slot, self.speculative = digest, slot, speculative
         self.future: Future = Future()
         self.future._mtplx_job = self  # lets wait() find the read behind a caller's future
         self.state = "queued"  # queued -> running -> done
@@ -85,9 +85,9 @@ class _Job:
 class Prefetcher:
     """Background reads of expert records into cache slots under a bounded in-flight byte budget.
 
-    `reader`: `read_into(part, offset, length, buf, sha256=None) -> Future[int]` (RecordReader).
-    `locate(key)`: (part, absolute offset, length, sha256 | None) of one record; KeyError when
-    the key has no record.
+    `reader`: `read_into(part, offset, length, buf, digest=None) -> Future[int]` (RecordReader).
+    `locate(key)`: (part, absolute offset, length, digest | None) of one record, the digest a
+    SHA-256 or a reader Check; KeyError when the key has no record.
     `cache`: an ExpertCache; this uses `reserve(key, *, speculative, transient)`, `buffer(ref)`,
     `commit(key)`, `abort(key)`, `record_read(key, nbytes, stall_ms)`, `where(key)`,
     `is_loading(key)` and `key in cache`.
@@ -200,7 +200,7 @@ class Prefetcher:
                 self.stats.spec_skipped += 1
                 continue
             try:
-                part, offset, length, sha = self.locate(key)
+                part, offset, length, digest = self.locate(key)
             except KeyError:  # no such record: a bad guess, not an error
                 self.stats.spec_skipped += 1
                 continue
@@ -211,7 +211,7 @@ class Prefetcher:
             if slot is None:
                 self.stats.spec_skipped += 1
                 continue
-            job = _Job(key, part, offset, length, sha, slot, speculative=True)
+            job = _Job(key, part, offset, length, digest, slot, speculative=True)
             self._jobs[key] = job
             self._spec_q.append(job)
             self._spec_bytes += length
@@ -338,7 +338,7 @@ class Prefetcher:
         """A reserved job, or a failed Future when the key has no record (PrefetchError), no
         slot (NoSlotError) or `locate` failed otherwise (that exception, unwrapped)."""
         try:
-            part, offset, length, sha = self.locate(key)
+            part, offset, length, digest = self.locate(key)
         except KeyError as e:
             return _failed(key, PrefetchError(key, f"expert (layer {key[0]}, expert {key[1]}): "
                                                    f"cannot locate its record: {e}"), e)
@@ -350,7 +350,7 @@ class Prefetcher:
         if slot is None:
             return _failed(key, NoSlotError(f"expert (layer {key[0]}, expert {key[1]}): the "
                                             "cache has no slot for a demand read"), None)
-        job = _Job(key, part, offset, length, sha, slot, speculative)
+        job = _Job(key, part, offset, length, digest, slot, speculative)
         self._jobs[key] = job
         return job
 
@@ -412,7 +412,7 @@ class Prefetcher:
                         raise ValueError(f"slot buffer holds {buf.nbytes} B, record needs "
                                          f"{job.length}")
                     fut = self.reader.read_into(job.part, job.offset, job.length, buf,
-                                                sha256=job.sha256)
+                                                digest=job.digest)
                 except BaseException as e:
                     self._finish(job, None, e)
                     continue

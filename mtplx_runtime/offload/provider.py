@@ -16,6 +16,7 @@ compute tier). `experts` still hands out decoded ExpertWeights for callers that 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -25,16 +26,20 @@ from types import ModuleType
 import torch
 
 from ..artifact.manifest import MANIFEST_NAME, load_manifest
-from ..artifact.open import BankExpertLayout, RecordLocation
+from ..artifact.open import BankExpertLayout
+from ..formats.record import ALIGNMENT, align_up
 from ..kernels import select_backend
 from ..kernels.reference import ExpertWeights, decode_record
 from .cache import ExpertCache
 from .device_io import DeviceReader, SlotGuard
+from .digests import RecordCheck, RecordDigests
 from .lookahead import LookaheadScore, predicted_keys
 from .prefetch import Prefetcher
 from .reader import from_manifest
 
 __all__ = ["StreamingExpertProvider"]
+
+log = logging.getLogger(__name__)
 
 ExpertKey = tuple[int, int]
 
@@ -51,7 +56,8 @@ class StreamingExpertProvider:
     policy, scope: ExpertCache replacement ('lru' | 'freq', 'layer' | 'global').
     lookahead: how many later MoE layers the model guesses for in decode (`hint`; 0: off).
     threads, max_inflight_bytes, direct: reader and prefetcher settings. verify_sha256 (default
-    on): every record read is hashed against its manifest SHA-256 before a kernel sees it.
+    on): every record read is checked before a kernel sees it, against its manifest SHA-256 the
+    first time and its learned XXH64 after (offload/digests.py; `self.digests`).
     timeout_s: longest a forward waits for one batch of reads before TimeoutError.
     kernels: the expert kernel backend `run_experts` computes with: a name ('reference' | 'cpu'
     | 'cuda'), a backend module, or None ($MTPLX_KERNELS, else the best available;
@@ -87,12 +93,21 @@ class StreamingExpertProvider:
         if self.on_gpu:
             transient_bytes = 0
         elif transient_bytes is None:
-            transient_bytes = max(cfg.num_experts_per_token, 4) * self.stride_bytes
+            transient_bytes = max(cfg.num_experts_per_token, 4) * align_up(self.stride_bytes)
         self.cache = ExpertCache(self.stride_bytes, compute_bytes, host_bytes, scope=scope,
                                  policy=policy, layers=layers, transient_bytes=transient_bytes,
                                  device="cuda" if self.on_gpu else "cpu")
         self._transient_slots = self.cache.capacity()["transient"]
         self.verify_sha256 = verify_sha256
+        self.digests = RecordDigests(bank.root, self.manifest) if verify_sha256 else None
+        unaligned = _unaligned_record(self.manifest)
+        if unaligned is not None and direct is not False:
+            if direct is True:
+                raise ValueError(f"{bank.root}: direct=True needs every record 4 KiB-aligned in "
+                                 f"offset and length; {unaligned} is not")
+            log.warning("%s: %s is not 4 KiB-aligned in offset and length, so bank reads are "
+                        "buffered (O_DIRECT needs both)", bank.root, unaligned)
+            direct = False
         # Every part may be open at once: each is opened once, on its first read.
         self.reader = from_manifest(bank.root, self.manifest, direct=direct, threads=threads,
                                     verify_sha256=verify_sha256,
@@ -119,10 +134,12 @@ class StreamingExpertProvider:
 
     # ---- the ExpertProvider contract -----------------------------------------------------
 
-    def locate(self, key: ExpertKey) -> RecordLocation:
-        """Where one record is (the digest only when reads are verified); KeyError if absent."""
+    def locate(self, key: ExpertKey) -> tuple[int, int, int, RecordCheck | None]:
+        """(part, absolute offset, length, check) of one record, the check None when reads are
+        not verified; KeyError if the bank holds no such record."""
         loc = self.bank.locate(*key)
-        return loc if self.verify_sha256 else loc._replace(sha256=None)
+        check = self.digests.check(key) if self.digests is not None else None
+        return loc.part, loc.offset, loc.length, check
 
     def experts(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertWeights]:
         """Weights of experts `ids` (distinct) of `layer`, decoded from their slots (the
@@ -265,6 +282,7 @@ class StreamingExpertProvider:
             "prefill_dedup": {"uses": self.prefill_uses, "unique": self.prefill_unique,
                               "factor": (self.prefill_uses / self.prefill_unique
                                          if self.prefill_unique else 0.0)},
+            "checks": self.digests.stats() if self.digests is not None else None,
         }
 
     def close(self) -> None:
@@ -276,6 +294,8 @@ class StreamingExpertProvider:
             self.prefetcher.shutdown(cancel_pending=True, timeout=self.timeout_s)
         finally:
             self.reader.close()
+            if self.digests is not None:
+                self.digests.save()
 
     def __enter__(self) -> StreamingExpertProvider:
         return self
@@ -283,3 +303,14 @@ class StreamingExpertProvider:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+
+def _unaligned_record(manifest) -> str | None:
+    """The first record whose absolute offset or length is not a multiple of 4 KiB (records of
+    other writers may be unpadded), as words; None when every record is aligned."""
+    parts = manifest.sidecar.parts
+    for r in manifest.records:
+        start = parts[r.part].data_start + r.sidecar_offset
+        if start % ALIGNMENT or r.sidecar_length % ALIGNMENT:
+            return f"record (layer {r.layer}, expert {r.expert})"
+    return None

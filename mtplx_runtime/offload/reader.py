@@ -2,7 +2,7 @@
 artifact", "Reading records at run time").
 
     requests -> check (bounds, 4 KiB alignment) -> coalesce adjacent -> thread pool
-             -> os.preadv(fd from a bounded LRU) -> caller buffers [-> SHA-256] -> futures
+             -> os.preadv(fd from a bounded LRU) -> caller buffers [-> digest check] -> futures
 
 Parts are opened O_RDONLY | O_CLOEXEC | O_NOFOLLOW, plus O_DIRECT when enabled. Bank files are
 never mmapped: a page fault is synchronous I/O the prefetcher can neither overlap nor bound.
@@ -23,6 +23,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path, PurePosixPath
+from typing import Protocol
 
 from mtplx_runtime.offload.buffers import (
     PAGE_BYTES,
@@ -30,7 +31,8 @@ from mtplx_runtime.offload.buffers import (
     buffer_address,
 )
 
-__all__ = ["RecordReader", "ReadError", "RecordHashError", "aligned_buffer", "from_manifest"]
+__all__ = ["Check", "Digest", "RecordReader", "ReadError", "RecordHashError", "aligned_buffer",
+           "check_digest", "from_manifest"]
 
 log = logging.getLogger("mtplx_runtime.artifact.manifest")
 
@@ -48,13 +50,23 @@ class RecordHashError(ValueError):
     """The bytes read do not hash to the digest the request carried."""
 
 
+class Check(Protocol):
+    """A digest check richer than one SHA-256 (offload/digests.py RecordCheck): `verify(view)`
+    -> None when the bytes are right, else why not."""
+
+    def verify(self, view: memoryview) -> str | None: ...
+
+
+Digest = str | Check  # a SHA-256 as 64 hex digits, or a Check
+
+
 @dataclass(slots=True)
 class _Req:
     part: int
     offset: int       # absolute byte offset in the part file
     length: int
     view: memoryview  # 1-D bytes view of the destination, exactly `length` long
-    sha256: str | None
+    digest: Digest | None
 
 
 class _FdCache:
@@ -121,9 +133,9 @@ class RecordReader:
     aligned probe read works, else buffered with one logged reason. Unless `direct` is False,
     every request must be 4 KiB-aligned (offset, length, buffer address) whatever the file system
     turns out to support, so misuse fails the same way everywhere. `verify_sha256`: every request
-    must carry a digest (read_record passes the record's). A digest given explicitly is always
-    checked. Futures from this reader cannot be cancelled; `close()` fails queued reads with
-    CancelledError and waits for running ones.
+    must carry a digest (read_record passes the record's SHA-256). A digest given explicitly is
+    always checked, in the reader thread that read the bytes. Futures from this reader cannot be
+    cancelled; `close()` fails queued reads with CancelledError and waits for running ones.
     """
 
     def __init__(self, root: str | os.PathLike, parts, *, direct: bool | str = "auto",
@@ -153,12 +165,13 @@ class RecordReader:
         return self._direct
 
     def read_into(self, part: int, offset: int, length: int, buf, *,
-                  sha256: str | None = None) -> Future[int]:
+                  digest: Digest | None = None) -> Future[int]:
         """Start reading `length` bytes at absolute `offset` of `part` into the first `length`
         bytes of `buf` (writable, C-contiguous; numpy array, memoryview, mmap). Returns at once;
-        the future gives `length`, or raises ReadError / RecordHashError. Bad requests raise
-        ValueError here, before any system call."""
-        return self.read_many([(part, offset, length, buf, sha256)])[0]
+        the future gives `length`, or raises ReadError / RecordHashError (`digest`, a SHA-256
+        hex string or a Check, not matched). Bad requests raise ValueError here, before any
+        system call."""
+        return self.read_many([(part, offset, length, buf, digest)])[0]
 
     def read_record(self, record, buf) -> Future[int]:
         """Read one manifest record (`.part`, `.sidecar_offset` relative to the part's
@@ -167,10 +180,10 @@ class RecordReader:
             raise ValueError(f"record ({record.layer}, {record.expert}) has no sidecar extent")
         start = self.parts[record.part][2]
         return self.read_into(record.part, start + record.sidecar_offset, record.sidecar_length,
-                              buf, sha256=record.sha256 if self.verify_sha256 else None)
+                              buf, digest=record.sha256 if self.verify_sha256 else None)
 
     def read_many(self, requests) -> list[Future[int]]:
-        """Start many reads: [(part, offset, length, buf[, sha256])] -> one future each, in order.
+        """Start many reads: [(part, offset, length, buf[, digest])] -> one future each, in order.
         Requests adjacent in the same part (next offset == previous end) share one preadv with
         an iovec per buffer, up to max_coalesce_bytes per call. All are checked before any is
         submitted."""
@@ -214,7 +227,7 @@ class RecordReader:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _request(self, part, offset, length, buf, sha256=None) -> _Req:
+    def _request(self, part, offset, length, buf, digest=None) -> _Req:
         if not 0 <= part < len(self.parts):
             raise IndexError(f"part {part} out of range (reader has {len(self.parts)} parts)")
         name, size, _ = self.parts[part]
@@ -237,14 +250,17 @@ class RecordReader:
                 raise ValueError(f"{name}: O_DIRECT reads need offset, length and buffer address "
                                  f"to be multiples of {PAGE_BYTES}; got {', '.join(bad)}. Use "
                                  "aligned_buffer() and 4 KiB-aligned extents, or direct=False")
-        if sha256 is None and self.verify_sha256:
+        if digest is None and self.verify_sha256:
             raise ValueError(f"{name}: verify_sha256 is on but the read at offset {offset} "
                              "carries no digest")
-        if sha256 is not None:
-            sha256 = sha256.lower()
-            if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
-                raise ValueError(f"{name}: sha256 {sha256!r} is not 64 hex digits")
-        return _Req(part, offset, length, view, sha256)
+        if isinstance(digest, str):
+            digest = digest.lower()
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError(f"{name}: sha256 {digest!r} is not 64 hex digits")
+        elif digest is not None and not callable(getattr(digest, "verify", None)):
+            raise TypeError(f"{name}: digest must be a SHA-256 hex string or have verify(), "
+                            f"got {type(digest).__name__}")
+        return _Req(part, offset, length, view, digest)
 
     def _open(self, part: int) -> int:
         """Open one part (called under the fd-cache lock); resolves "auto" on first use."""
@@ -308,10 +324,15 @@ class RecordReader:
                 f.set_exception(e)
             return
         for r, f in zip(group, futs):
-            if r.sha256 is not None and hashlib.sha256(r.view).hexdigest() != r.sha256:
+            try:
+                why = check_digest(r.digest, r.view)
+            except BaseException as e:  # a failing check fails its read, never the pool
+                f.set_exception(e)
+                continue
+            if why is not None:
                 f.set_exception(RecordHashError(
                     f"{self.parts[r.part][0]}: part {r.part} bytes at offset {r.offset} length "
-                    f"{r.length} do not match sha256 {r.sha256}"))
+                    f"{r.length} {why}"))
             else:
                 f.set_result(r.length)
 
@@ -349,6 +370,16 @@ class RecordReader:
                 iov = iov[1:]
             if n:
                 iov[0] = iov[0][n:]
+
+
+def check_digest(digest: Digest | None, view) -> str | None:
+    """None when `view` matches `digest` (or there is none), else why not."""
+    if digest is None:
+        return None
+    if isinstance(digest, str):
+        same = hashlib.sha256(view).hexdigest() == digest
+        return None if same else f"do not match sha256 {digest}"
+    return digest.verify(view)
 
 
 def _on_cancel(futs: list[Future], pool_future: Future) -> None:

@@ -21,6 +21,9 @@
  *   int mtplx_cpu_best_isa(void), mtplx_cpu_get_isa(void), mtplx_cpu_set_isa(int want)
  *       0 scalar, 1 avx2, 2 avx512 (the best the CPU supports unless lowered); one choice for
  *       every codec.
+ *   uint64_t mtplx_cpu_xxh64(const void *data, size_t n, uint64_t seed)
+ *       XXH64 of n bytes (the published xxHash64 algorithm; checksum.c): the fast per-record
+ *       check of read-time integrity (offload/digests.py).
  * Return codes: 0 ok, -1 bad shape, parameter or codec, -2 out of memory, -3 invalid scale byte.
  * bits and layout are read by ct-int only (bits 3 or 4; layout 0 dense, 1 legacy 3-bit).
  *
@@ -36,6 +39,9 @@
 
 /* The library is built with -fvisibility=hidden: only these names are exported. */
 #define MTPLX_API __attribute__((visibility("default")))
+
+#include <stddef.h>
+#include <stdint.h>
 
 enum mtplx_codec { MTPLX_CODEC_T158, MTPLX_CODEC_MXFP4, MTPLX_CODEC_CTINT, MTPLX_CODECS };
 
@@ -54,5 +60,6 @@ MTPLX_API const char *mtplx_cpu_codec_name(int codec);
 MTPLX_API int mtplx_cpu_best_isa(void);
 MTPLX_API int mtplx_cpu_set_isa(int want);
 MTPLX_API int mtplx_cpu_get_isa(void);
+MTPLX_API uint64_t mtplx_cpu_xxh64(const void *data, size_t n, uint64_t seed);
 
 #endif

@@ -1,0 +1,154 @@
+"""Read-time record checks (FORMAT.md "Verifying and reading"): SHA-256 against the manifest
+until a record's XXH64 is known, XXH64 from then on.
+
+    a record read for the first time:  SHA-256 == manifest's?  -> pass, learn XXH64 of the bytes
+    a record whose XXH64 is known:     XXH64 == learned?       -> pass
+                                       else SHA-256 == manifest's? -> pass, relearn (stale value)
+                                       else                    -> damaged (RecordHashError)
+
+XXH64 (kernels/native/cpu/checksum.c) hashes about 10 GB/s on one core where SHA-256 manages
+about 2, so a record re-read from disk costs a fifth of the hashing; the first read of each record
+still pays SHA-256. A learned value only ever comes from bytes whose SHA-256 matched, and a
+mismatch is settled by SHA-256, so a wrong learned value costs one re-hash and never fails or
+passes a read by itself. Learned values persist beside the integrity receipts
+(artifact/integrity.py): one file per artifact directory and manifest digest, `MAGIC`, the record
+count (u64), then one u64 per manifest record in manifest order (0 = not learned).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from ..artifact.integrity import receipt_path
+from ..artifact.manifest import Manifest
+from ..checkpoint.safetensors_io import CheckpointError, read_regular
+from ..kernels import cpu_native
+
+__all__ = ["RecordCheck", "RecordDigests"]
+
+MAGIC = b"MTPLXX64"
+SUFFIX = ".xxh64"
+SAVE_EVERY = 1024  # newly learned values between saves, so a killed process keeps most of them
+log = logging.getLogger(__name__)
+
+
+class RecordCheck:
+    """The check of one record read: `verify(view)` -> None when the bytes are the record's,
+    else why not (the reader raises RecordHashError with it)."""
+
+    __slots__ = ("_owner", "_index")
+
+    def __init__(self, owner: RecordDigests, index: int):
+        self._owner, self._index = owner, index
+
+    def verify(self, view) -> str | None:
+        return self._owner._verify(self._index, view)
+
+
+class RecordDigests:
+    """The digests of every record of one artifact: its manifest SHA-256s and the XXH64 values
+    learned so far. `check(key)` -> RecordCheck (KeyError for a key without a record); `save()`
+    writes the learned values (best effort); `stats()` counts the checks by kind. Without the
+    native library every read is SHA-256-checked (`fast_unavailable` says why)."""
+
+    def __init__(self, root: str | os.PathLike, manifest: Manifest, *,
+                 receipts: Path | None = None):
+        self._sha = [r.sha256 for r in manifest.records]
+        self._index = {(r.layer, r.expert): i for i, r in enumerate(manifest.records)}
+        self._path = receipt_path(root, manifest, SUFFIX, receipts)
+        self._values = np.zeros(len(self._sha), dtype=np.uint64)
+        self._lock = threading.Lock()
+        self._counts = {"xxh64": 0, "sha256": 0, "relearned": 0}
+        self._unsaved = 0
+        self.fast_unavailable = cpu_native.unavailable_reason()
+        if self.fast_unavailable is None:
+            self._load()
+        else:
+            log.warning("records are checked with SHA-256 only (slower): %s",
+                        self.fast_unavailable)
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def check(self, key: tuple[int, int]) -> RecordCheck | None:
+        """The check for record `key`; None when the manifest gives it no SHA-256."""
+        i = self._index[int(key[0]), int(key[1])]
+        return RecordCheck(self, i) if self._sha[i] is not None else None
+
+    def learned(self) -> int:
+        return int(np.count_nonzero(self._values))
+
+    def stats(self) -> dict[str, int]:
+        """Checks passed by XXH64 alone, checks that hashed SHA-256, learned values corrected."""
+        with self._lock:
+            return dict(self._counts)
+
+    def save(self) -> None:
+        """Write the learned values atomically; a cache directory that cannot be written only
+        means the next process learns them again."""
+        with self._lock:
+            if not self._unsaved:
+                return
+            values, self._unsaved = self._values.copy(), 0
+        tmp = self._path.with_name(f".{self._path.name}.{os.getpid()}.{threading.get_ident()}")
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + np.uint64(len(values)).tobytes() + values.astype("<u8").tobytes())
+            os.replace(tmp, self._path)
+        except OSError as e:
+            log.warning("cannot write the record checksums %s (%s): the next load checks "
+                        "records with SHA-256 again", self._path, e)
+            with contextlib.suppress(OSError):  # nothing was written, or nowhere to write it
+                tmp.unlink()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _load(self) -> None:
+        n = len(self._values)
+        if not os.path.lexists(self._path):  # nothing learned yet
+            return
+        try:
+            data = read_regular(self._path, limit=16 + 8 * n, follow_symlinks=False,
+                                what="record checksum file")
+        except CheckpointError as e:
+            log.warning("ignoring the record checksums %s: %s", self._path, e)
+            return
+        if (len(data) != 16 + 8 * n or data[:8] != MAGIC
+                or int.from_bytes(data[8:16], "little") != n):
+            log.warning("ignoring the record checksums %s: not %d values of this artifact",
+                        self._path, n)
+            return
+        self._values[:] = np.frombuffer(data, dtype="<u8", offset=16)
+
+    def _verify(self, i: int, view) -> str | None:
+        known = int(self._values[i])
+        fast = cpu_native.xxh64(view) if self.fast_unavailable is None else 0
+        if known and fast == known:
+            with self._lock:
+                self._counts["xxh64"] += 1
+            return None
+        sha = self._sha[i]
+        if hashlib.sha256(view).hexdigest() != sha:
+            return f"do not match sha256 {sha}"
+        with self._lock:
+            self._counts["sha256"] += 1
+            if fast:
+                self._counts["relearned"] += bool(known)
+                self._values[i] = fast
+                self._unsaved += 1
+            due = self._unsaved >= SAVE_EVERY
+        if known:
+            log.warning("record %d: its learned XXH64 was stale (the SHA-256 matches); relearned",
+                        i)
+        if due:
+            self.save()
+        return None
