@@ -47,7 +47,7 @@ from mtplx_runtime.checkpoint.safetensors_io import (
 )
 from mtplx_runtime.engine.trace import TRACE_FORMAT, TraceError
 from mtplx_runtime.fixtures.tiny import tiny_config
-from mtplx_runtime.formats.record import tensor_name
+from mtplx_runtime.formats.record import padded_layout, tensor_name
 from mtplx_runtime.profile.traces import read_route_trace
 
 FAST = settings(derandomize=True, database=None, deadline=None,
@@ -67,13 +67,13 @@ def manifest_bytes() -> bytes:
     """A structure-valid t158 manifest of the tiny config: 2 routed layers x 8 experts."""
     cfg = tiny_config()
     desc = descriptor_for(cfg, "t158", layers=[1, 2], model_key="tiny-fuzz")
-    rb, parts, records = desc.record_bytes, [], []
+    rb, parts, records = sum(c[3] for c in padded_layout(list(desc.components))), [], []
     for pi, layer in enumerate(desc.layers):
         name = f"experts-t158-layer-{layer:03d}-of-002.bin"
         parts.append(SidecarPart(name, desc.experts * rb, _sha(name.encode())))
         for e in range(desc.experts):
             off, segs = e * rb, []
-            for comp, dtype, shape, length in desc.layout:
+            for comp, dtype, shape, length in padded_layout(list(desc.components)):
                 tensor = "" if comp == "pad" else tensor_name(layer, e, *comp.split("_proj."))
                 segs.append(Segment(comp, tensor, name, off, length, dtype, tuple(shape)))
                 off += length

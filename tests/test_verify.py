@@ -28,7 +28,7 @@ from mtplx_runtime.artifact.manifest import (
 from mtplx_runtime.checkpoint.safetensors_io import write_safetensors
 from mtplx_runtime.cli import verify as verify_cli
 from mtplx_runtime.fixtures.tiny import tiny_config
-from mtplx_runtime.formats.record import tensor_name
+from mtplx_runtime.formats.record import padded_layout, tensor_name
 
 RES = "resident-00001-of-00001.safetensors"
 
@@ -41,7 +41,7 @@ def build(root, mode="t158", bits=None):
     cfg = tiny_config()
     desc = descriptor_for(cfg, mode, bits, model_key="tiny-test")
     rng = np.random.default_rng(0)
-    rb = desc.record_bytes
+    rb = sum(c[3] for c in padded_layout(list(desc.components)))
     n = len(desc.layers)
     records, parts, shards = [], [], []
     for pi, layer in enumerate(desc.layers):
@@ -51,7 +51,7 @@ def build(root, mode="t158", bits=None):
         parts.append(SidecarPart(name, len(data), sha(data)))
         for e in range(desc.experts):
             off, segs = e * rb, []
-            for comp, dtype, shape, length in desc.layout:
+            for comp, dtype, shape, length in padded_layout(list(desc.components)):
                 tensor = "" if comp == "pad" else tensor_name(layer, e, *comp.split("_proj."))
                 segs.append(Segment(comp, tensor, name, off, length, dtype, tuple(shape)))
                 off += length

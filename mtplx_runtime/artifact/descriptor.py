@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..formats.record import MODES, Component, padded_layout, record_components
+from ..formats.record import MODES, PAD, Component, record_components
 from .manifest import Manifest, ManifestError, rec
 
 
@@ -21,7 +21,7 @@ class Descriptor:
     quantization: dict  # {bits, group_size, mode}
     layers: tuple[int, ...]  # 0-based model layer indices of the routed layers, in order
     experts: int
-    components: tuple[Component, ...]  # without padding
+    components: tuple[Component, ...]  # without padding (writers choose it: "Bank parts")
     source_repo: str | None = None
     source_revision: str | None = None
     resident_tensor_bytes: int | None = None
@@ -29,18 +29,6 @@ class Descriptor:
     # Indexed tensors with this prefix == resident_tensors (FORMAT.md "Verifying and reading").
     resident_prefix: str = ""
     allow_preserved: bool = False  # rule 20: trusted K3 descriptor only
-
-    @property
-    def layout(self) -> list[Component]:
-        return padded_layout(list(self.components))
-
-    @property
-    def record_bytes(self) -> int:
-        return sum(c[3] for c in self.layout)
-
-    @property
-    def routed_expert_bytes(self) -> int:
-        return len(self.layers) * self.experts * self.record_bytes
 
 
 # MTPLX KIMI_K3_EXPERT_Q1T: FORMAT.md rules 15-20 and "Bank parts".
@@ -107,23 +95,9 @@ def validate_descriptor(m: Manifest, d: Descriptor) -> None:
     if len(m.records) != len(d.layers) * d.experts:
         raise ManifestError(f"{len(m.records)} records, expected {len(d.layers)} layers x "
                             f"{d.experts} experts")
-    layout = [(c, dt, tuple(sh), n) for c, dt, sh, n in d.layout]
-    rb = d.record_bytes
-    i = 0
-    for layer in d.layers:
-        for e in range(d.experts):
-            r = m.records[i]
-            i += 1
-            if r.layer != layer or r.expert != e:
-                raise ManifestError(f"{rec(r)}: expected (layer {layer}, expert {e}) here")
-            if r.logical_bytes != rb or len(r.segments) != len(layout) or any(
-                    (s.component, s.dtype, s.shape, s.length) != want
-                    for s, want in zip(r.segments, layout)):
-                got = [(s.component, s.dtype, list(s.shape), s.length) for s in r.segments]
-                raise ManifestError(f"{rec(r)}: segments {got} do not match the descriptor "
-                                    f"layout {[(c, t, list(s), n) for c, t, s, n in layout]}")
+    rb = _check_layout(m, d)
     a = m.artifact
-    for key, want in (("routed_expert_bytes", d.routed_expert_bytes),
+    for key, want in (("routed_expert_bytes", len(d.layers) * d.experts * rb),
                       ("resident_tensor_bytes", d.resident_tensor_bytes),
                       ("tensor_bytes", d.tensor_bytes)):
         if want is not None and a[key] != want:
@@ -136,3 +110,36 @@ def validate_descriptor(m: Manifest, d: Descriptor) -> None:
     if not d.allow_preserved and any(s.kind == "preserved-safetensors" for s in m.shards):
         raise ManifestError("preserved-safetensors shards are allowed only for the trusted K3 "
                             "descriptor (rule 20)")
+
+
+def _segments(r) -> list[Component]:
+    return [(s.component, s.dtype, tuple(s.shape), s.length) for s in r.segments]
+
+
+def _check_layout(m: Manifest, d: Descriptor) -> int:
+    """Rules 16-17: records are the descriptor's keys in order; each one's components (its
+    segments without pads) are the descriptor's, and every record has the first record's
+    segments (one layout per artifact, padded or not as rule 2 allows). Returns the record
+    bytes."""
+    first = _segments(m.records[0]) if m.records else []
+    comps = [c for c in first if c[0] != PAD]
+    if m.records and comps != [(c, dt, tuple(sh), n) for c, dt, sh, n in d.components]:
+        raise ManifestError(f"{rec(m.records[0])}: components {_show(comps)} do not match the "
+                            f"descriptor's {_show(d.components)}")
+    rb = m.records[0].logical_bytes if m.records else 0
+    i = 0
+    for layer in d.layers:
+        for e in range(d.experts):
+            r = m.records[i]
+            i += 1
+            if r.layer != layer or r.expert != e:
+                raise ManifestError(f"{rec(r)}: expected (layer {layer}, expert {e}) here")
+            if r.logical_bytes != rb or _segments(r) != first:
+                raise ManifestError(f"{rec(r)}: segments {_show(_segments(r))} differ from the "
+                                    f"first record's {_show(first)}: every record of an "
+                                    "artifact has one layout")
+    return rb
+
+
+def _show(segments) -> list:
+    return [(c, t, list(sh), n) for c, t, sh, n in segments]

@@ -24,7 +24,13 @@ from ..checkpoint.layouts import ExpertLayout, ExpertRecord, ProjectionRecord, i
 from ..checkpoint.reader import Checkpoint, open_checkpoint
 from ..checkpoint.safetensors_io import CheckpointError, open_regular, stat_regular
 from ..formats import FormatError
-from ..formats.record import RecordLayout, mode_codec, record_layout, record_parts
+from ..formats.record import (
+    RecordLayout,
+    layout_of,
+    mode_codec,
+    record_components,
+    record_parts,
+)
 from .descriptor import K3_T158_DESCRIPTOR, descriptor_for, validate_descriptor
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, Record, load_manifest
 
@@ -54,7 +60,7 @@ class BankExpertLayout(ExpertLayout):
         mode, bits = manifest.quantization["mode"], manifest.quantization["bits"]
         try:
             self.codec = mode_codec(mode, bits)
-            self._layout: RecordLayout = record_layout(cfg, mode, bits)
+            self._components = record_components(mode, cfg.expert_shapes, bits)
         except (ManifestError, FormatError) as e:
             raise CheckpointError(f"{where}: codec mode {mode!r} (bits {bits}) cannot hold the "
                                   f"config's experts: {e}") from None
@@ -64,6 +70,10 @@ class BankExpertLayout(ExpertLayout):
             raise CheckpointError(f"{where}: the manifest has no sidecar object, so it names no "
                                   f"bank parts to read records from")
         self._check_descriptor(where)
+        # The layout the bank's records declare (all alike, rule 17): padded or not.
+        first = manifest.records[0].segments if manifest.records else []
+        self._layout: RecordLayout = layout_of(
+            mode, bits, [(g.component, g.dtype, g.shape, g.length) for g in first])
         self._records: dict[tuple[int, int], Record] = {}
         self._check_records(where)
         self.layers = sorted({r.layer for r in manifest.records})
@@ -102,10 +112,9 @@ class BankExpertLayout(ExpertLayout):
             validate_descriptor(m, desc)
         except ManifestError as e:
             raise CheckpointError(f"{where}: does not match config.json: {e}") from None
-        want = [(s.component, s.dtype, s.shape, s.length) for s in self._layout.segments]
-        if [(c, dt, tuple(sh), n) for c, dt, sh, n in desc.layout] != want:
-            raise CheckpointError(f"{where}: the record layout of {desc.model_key} does not fit "
-                                  f"the config's expert shapes {cfg.expert_shapes}")
+        if [(c, dt, tuple(sh), n) for c, dt, sh, n in desc.components] != self._components:
+            raise CheckpointError(f"{where}: the record components of {desc.model_key} do not "
+                                  f"fit the config's expert shapes {cfg.expert_shapes}")
 
     def _check_records(self, where: Path) -> None:
         """Segments contiguous from the record start in the record's own part (one read each);

@@ -23,6 +23,7 @@ import torch
 
 from ..artifact.integrity import admit_shards
 from ..artifact.open import is_artifact, open_artifact, open_source
+from ..formats.record import align_up
 from ..kernels import select_backend
 from ..model.kimi_k3 import KimiK3
 from ..model.load import load_residents, model_dtype
@@ -128,7 +129,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
         bank, cfg = ckpt.expert_layout, ckpt.config
         if verify:
             admit_shards(root, bank.manifest)
-        stride = bank.layout.logical_bytes
+        stride = align_up(bank.layout.logical_bytes)  # a slot: one record, 4 KiB-rounded
         plan = None
         if cache_slots is not None:
             n = len(bank.layers)

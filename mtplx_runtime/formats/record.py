@@ -1,14 +1,16 @@
 """The record layout of a bank mode: which components one routed expert's record holds, in what
-order, at which 4 KiB-aligned offsets (FORMAT.md "Streaming artifact: banks and manifest v1").
+order, at which offsets (FORMAT.md "Streaming artifact: banks and manifest v1").
 
 One record = one expert of one routed layer = gate, up, down components in the mode codec's
-order. Every component starts 4 KiB-aligned inside the record; a component whose length is not a
-multiple of 4096 is followed by an explicit `pad` segment (tensor "", U8 [n], zero bytes), so
-segments are contiguous and cover `logical_bytes` exactly (K3 t158 needs no padding). A record's
-stride in its part is its `logical_bytes`, itself a multiple of 4096. Codec modes extend the
-manifest's `quantization.mode`: t158, mxfp4, ct-int (3-bit always dense), ct-int-asym, bf16.
+order, contiguous from the record start. This project writes every component 4 KiB-aligned: a
+component whose length is not a multiple of 4096 is followed by an explicit `pad` segment
+(tensor "", U8 [n], zero bytes), so a record's `logical_bytes` (its stride in the part) is a
+multiple of 4096 (K3 t158 needs no padding). Other writers may leave pads out; `layout_of`
+takes a record's layout as its manifest declares it. Codec modes extend the manifest's
+`quantization.mode`: t158, mxfp4, ct-int (3-bit always dense), ct-int-asym, bf16.
 
-    mode + expert shapes -> components -> padded segments -> RecordLayout
+    mode + expert shapes -> components -> padded segments -> RecordLayout (what we write)
+    manifest record segments -> RecordLayout (what a bank holds: layout_of)
     RecordLayout + {proj: {component: array}} <-> record bytes (record_bytes / record_parts)
 """
 
@@ -22,7 +24,7 @@ import numpy as np
 from . import get_codec
 from .base import ST_DTYPES, Codec, FormatError
 
-ALIGNMENT = 4096  # record and component alignment inside a bank part (O_DIRECT-friendly)
+ALIGNMENT = 4096  # record alignment in a bank part; our writer's component alignment (O_DIRECT)
 PAD = "pad"  # the component name of a padding segment
 PROJECTIONS = ("gate", "up", "down")  # record order
 PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -70,22 +72,39 @@ class RecordLayout:
 
 
 def record_layout(cfg, mode: str, bits: int | None = None) -> RecordLayout:
-    """The (layer- and expert-independent) segment layout of one record of `mode` for the expert
-    shapes of `cfg` (a ModelConfig, or anything with `expert_shapes`): the component list of
-    the mode with its `pad` segments."""
+    """The (layer- and expert-independent) segment layout this project writes for one record of
+    `mode` for the expert shapes of `cfg` (a ModelConfig, or anything with `expert_shapes`): the
+    component list of the mode with its `pad` segments."""
     try:
         components = padded_layout(record_components(mode, cfg.expert_shapes, bits))
     except FormatError as e:
         raise FormatError(f"expert shapes {cfg.expert_shapes} cannot be stored as {mode}: "
                           f"{e}") from None
+    return layout_of(mode, bits, components)
+
+
+def layout_of(mode: str, bits: int | None, segments) -> RecordLayout:
+    """The RecordLayout of segments `[(component, dtype, shape, length)]` laid out back to back
+    from the record start: this project's padded layout, or the one a manifest's records declare
+    (pads optional, FORMAT.md "Bank parts"; the manifest rules have checked them)."""
     segs: list[SegmentLayout] = []
     off = 0
-    for component, dtype, shape, length in components:
+    for component, dtype, shape, length in segments:
         proj, part = (None, None) if component == PAD else component.split(".", 1)
         proj = proj and proj.removesuffix("_proj")
-        segs.append(SegmentLayout(component, proj, part, off, length, dtype, shape))
+        segs.append(SegmentLayout(component, proj, part, off, length, dtype, tuple(shape)))
         off += length
     return RecordLayout(mode, bits, tuple(segs), off)
+
+
+def first_misaligned(layout: RecordLayout, alignment: int | None = None) -> SegmentLayout | None:
+    """The first component whose offset in the record is not a multiple of `alignment` (None:
+    of its dtype's element size), or None. Kernels that address components in place need
+    this; an unpadded layout from another writer may break it."""
+    for s in layout.segments:
+        if s.proj is not None and s.offset % (alignment or np.dtype(ST_DTYPES[s.dtype]).itemsize):
+            return s
+    return None
 
 
 def record_bytes(layout: RecordLayout, parts: dict[str, dict[str, np.ndarray]]) -> bytes:

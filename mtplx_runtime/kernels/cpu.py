@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from ..formats.record import first_misaligned
 from . import cpu_native, reference
 from .reference import SITU_BETA, SITU_LINEAR_BETA
 
@@ -83,6 +84,13 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots,
 
 
 def unsupported(layout) -> str | None:
-    """Why this backend cannot run `layout`'s bank mode (bf16 banks fall back to the reference
-    decode inside `expert_mlp`, so none is refused)."""
+    """Why this backend cannot run `layout`'s records: every mode runs (bf16 banks fall back to
+    the reference decode inside `expert_mlp`), but the C code reads each component in place as
+    its dtype, so every component must start at a multiple of its element size."""
+    s = first_misaligned(layout)
+    if s is not None:
+        return (f"the cpu kernels read {s.component} ({s.dtype}) in place, but it starts at "
+                f"record offset {s.offset}, not a multiple of its element size; use the "
+                "reference backend (--kernels reference) or rebuild the bank with "
+                "`mtplx build-manifest` (which aligns every component)")
     return None

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..formats.record import first_misaligned
 from .reference import SITU_BETA, SITU_LINEAR_BETA, check_acc, expert_slots
 
 NATIVE = Path(__file__).resolve().parent / "native"
@@ -75,6 +76,11 @@ def unsupported(layout) -> str | None:
     if (layout.mode, layout.bits if layout.mode == "ct-int" else None) not in KERNELS:
         return (f"no CUDA kernel for bank mode {layout.mode!r} bits {layout.bits}; use the cpu "
                 "or reference backend")
+    s = first_misaligned(layout, 16)
+    if s is not None:  # the kernels load components with 16-byte vector loads
+        return (f"the CUDA kernels need every record component 16-byte aligned; {s.component} "
+                f"starts at record offset {s.offset} (an unpadded bank); use the cpu or "
+                "reference backend, or rebuild the bank with `mtplx build-manifest`")
     return None
 
 
