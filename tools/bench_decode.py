@@ -13,8 +13,10 @@ SHA-256; verify=xxh64: the same again after that run, so the records it read are
 their learned XXH64, the steady state of a long-running user): decode tok/s, compute-tier hit
 rate, SSD bytes per decoded token (demand + speculative reads), stall share (time forwards
 blocked on reads / decode time), the I/O bound (raw disk rate / bytes per token), the compute
-bound (1 / (MoE layers x top-k x time per expert)), tok/s as a ratio of the smaller bound, and
-the record checks passed by XXH64 alone / by SHA-256. Page cache is evicted with
+bound (1 / (MoE layers x top-k x time per expert)), tok/s as a ratio of the smaller bound, the
+check share (seconds the reader threads spent hashing in decode, summed over threads, / decode
+time: the cost if none of it overlapped anything) and the record checks passed by XXH64 alone /
+by SHA-256. Page cache is evicted with
 posix_fadvise(DONTNEED) on every bank part before each measurement.
 
     python tools/bench_decode.py [--layers 2] [--experts 896] [--tokens 8]
@@ -70,10 +72,14 @@ def evict(paths: list[Path]) -> None:
 
 
 def raw_disk_bps(paths: list[Path]) -> float:
-    """Cold sequential O_DIRECT read of (up to RAW_READ_BYTES of) the first bank part."""
+    """Cold sequential O_DIRECT read of (up to RAW_READ_BYTES of) the first bank part (buffered
+    where the file system has no O_DIRECT, e.g. tmpfs, as the runtime's reader then is)."""
     evict(paths)
     buf = aligned_buffer(CHUNK)
-    fd = os.open(paths[0], os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    try:
+        fd = os.open(paths[0], os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        fd = os.open(paths[0], os.O_RDONLY)
     try:
         size = min(os.fstat(fd).st_size // CHUNK * CHUNK, RAW_READ_BYTES)
         done, t0 = 0, time.perf_counter()
@@ -113,7 +119,8 @@ def snapshot(provider) -> dict:
     st = provider.stats()
     dev, pf = st["totals"]["compute"], st["prefetch"]
     return {"hits": dev["hits"], "lookups": dev["lookups"], "stall_ms": st["stall_ms"],
-            "bytes": pf["demand_bytes"] + pf["spec_bytes"]}
+            "bytes": pf["demand_bytes"] + pf["spec_bytes"],
+            "check_s": (st["checks"] or {}).get("seconds", 0.0)}
 
 
 def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens: int,
@@ -134,6 +141,7 @@ def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens:
             "hit_rate": d["hits"] / d["lookups"] if d["lookups"] else 0.0,
             "bytes_per_token": d["bytes"] / n,
             "stall_share": d["stall_ms"] / 1e3 / stats.decode_s,
+            "check_share": d["check_s"] / stats.decode_s,
             "checks": "/".join(str(checks.get(k, 0)) for k in ("xxh64", "sha256"))}
 
 
@@ -221,6 +229,7 @@ def main(argv=None) -> int:
                           f"bytes_per_token={r['bytes_per_token']:.0f} "
                           f"stall_share={r['stall_share']:.3f} io_bound_tok_s={io_bound:.3f} "
                           f"compute_bound_tok_s={compute_bound:.3f} ratio={ratio:.2f} "
+                          f"check_share={r['check_share']:.3f} "
                           f"checks_xxh64/sha256={r['checks']}", flush=True)
     finally:
         if not a.keep:
