@@ -427,3 +427,27 @@ def test_cli_streamed_generation_matches_resident(cli, tiny, model, tok, tmp_pat
         assert rc == 2 and "kernel backend 'cuda' requested but unavailable" in err, err
     rc = cli(["generate", "--model", str(art), "--prompt", "x", "--memory-budget", "1KiB"])
     assert rc == 2 and "minimum" in capsys.readouterr().err
+
+
+def test_cli_context_is_enforced_truncated_or_shortens_the_reply(cli, tiny, model, tok, capsys):
+    """--context bounds prompt + reply (the memory plan reserves state for that many): a prompt
+    that does not fit is refused, or with --truncate cut from the left, and a reply that would
+    run past it is shortened, each said on stderr."""
+    ids = tok.encode(PROMPT)
+    flags = ["generate", "--model", str(tiny), "--prompt", PROMPT, "--dtype", "float32"]
+    n = len(ids)
+    assert n >= 4
+    assert cli([*flags, "--context", str(n), "--max-tokens", "3"]) == 2
+    err = capsys.readouterr().err
+    assert f"the prompt has {n} tokens and --context is {n}" in err and "--truncate" in err
+    assert err.count("\n") == 1
+
+    assert cli([*flags, "--context", str(n), "--max-tokens", "2", "--truncate"]) == 0
+    out, err = capsys.readouterr()
+    assert f"prompt cut from {n} to its last {n - 2} tokens" in err
+    want = generate(model, ids[-(n - 2):], max_tokens=2)[0]
+    assert out == tok.decode(want) + "\n"
+
+    assert cli([*flags, "--context", str(n + 2), "--max-tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert "reply limited to 2 tokens" in err and "generated 2 tok" in err

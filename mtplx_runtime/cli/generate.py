@@ -42,7 +42,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "MemAvailable for a streaming artifact)")
     p.add_argument("--host-budget", default="0", help="second-tier (host) cache budget")
     p.add_argument("--context", type=int, default=4096,
-                   help="longest sequence the memory plan reserves state for")
+                   help="most tokens of prompt + reply: the memory plan reserves state for this "
+                        "many, so a longer prompt is refused (or cut, --truncate)")
+    p.add_argument("--truncate", action="store_true",
+                   help="cut a prompt that does not fit --context from the left (its start) "
+                        "instead of refusing it")
     p.add_argument("--cache-policy", default="lru", choices=("lru", "freq"),
                    help="expert cache replacement policy (streaming)")
     p.add_argument("--lookahead", type=int, default=1,
@@ -77,6 +81,30 @@ def prompt_text(args) -> str:
         except (OSError, UnicodeDecodeError) as e:
             raise CliError(f"--prompt-file {args.prompt_file}: {e}") from None
     return sys.stdin.read() if args.prompt == "-" else args.prompt
+
+
+def fit_context(prompt: list[int], args, err=None) -> tuple[list[int], int]:
+    """(prompt, max_tokens) within --context tokens of prompt + reply. A prompt that leaves no
+    room for one reply token is refused, or with --truncate cut from the left; a reply that
+    would run past the context is shortened. Both adjustments are said on `err`."""
+    err = sys.stderr if err is None else err
+    room = args.context - len(prompt)
+    if room < 1:
+        if not args.truncate:
+            raise CliError(f"the prompt has {len(prompt)} tokens and --context is {args.context} "
+                           "(tokens of prompt + reply): raise --context, or pass --truncate to "
+                           "keep the prompt's last tokens")
+        keep = args.context - min(args.max_tokens, args.context // 2) if args.max_tokens else (
+            args.context - 1)
+        keep = max(1, min(keep, args.context - 1))
+        print(f"mtplx: prompt cut from {len(prompt)} to its last {keep} tokens to fit "
+              f"--context {args.context} (--truncate)", file=err)
+        prompt, room = prompt[-keep:], args.context - keep
+    if args.max_tokens > room:
+        print(f"mtplx: reply limited to {room} tokens: --context {args.context} minus the "
+              f"{len(prompt)}-token prompt", file=err)
+        return prompt, room
+    return prompt, args.max_tokens
 
 
 def load_runtime(args):
@@ -223,6 +251,11 @@ def main(args: argparse.Namespace) -> int:
             printer = rt.tokenizer.stream_decoder()
         if not prompt:
             print(f"{PROG}: error: the prompt encodes to no tokens", file=sys.stderr)
+            return 2
+        try:
+            prompt, args.max_tokens = fit_context(prompt, args)
+        except CliError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2
         try:
             ids, stats = run_turn(rt, args, prompt, printer)
