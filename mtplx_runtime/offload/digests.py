@@ -62,7 +62,8 @@ class RecordDigests:
     def __init__(self, root: str | os.PathLike, manifest: Manifest, *,
                  receipts: Path | None = None):
         self._sha = [r.sha256 for r in manifest.records]
-        self._index = {(r.layer, r.expert): i for i, r in enumerate(manifest.records)}
+        self._keys = [(r.layer, r.expert) for r in manifest.records]
+        self._index = {k: i for i, k in enumerate(self._keys)}
         self._path = receipt_path(root, manifest, SUFFIX, receipts)
         self._values = np.zeros(len(self._sha), dtype=np.uint64)
         self._lock = threading.Lock()
@@ -154,8 +155,8 @@ class RecordDigests:
                 self._unsaved += 1
             due = self._unsaved >= SAVE_EVERY
         if known:
-            log.warning("record %d: its learned XXH64 was stale (the SHA-256 matches); relearned",
-                        i)
+            log.warning("record (layer %d, expert %d): its learned XXH64 was stale (the SHA-256 "
+                        "matches); relearned", *self._keys[i])
         if due:
             self.save()
         return None
