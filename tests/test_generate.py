@@ -451,3 +451,27 @@ def test_cli_context_is_enforced_truncated_or_shortens_the_reply(cli, tiny, mode
     assert cli([*flags, "--context", str(n + 2), "--max-tokens", "5"]) == 0
     out, err = capsys.readouterr()
     assert "reply limited to 2 tokens" in err and "generated 2 tok" in err
+
+
+def test_cli_device_slots_show_cache_misses_on_a_small_model(cli, tiny, model, tok, tmp_path,
+                                                             capsys):
+    """--device-slots sizes the cache per MoE layer directly: one slot misses, all experts hit
+    after their first read, and both give the resident model's tokens."""
+    from mtplx_runtime.artifact.build import build_artifact
+
+    art = tmp_path / "art"
+    build_artifact(tiny, art, codec="keep", progress=False)
+    want = tok.decode(_manual_greedy(model, tok.encode(PROMPT), 6)) + "\n"
+    flags = ["generate", "--model", str(art), "--prompt", PROMPT, "--dtype", "float32",
+             "--max-tokens", "6", "--kernels", "reference"]
+    rates = []
+    for slots in ("1", str(model.cfg.num_experts)):
+        assert cli([*flags, "--device-slots", slots]) == 0
+        out, err = capsys.readouterr()
+        assert out == want
+        rates.append(float(err.split("cache hit rate ")[1].split("%")[0]))
+    assert rates[0] < rates[1]
+    assert cli([*flags, "--device-slots", "2", "--memory-budget", "1GiB"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert cli([*flags, "--host-slots", "2"]) == 2
+    assert "--host-slots needs --device-slots" in capsys.readouterr().err

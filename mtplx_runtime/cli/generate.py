@@ -41,6 +41,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="stream experts within this budget, e.g. 24GiB (default: resident, or "
                         "MemAvailable for a streaming artifact)")
     p.add_argument("--host-budget", default="0", help="second-tier (host) cache budget")
+    p.add_argument("--device-slots", type=int, default=None, metavar="N",
+                   help="stream experts through N compute-tier cache slots per MoE layer "
+                        "instead of a memory budget (small models, cache experiments)")
+    p.add_argument("--host-slots", type=int, default=0, metavar="N",
+                   help="with --device-slots: N host-tier slots per MoE layer")
     p.add_argument("--context", type=int, default=4096,
                    help="most tokens of prompt + reply: the memory plan reserves state for this "
                         "many, so a longer prompt is refused (or cut, --truncate)")
@@ -116,20 +121,31 @@ def load_runtime(args):
 
     for flag, v, low in (("--max-tokens", args.max_tokens, 0), ("--top-k", args.top_k, 0),
                          ("--prefill-chunk", args.prefill_chunk, 1),
-                         ("--lookahead", args.lookahead, 0), ("--context", args.context, 1)):
+                         ("--lookahead", args.lookahead, 0), ("--context", args.context, 1),
+                         ("--host-slots", args.host_slots, 0)):
         if v < low:
             raise CliError(f"{flag} must be >= {low}, got {v}")
+    slots = None
+    if args.device_slots is not None:
+        if args.device_slots < 1:
+            raise CliError(f"--device-slots must be >= 1, got {args.device_slots}")
+        if args.memory_budget is not None:
+            raise CliError("give --memory-budget or --device-slots, not both")
+        slots = (args.device_slots, args.host_slots)
+    elif args.host_slots:
+        raise CliError("--host-slots needs --device-slots")
     if not 0 <= args.temperature < math.inf or not 0 < args.top_p <= 1:  # NaN fails both
         raise CliError("--temperature must be >= 0 and --top-p in (0, 1]")
     if (args.kernels not in (None, "auto", "reference") and args.memory_budget is None
-            and not is_artifact(args.model)):
+            and slots is None and not is_artifact(args.model)):
         raise CliError(f"--kernels {args.kernels} runs on streamed experts: give a streaming "
                        "artifact (mtplx build-manifest) or drop --kernels")
     try:
         rt = load(args.model, dtype=args.dtype, memory_budget=args.memory_budget,
                   host_budget=args.host_budget, kernels=args.kernels, lookahead=args.lookahead,
                   cache_policy=args.cache_policy, context=args.context,
-                  prefill_chunk=args.prefill_chunk, verify=not args.no_verify)
+                  prefill_chunk=args.prefill_chunk, verify=not args.no_verify,
+                  cache_slots=slots)
     except (PlanError, ValueError, RuntimeError) as e:  # budget, bank/kernel mismatch, kernels
         raise CliError(str(e)) from None
     if rt.streamed and args.no_verify:

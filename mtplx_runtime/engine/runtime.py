@@ -97,9 +97,10 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     else the best available); with the cuda kernels the residents live on the GPU. Otherwise
     every expert is decoded once and kept resident (tiny models, tests).
     `dtype`: "bfloat16" | "float32". `tokenizer=False` skips the tokenizer (logits-only use).
-    `verify` (streamed experts): every record read is checked against its manifest SHA-256 and
-    every resident shard before use (`artifact.integrity.admit_shards`: hashed once, then trusted
-    while the file is unchanged); False skips both.
+    `verify` (streamed experts): every record read is checked (its manifest SHA-256 the first
+    time, then its learned XXH64: `offload.digests`) and every resident shard before use
+    (`artifact.integrity.admit_shards`: hashed once, then trusted while the file is unchanged);
+    False skips both.
     Raises CheckpointError / PlanError / ValueError / RuntimeError with a one-line reason.
     """
     # The model directory is checked before the tokenizer is read, so a wrong --model is
@@ -118,7 +119,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
         return Runtime(_build(ckpt, torch_dtype, dev, provider), tok, provider)
     if not is_artifact(root):
         raise ValueError(f"{root} is not a streaming artifact (no expert-manifest.json): build "
-                         "one with `mtplx build-manifest`, or load it without a memory budget")
+                         "one with `mtplx build-manifest`, or load it without a memory budget "
+                         "or cache slots")
     backend = kernels if isinstance(kernels, ModuleType) else select_backend(kernels)
     # With the CUDA kernels the residents (attention, router, shared experts...) live on the GPU
     # next to the expert slots; every other backend runs the model on the CPU.
