@@ -203,3 +203,12 @@ def test_cli(tiny, capsys):
     assert rc == 2 and out == "" and "cannot hold the minimum working set" in err
     rc, _, err = run_cli(["--model", str(art), "--memory-budget", "lots"], capsys)
     assert rc == 2 and "unknown unit 'LOTS'" in err
+
+
+def test_plan_without_a_budget_uses_memavailable_as_generate_does(tiny, monkeypatch, capsys):
+    from mtplx_runtime.cli import main as cli_main
+    from mtplx_runtime.engine import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "mem_available_bytes", lambda: 3 * 2**30)
+    assert cli_main(["plan", "--model", str(tiny[1]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory_budget"] == 3 * 2**30

@@ -1,5 +1,6 @@
-"""`mtplx plan --model DIR --memory-budget 8GiB`: print the memory plan, or refuse (exit 2) when
-the budget cannot hold the minimum working set. Plans only; reads the manifest and config."""
+"""`mtplx plan --model DIR [--memory-budget 8GiB]`: print the memory plan, or refuse (exit 2) when
+the budget cannot hold the minimum working set. Without a budget: MemAvailable, as `generate`
+plans a streaming artifact. Plans only; reads the manifest and config."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from ..engine.presets import add_config_arg
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, required=True, metavar="DIR",
                         help="streaming artifact (expert-manifest.json) or plain checkpoint")
-    parser.add_argument("--memory-budget", required=True, metavar="SIZE",
-                        help="bytes the process may use, e.g. 8GiB, 512MiB, 1.5GB")
+    parser.add_argument("--memory-budget", default=None, metavar="SIZE",
+                        help="bytes the process may use, e.g. 8GiB, 512MiB, 1.5GB (default: the "
+                             "memory the OS reports available, MemAvailable, as generate uses)")
     parser.add_argument("--host-budget", default="0", metavar="SIZE",
                         help="host RAM for a host-tier expert cache (default 0)")
     parser.add_argument("--context", type=int, default=4096, metavar="N",
@@ -29,10 +31,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..engine.plan import PlanError, format_plan, make_plan
+    from ..engine.plan import PlanError, format_plan, make_plan, mem_available_bytes
 
     try:
-        plan = make_plan(args.model, memory_budget=args.memory_budget,
+        budget = args.memory_budget or mem_available_bytes()
+        plan = make_plan(args.model, memory_budget=budget,
                          host_budget=args.host_budget, context=args.context, dtype=args.dtype,
                          batch=args.batch, prefill_chunk=args.prefill_chunk)
     except PlanError as e:

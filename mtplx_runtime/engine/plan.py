@@ -74,6 +74,17 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (the default budget of a streaming artifact)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise PlanError("cannot read MemAvailable from /proc/meminfo; give a memory budget")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
     """What the plan needs from a model: config, record geometry and stored residents."""

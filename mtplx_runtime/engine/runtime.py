@@ -29,10 +29,10 @@ from ..model.kimi_k3 import KimiK3
 from ..model.load import load_residents, model_dtype
 from ..model.moe import ResidentExpertProvider
 from ..offload.provider import StreamingExpertProvider
-from .plan import MemoryPlan, PlanError, make_plan
+from .plan import MemoryPlan, make_plan, mem_available_bytes
 from .tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["Runtime", "load", "load_model", "mem_available_bytes"]
+__all__ = ["Runtime", "load", "load_model"]
 
 log = logging.getLogger(__name__)
 
@@ -69,17 +69,6 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def mem_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (the default budget of a streaming artifact)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    raise PlanError("cannot read MemAvailable from /proc/meminfo; give a memory budget")
 
 
 def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None,
