@@ -158,11 +158,14 @@ def test_attn_res_two_blocks_by_hand():
 
 def test_logits_cli_writes_the_model_logits(fixtures, tmp_path, capsys):
     out = tmp_path / "logits.npy"
-    assert cli_main(["logits", "--model", str(fixtures["t158"]), "--tokens", "3,40,77",
-                     "--out", str(out)]) == 0
-    saved = np.load(out)
-    want = load_model(fixtures["t158"], dtype="float32").logits([3, 40, 77]).numpy()
-    np.testing.assert_array_equal(saved, want)
+    for dtype in ("float32", "bfloat16"):  # bfloat16: the default, as generate's
+        flags = ["--dtype", dtype] if dtype == "float32" else []
+        assert cli_main(["logits", "--model", str(fixtures["t158"]), "--tokens", "3,40,77",
+                         "--out", str(out), *flags]) == 0
+        saved = np.load(out)
+        want = load_model(fixtures["t158"], dtype=dtype).logits([3, 40, 77]).float().numpy()
+        assert saved.dtype == np.float32
+        np.testing.assert_array_equal(saved, want)
     assert "next-token argmax" in capsys.readouterr().out
     assert cli_main(["logits", "--model", str(fixtures["t158"]), "--tokens", "3,99999",
                      "--out", str(out)]) == 2

@@ -19,7 +19,9 @@ def _token_list(text: str) -> list[int]:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="model dtype, as generate's default (float32 for exact comparisons); "
+                        "the saved logits are float32 either way")
     p.add_argument("--tokens", required=True, type=_token_list, help="comma-separated token ids")
     p.add_argument("--out", required=True, help="output .npy file")
 
