@@ -5,6 +5,7 @@ deliberately wrong; counters add up; close leaves no threads; a broken bank part
 import random
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -253,3 +254,54 @@ def test_kernels_that_cannot_run_the_bank_are_refused_at_load(built, monkeypatch
     monkeypatch.setattr(reference, "unsupported", cuda.unsupported, raising=False)
     with pytest.raises(ValueError, match="no CUDA kernel for bank mode 'bf16'"):
         streamed(src, art)
+
+
+class _ReorderingReader:
+    """Wraps the provider's reader: each read runs for real, but lands after a delay that
+    shrinks with its submission index, so the reads of a window tend to land in reverse order.
+    The assertions hold for any landing order; this only makes the unusual ones likely."""
+
+    def __init__(self, reader, span: int = 8, step_s: float = 0.002):
+        self.reader, self.span, self.step_s = reader, span, step_s
+        self.parts = getattr(reader, "parts", None)
+        self.order: list[tuple[int, int]] = []
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def read_into(self, part, offset, length, buf, digest=None):
+        with self._lock:
+            i, self._n = self._n, self._n + 1
+        inner = self.reader.read_into(part, offset, length, buf, digest=digest)
+        out: Future = Future()
+        out.set_running_or_notify_cancel()
+
+        def land():
+            time.sleep(self.step_s * (self.span - i % self.span))
+            try:
+                n = inner.result()
+            except BaseException as e:
+                out.set_exception(e)
+                return
+            with self._lock:
+                self.order.append((part, offset))
+            out.set_result(n)
+
+        threading.Thread(target=land, daemon=True).start()
+        return out
+
+    def close(self):
+        self.reader.close()
+
+
+@pytest.mark.parametrize("codec", LAYOUTS)
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_decode_computes_experts_as_they_land_and_stays_exact(built, codec, lookahead):
+    """In decode each expert computes when its read lands, in whatever order; its product goes
+    to its own row and the rows add in ascending expert id, so the logits equal the resident
+    model's bit for bit (reference backend) whatever the landing order."""
+    src, art, want_logits, want_tokens = built[codec]
+    model, provider = streamed(src, art, lookahead=lookahead)
+    with provider:
+        provider.prefetcher.reader = _ReorderingReader(provider.prefetcher.reader)
+        check_same(run(model), (want_logits, want_tokens))
+        assert provider.prefetcher.reader.order  # the wrapped reader did the reads

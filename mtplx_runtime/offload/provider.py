@@ -160,10 +160,12 @@ class StreamingExpertProvider:
 
         x [T, R] latent activations (model dtype), ids / weights [T, K] from `route`. The needed
         experts go in windows of ascending ids, each small enough that all of them hold a slot
-        at once (the transient pool in prefill, the layer's device quota otherwise); a window is
-        looked up, read, computed into one fp32 accumulator and released before the next, so
-        the sum order is the reference's whatever the window count. Every read of a window lands
-        before its kernel runs: lookahead prefetch, not this call, overlaps I/O with compute.
+        at once (the transient pool in prefill, the layer's device quota otherwise). In decode
+        (T = 1) each expert computes as soon as its slot holds it (hits first, then misses in
+        the order they land) into its own fp32 product w * y, and the products are summed in
+        ascending expert id at the end (`_decode_sum`), so the reads of a window overlap the
+        compute of what has landed and the sum order is the reference's whatever the landing
+        order. In prefill a window is read, then computed into one fp32 accumulator.
         Returns [T, R] in x.dtype; under the reference backend bit-identical to
         ResidentExpertProvider's sum. Raises PrefetchError (names the expert, file and offset)
         or TimeoutError.
@@ -171,10 +173,13 @@ class StreamingExpertProvider:
         if self._closed:
             raise RuntimeError("StreamingExpertProvider is closed")
         keys = [(int(layer), int(e)) for e in torch.unique(ids[ids >= 0]).tolist()]  # ascending
-        transient = ids.shape[0] > 1 and self._transient_slots > 0
-        if ids.shape[0] > 1:
-            self.prefill_uses += int((ids >= 0).sum())
-            self.prefill_unique += len(keys)
+        if ids.shape[0] == 1:
+            out = self._decode_sum(layer, x, ids, weights, keys)
+            self._spec_keys.difference_update(keys)
+            return out
+        transient = self._transient_slots > 0
+        self.prefill_uses += int((ids >= 0).sum())
+        self.prefill_unique += len(keys)
         # Transient misses need a transient slot each; otherwise the layer's device quota.
         room = self._transient_slots if transient else max(1, self.cache.quota((layer, 0)))
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, R]
@@ -184,11 +189,46 @@ class StreamingExpertProvider:
         self._spec_keys.difference_update(keys)
         return acc.to(x.dtype)
 
+    def _decode_sum(self, layer: int, x, ids, weights, keys: list[ExpertKey]) -> torch.Tensor:
+        """One token's routed sum, computing experts as they land. A batch of landed experts
+        runs as one kernel call with one row per expert (x repeated, K = 1), each row an
+        expert's own product w * y added to zero, so it is exactly that expert's term; the
+        terms then add in ascending id, as the reference's accumulator does."""
+        room = max(1, self.cache.quota((layer, 0)))
+        picks = {int(e): k for k, e in enumerate(ids[0].tolist()) if e >= 0}
+        terms: dict[int, torch.Tensor] = {}
+        for i in range(0, len(keys), room):
+            with self._arrivals(keys[i:i + room], transient=False) as batches:
+                for refs in batches:
+                    order = sorted(k[1] for k in refs)
+                    one = torch.tensor(order, dtype=ids.dtype, device=ids.device).unsqueeze(1)
+                    w = weights[0, [picks[e] for e in order]].unsqueeze(1)  # [n, 1]
+                    rows = torch.zeros((len(order), x.shape[1]), dtype=torch.float32,
+                                       device=x.device)
+                    rows = self._compute(x.expand(len(order), -1), one, w, refs, rows)
+                    terms.update(zip(order, rows))
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [1, R]
+        for e in sorted(terms):
+            acc[0] += terms[e]
+        return acc.to(x.dtype)
+
     @contextlib.contextmanager
     def _landed(self, keys: list[ExpertKey], transient: bool) -> Iterator[dict]:
         """Look up `keys`, read the misses, and yield {key: SlotRef} once every read has landed,
         with every slot pinned until the block ends (at most the keys' slots are needed at
         once: callers size `keys` to fit). Raises PrefetchError / TimeoutError."""
+        with self._arrivals(keys, transient) as batches:
+            refs: dict = {}
+            for batch in batches:
+                refs.update(batch)
+            yield refs
+
+    @contextlib.contextmanager
+    def _arrivals(self, keys: list[ExpertKey], transient: bool) -> Iterator[Iterator[dict]]:
+        """Look up `keys`, start reading the misses, and yield an iterator of {key: SlotRef}
+        batches: the hits first, then each miss as it lands. Every slot stays pinned until the
+        block ends (callers size `keys` to fit); time blocked waiting is the stall. Raises
+        PrefetchError / TimeoutError from the iterator."""
         if self._closed:
             raise RuntimeError("StreamingExpertProvider is closed")
         hits, misses = self.cache.lookup(keys, transient=transient)
@@ -199,13 +239,20 @@ class StreamingExpertProvider:
             # demand reserved every miss's slot: pin them now, so no other reservation (a
             # lookahead guess under global scope) can evict one between its commit and our use.
             pinned.update(self.cache.pin([k for k in misses if k not in pinned]))
-            refs = dict(hits)
-            t0 = time.monotonic()
-            refs.update(self.prefetcher.completed(futures, self.timeout_s))
-            self.stall_ms += (time.monotonic() - t0) * 1e3
-            yield refs
+            yield self._batches(dict(hits), self.prefetcher.completed(futures, self.timeout_s))
         finally:
             self.cache.unpin(pinned)
+
+    def _batches(self, hits: dict, landing: Iterator) -> Iterator[dict]:
+        if hits:
+            yield hits
+        while True:
+            t0 = time.monotonic()
+            got = next(landing, None)
+            self.stall_ms += (time.monotonic() - t0) * 1e3
+            if got is None:
+                return
+            yield {got[0]: got[1]}
 
     def _compute(self, x, ids, weights, refs: Mapping, acc: torch.Tensor) -> torch.Tensor:
         """Add the products of the experts of `refs` ({key: SlotRef}, landed and pinned) into
