@@ -16,8 +16,10 @@ blocked on reads / decode time), the I/O bound (raw disk rate / bytes per token)
 bound (1 / (MoE layers x top-k x time per expert)), tok/s as a ratio of the smaller bound, the
 check share (seconds the reader threads spent hashing in decode, summed over threads, / decode
 time: the cost if none of it overlapped anything) and the record checks passed by XXH64 alone /
-by SHA-256. Page cache is evicted with
-posix_fadvise(DONTNEED) on every bank part before each measurement.
+by SHA-256. Before each measurement the bank is written back (sync) and dropped from the page
+cache (posix_fadvise DONTNEED), and mincore checks it really left (the run stops otherwise). A
+configuration whose decode beats its own I/O bound is marked INVALID=ratio_above_1 and the run
+exits 1: a bound the run beats was measured wrong, it is not a result.
 
     python tools/bench_decode.py [--layers 2] [--experts 896] [--tokens 8]
                                  [--slots-per-layer 32] [--kernels auto|reference|cpu|cuda]
@@ -27,6 +29,8 @@ posix_fadvise(DONTNEED) on every bank part before each measurement.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import mmap
 import os
 import platform
 import shutil
@@ -61,14 +65,51 @@ def part_paths(art: Path) -> list[Path]:
     return [art / p.file for p in m.sidecar.parts]
 
 
-def evict(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
+def resident_bytes(path: Path) -> int:
+    """Bytes of `path` in the page cache: mincore over a read-only shared mapping of it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size, page = path.stat().st_size, mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap({path})")
         try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            vec = (ctypes.c_ubyte * (-(-size // page)))()
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore({path})")
         finally:
-            os.close(fd)
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * page
+
+
+def evict(paths: list[Path], tries: int = 5) -> None:
+    """Write back, then drop every bank part from the page cache, and check with mincore that
+    nothing stayed: pages still being written back cannot be dropped, and reads served from
+    memory would let decode "beat" the disk (a run right after a build did: ratio 1.83)."""
+    os.sync()
+    for attempt in range(tries):
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        left = sum(resident_bytes(p) for p in paths)
+        if left <= 64 * 2**20:  # a few records' worth may come back from a concurrent reader
+            return
+        time.sleep(1.0 + attempt)  # writeback in progress: give it time
+    raise SystemExit(f"bench_decode: {left / 2**20:.0f} MiB of the bank is still in the page "
+                     "cache after dropping it; cold-cache numbers would be wrong (is another "
+                     "process reading it, or writeback stuck?)")
 
 
 def raw_disk_bps(paths: list[Path]) -> float:
@@ -209,6 +250,7 @@ def main(argv=None) -> int:
         print(f"# raw_odirect_seq_gbps={disk / 1e9:.3f} expert_ms={t_exp * 1e3:.1f} "
               f"(one t158 expert, T=1, bf16 model) compute_bound_tok_s={compute_bound:.3f}",
               flush=True)
+        beaten = 0
         for rep in range(a.repeats):
             if rep:  # the disk's rate drifts: measure it again before every round
                 disk = raw_disk_bps(paths)
@@ -224,16 +266,23 @@ def main(argv=None) -> int:
                     io_bound = (disk / r["bytes_per_token"] if r["bytes_per_token"]
                                 else float("inf"))
                     ratio = r["tok_s"] / min(io_bound, compute_bound)
+                    beaten += ratio > 1.0
                     print(f"round={rep} lookahead={la} verify={verify} tok_s={r['tok_s']:.3f} "
                           f"hit_rate={r['hit_rate']:.3f} "
                           f"bytes_per_token={r['bytes_per_token']:.0f} "
                           f"stall_share={r['stall_share']:.3f} io_bound_tok_s={io_bound:.3f} "
                           f"compute_bound_tok_s={compute_bound:.3f} ratio={ratio:.2f} "
                           f"check_share={r['check_share']:.3f} "
-                          f"checks_xxh64/sha256={r['checks']}", flush=True)
+                          f"checks_xxh64/sha256={r['checks']}"
+                          + (" INVALID=ratio_above_1" if ratio > 1.0 else ""), flush=True)
     finally:
         if not a.keep:
             shutil.rmtree(base, ignore_errors=True)
+    if beaten:  # a decode faster than its own bound means the bound was wrong, not a result
+        print(f"bench_decode: error: {beaten} configuration(s) beat their I/O bound (ratio > 1): "
+              "the disk's rate moved between the raw read and the run, or reads were served "
+              "from memory; those lines are not results", file=sys.stderr)
+        return 1
     return 0
 
 
