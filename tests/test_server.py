@@ -204,6 +204,28 @@ def test_bad_completion_requests_get_4xx(server, body, status, param):
     assert err["message"] and err["type"] and err["param"] == param
 
 
+@pytest.mark.parametrize("path,field", [("/v1/completions", "prompt"),
+                                        ("/v1/chat/completions", "messages")])
+def test_over_long_request_names_the_context_setting(server, path, field):
+    text = "word " * 5000
+    body = {"model": MODEL, "max_tokens": 12,
+            field: text if field == "prompt" else [{"role": "user", "content": text}]}
+    got, payload = _raw(server, "POST", path, body)
+    err = json.loads(payload)["error"]
+    assert got == 400 and err["code"] == "context_length_exceeded" and err["param"] == field
+    tok = server["rt"].tokenizer
+    if field == "prompt":
+        n = len(tok.encode(text))
+    else:
+        from mtplx_runtime.engine.chat import render_chat
+
+        n = len(render_chat(tok, body["messages"], thinking=True))
+    assert err["message"] == (
+        f"the prompt has {n} tokens and max_tokens asks for 12; the server's --context is 4096 "
+        "(tokens of prompt + reply): shorten the prompt, lower max_tokens, or start the server "
+        "with a larger --context")
+
+
 def _body_text(**fields) -> bytes:
     """A completion body with some fields written as raw JSON text (NaN, 1e999, ...)."""
     head = json.dumps({"model": MODEL, "prompt": PROMPT})[:-1]
@@ -550,3 +572,4 @@ def test_timeout_flags_are_checked(art, flag, value):
     add_args(parser)
     with pytest.raises(CliError, match=flag):
         build(parser.parse_args(["--model", str(art), flag, value]))
+
