@@ -121,6 +121,77 @@ def test_help_and_clear_error_without_server_extra(tmp_path):
     assert r.returncode == 2 and "server` extra" in r.stderr
 
 
+def _serve_main(argv, monkeypatch):
+    """`mtplx serve ARGV` in-process with the uvicorn server faked: (exit status, what happened
+    in order). The real listen_socket and load_runtime run; the fake server checks that its
+    socket accepts connections and records the app type it was given."""
+    from mtplx_runtime.cli import generate as gen_cli
+    from mtplx_runtime.cli import serve as serve_cli
+
+    events = []
+    real_load, real_listen = gen_cli.load_runtime, serve_cli.listen_socket
+
+    def listen(host, port):
+        sock = real_listen(host, port)
+        events.append(("listen", sock.getsockname()[1]))
+        return sock
+
+    def load(args):
+        events.append(("load",))
+        return real_load(args)
+
+    class FakeServer:
+        def __init__(self, app, **kwargs):
+            self.app = app
+
+        def run(self, sockets):
+            port = sockets[0].getsockname()[1]
+            with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT):
+                pass  # listening: the connection waits in the backlog
+            events.append(("run", port, type(self.app).__name__))
+
+    monkeypatch.setattr(serve_cli, "listen_socket", listen)
+    monkeypatch.setattr(gen_cli, "load_runtime", load)
+    monkeypatch.setattr(serve_cli, "make_server", FakeServer)
+    return cli_main(["serve", *argv]), events
+
+
+def test_serve_listens_before_loading_and_prints_the_bound_url(art, tmp_path, monkeypatch,
+                                                                capfd):
+    link = tmp_path / "k3-link"
+    link.symlink_to(art)  # the served name is the directory as given, not the link's target
+    code, events = _serve_main(["--model", str(link), "--dtype", "float32", "--port", "0"],
+                               monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 0, err
+    port = events[0][1]
+    assert port != 0 and events == [("listen", port), ("load",), ("run", port, "App")]
+    assert f"mtplx serve: k3-link on http://127.0.0.1:{port}/v1\n" in err
+
+
+def test_taken_port_fails_at_once_before_loading(art, monkeypatch, capfd):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, events = _serve_main(["--model", str(art), "--port", str(port)], monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 2 and events == []  # never loaded the model
+    assert err.startswith(f"mtplx serve: error: cannot listen on 127.0.0.1:{port}: ")
+    assert "in use" in err and len(err.splitlines()) == 1 and "http://" not in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+    (["--host", "203.0.113.7"], "cannot listen on 203.0.113.7:0: "),  # not this machine's
+])
+def test_bad_listen_address_is_one_line(art, monkeypatch, capfd, argv, message):
+    code, events = _serve_main(["--model", str(art), "--port", "0", *argv], monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 2 and events == [] and len(err.splitlines()) == 1
+    assert err.startswith(f"mtplx serve: error: {message}"), err
+
+
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     status, body = _raw(server, "GET", "/health", key=None)
