@@ -119,6 +119,7 @@ def test_help_and_clear_error_without_server_extra(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, "serve", "--model", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "server` extra" in r.stderr
+    assert "pip install -e .[server]" in r.stderr and len(r.stderr.splitlines()) == 1
 
 
 def _serve_main(argv, monkeypatch):
@@ -190,6 +191,16 @@ def test_bad_listen_address_is_one_line(art, monkeypatch, capfd, argv, message):
     err = capfd.readouterr().err
     assert code == 2 and events == [] and len(err.splitlines()) == 1
     assert err.startswith(f"mtplx serve: error: {message}"), err
+
+
+def test_kernels_cuda_without_cupy_names_the_gpu_extra(art, monkeypatch, capfd):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # as if cupy were not installed
+    code, events = _serve_main(["--model", str(art), "--port", "0", "--kernels", "cuda"],
+                               monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 2 and [e[0] for e in events] == ["listen", "load"], err
+    assert err.startswith("mtplx serve: error: ") and len(err.splitlines()) == 1, err
+    assert "cupy is not installed" in err and "pip install -e .[gpu]" in err
 
 
 def test_models_and_health(server, client):

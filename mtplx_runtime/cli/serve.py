@@ -53,7 +53,7 @@ def _uvicorn():
         import uvloop  # noqa: F401  (uvicorn's loop="uvloop" imports it)
     except ModuleNotFoundError as e:
         raise RuntimeError(f"serving needs the `server` extra ({e.name} is missing): "
-                           "pip install 'mtplx_runtime[server]'") from None
+                           "pip install -e .[server]") from None
     return uvicorn
 
 
