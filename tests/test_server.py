@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import re
 import select
 import socket
 import subprocess
@@ -120,6 +121,21 @@ def test_help_and_clear_error_without_server_extra(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "server` extra" in r.stderr
     assert "pip install -e .[server]" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_help_shows_every_default():
+    parser = argparse.ArgumentParser(prog="mtplx serve")
+    add_args(parser)
+    text = parser.format_help()
+    blocks = re.split(r"\n  (?=-)", text.split("\noptions:\n", 1)[1].strip())
+    options = [a for a in parser._actions if a.option_strings]
+    assert len(blocks) == len(options)  # one help block per option
+    for block in blocks:
+        if not block.startswith(("-h", "--model ")):  # --help; --model is required
+            assert "default" in block, block
+    for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: none, open to all)",
+                  "(default: bfloat16)", "(default: 4096)"):
+        assert shown in text
 
 
 def _serve_main(argv, monkeypatch):
