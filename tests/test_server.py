@@ -136,6 +136,7 @@ def test_help_shows_every_default():
     for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: none, open to all)",
                   "(default: bfloat16)", "(default: 4096)"):
         assert shown in text
+    assert re.search(r"--access-log +one line per request[^-]*\(default: off\)", text), text
 
 
 def _serve_main(argv, monkeypatch):
@@ -177,13 +178,16 @@ def test_serve_listens_before_loading_and_prints_the_bound_url(art, tmp_path, mo
                                                                 capfd):
     link = tmp_path / "k3-link"
     link.symlink_to(art)  # the served name is the directory as given, not the link's target
-    code, events = _serve_main(["--model", str(link), "--dtype", "float32", "--port", "0"],
-                               monkeypatch)
+    code, events = _serve_main(["--model", str(link), "--dtype", "float32", "--port", "0",
+                                "--access-log"], monkeypatch)
     err = capfd.readouterr().err
     assert code == 0, err
     port = events[0][1]
-    assert port != 0 and events == [("listen", port), ("load",), ("run", port, "App")]
+    assert port != 0 and events == [("listen", port), ("load",), ("run", port, "AccessLog")]
     assert f"mtplx serve: k3-link on http://127.0.0.1:{port}/v1\n" in err
+    code, events = _serve_main(["--model", str(art), "--dtype", "float32", "--port", "0"],
+                               monkeypatch)
+    assert code == 0 and events[-1][2] == "App"  # no access log unless asked
 
 
 def test_taken_port_fails_at_once_before_loading(art, monkeypatch, capfd):
@@ -671,3 +675,66 @@ def test_timeout_flags_are_checked(art, flag, value):
     with pytest.raises(CliError, match=flag):
         build(parser.parse_args(["--model", str(art), flag, value]))
 
+
+# ---- access log ---------------------------------------------------------------------------------
+
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d 127\.0\.0\.1:(\d+) (\S+) (\S+) (\S+) "
+                      r"\d+\.\d{3}s (\d+)B")
+
+
+def _logged(lines: list[str], count: int) -> list[tuple[str, ...]]:
+    """The first `count` access-log lines parsed to (method, target, status, bytes); waits (up to
+    TIMEOUT s) for lines written once the app has finished (client gone, late body)."""
+    deadline = time.monotonic() + TIMEOUT
+    while len(lines) < count:
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.02)
+    parsed = [LOG_LINE.fullmatch(line) for line in lines[:count]]
+    assert all(parsed), lines
+    return [m.groups()[1:] for m in parsed]
+
+
+def test_access_log_one_line_per_request(server):
+    from mtplx_runtime.server.access import AccessLog
+
+    lines: list[str] = []
+    engine = server["engine"]
+    with _serve(AccessLog(server["app"], lines.append), body_timeout=1.5) as port:
+        at = {"port": port}
+        answers = [_raw(at, "GET", "/health", key=None),
+                   _raw(at, "POST", "/v1/completions", {"model": MODEL, "prompt": PROMPT}),
+                   _raw(at, "POST", "/v1/completions",
+                        {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}),
+                   _raw(at, "GET", "/v1/models", key="wrong"),
+                   _raw(at, "GET", "/v1/no%0Awhere?x=%0A1")]
+        # Each line is written before the answer's last bytes: all are in already.
+        assert _logged(lines, 5) == [
+            ("GET", "/health", "200", str(len(answers[0][1]))),
+            ("POST", "/v1/completions", "200", str(len(answers[1][1]))),
+            ("POST", "/v1/completions", "200", str(len(answers[2][1]))),
+            ("GET", "/v1/models", "401", str(len(answers[3][1]))),
+            ("GET", "/v1/no%0Awhere?x=%0A1", "404", str(len(answers[4][1])))]  # as sent
+        assert [a[0] for a in answers] == [200, 200, 200, 401, 404]
+        # A body that stops short: server/conn answers 408 and the line says so.
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                      + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{")
+            late = b""
+            while chunk := s.recv(65536):
+                late += chunk
+        assert _is_408(late), late
+        assert _logged(lines, 6)[5] == ("POST", "/v1/completions", "408",
+                                        str(len(late.partition(b"\r\n\r\n")[2])))
+        # A client that leaves before its answer: status "-", no bytes.
+        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 3000,
+                           "stop": ["never-appears-\x00"]}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nAuthorization: Bearer " + KEY.encode()
+                      + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            deadline = time.monotonic() + TIMEOUT
+            while engine.running is None:
+                assert time.monotonic() < deadline, "the request never reached the engine"
+                time.sleep(0.01)
+        assert _logged(lines, 7)[6] == ("POST", "/v1/completions", "-", "0")
+    assert all("\n" not in line for line in lines)

@@ -2,6 +2,7 @@
 
     flags -> bind + listen on --host:--port (a taken port fails here, before any loading)
         -> --model DIR -> cli.generate.load_runtime -> Engine (one worker thread) -> App (ASGI)
+        [-> server/access's AccessLog with --access-log]
         -> uvicorn (uvloop, loopback by default) on that socket, over server/conn's h11 protocol
            (request read deadlines, bounded connections that keep room for complete requests)
 
@@ -57,6 +58,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(HTTP 408 and close after)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body (HTTP 413 above)")
+    p.add_argument("--access-log", action="store_true",
+                   help="one line per request on stderr: client, method, path, status, "
+                        "duration, response body bytes")
     add_model_args(p)  # --context bounds prompt + max_tokens; --max-tokens is the default
 
 
@@ -155,6 +159,10 @@ def build(args: argparse.Namespace):
     return App(engine, cfg), engine, rt
 
 
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def main(args: argparse.Namespace) -> int:
     from .generate import CliError
 
@@ -178,6 +186,10 @@ def main(args: argparse.Namespace) -> int:
         port = sock.getsockname()[1]
         print(f"{PROG}: {app.cfg.model_id} on http://{_host_port(args.host, port)}/v1",
               file=sys.stderr)
+        if args.access_log:
+            from ..server.access import AccessLog
+
+            app = AccessLog(app, _stderr_line)
         try:
             make_server(app, host=args.host, port=port, max_connections=args.max_connections,
                         header_timeout=args.header_timeout,
