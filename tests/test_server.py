@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import re
 import select
 import socket
 import subprocess
@@ -119,6 +120,107 @@ def test_help_and_clear_error_without_server_extra(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, "serve", "--model", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "server` extra" in r.stderr
+    assert "pip install -e .[server]" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_help_shows_every_default():
+    parser = argparse.ArgumentParser(prog="mtplx serve")
+    add_args(parser)
+    text = parser.format_help()
+    blocks = re.split(r"\n  (?=-)", text.split("\noptions:\n", 1)[1].strip())
+    options = [a for a in parser._actions if a.option_strings]
+    assert len(blocks) == len(options)  # one help block per option
+    for block in blocks:
+        if not block.startswith(("-h", "--model ")):  # --help; --model is required
+            assert "default" in block, block
+    for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: none, open to all)",
+                  "(default: bfloat16)", "(default: 4096)"):
+        assert shown in text
+    assert re.search(r"--access-log +one line per request[^-]*\(default: off\)", text), text
+
+
+def _serve_main(argv, monkeypatch):
+    """`mtplx serve ARGV` in-process with the uvicorn server faked: (exit status, what happened
+    in order). The real listen_socket and load_runtime run; the fake server checks that its
+    socket accepts connections and records the app type it was given."""
+    from mtplx_runtime.cli import generate as gen_cli
+    from mtplx_runtime.cli import serve as serve_cli
+
+    events = []
+    real_load, real_listen = gen_cli.load_runtime, serve_cli.listen_socket
+
+    def listen(host, port):
+        sock = real_listen(host, port)
+        events.append(("listen", sock.getsockname()[1]))
+        return sock
+
+    def load(args):
+        events.append(("load",))
+        return real_load(args)
+
+    class FakeServer:
+        def __init__(self, app, **kwargs):
+            self.app = app
+
+        def run(self, sockets):
+            port = sockets[0].getsockname()[1]
+            with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT):
+                pass  # listening: the connection waits in the backlog
+            events.append(("run", port, type(self.app).__name__))
+
+    monkeypatch.setattr(serve_cli, "listen_socket", listen)
+    monkeypatch.setattr(gen_cli, "load_runtime", load)
+    monkeypatch.setattr(serve_cli, "make_server", FakeServer)
+    return cli_main(["serve", *argv]), events
+
+
+def test_serve_listens_before_loading_and_prints_the_bound_url(art, tmp_path, monkeypatch,
+                                                                capfd):
+    link = tmp_path / "k3-link"
+    link.symlink_to(art)  # the served name is the directory as given, not the link's target
+    code, events = _serve_main(["--model", str(link), "--dtype", "float32", "--port", "0",
+                                "--access-log"], monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 0, err
+    port = events[0][1]
+    assert port != 0 and events == [("listen", port), ("load",), ("run", port, "AccessLog")]
+    assert f"mtplx serve: k3-link on http://127.0.0.1:{port}/v1\n" in err
+    code, events = _serve_main(["--model", str(art), "--dtype", "float32", "--port", "0"],
+                               monkeypatch)
+    assert code == 0 and events[-1][2] == "App"  # no access log unless asked
+
+
+def test_taken_port_fails_at_once_before_loading(art, monkeypatch, capfd):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, events = _serve_main(["--model", str(art), "--port", str(port)], monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 2 and events == []  # never loaded the model
+    assert err.startswith(f"mtplx serve: error: cannot listen on 127.0.0.1:{port}: ")
+    assert "in use" in err and len(err.splitlines()) == 1 and "http://" not in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+    (["--host", "203.0.113.7"], "cannot listen on 203.0.113.7:0: "),  # not this machine's
+])
+def test_bad_listen_address_is_one_line(art, monkeypatch, capfd, argv, message):
+    code, events = _serve_main(["--model", str(art), "--port", "0", *argv], monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 2 and events == [] and len(err.splitlines()) == 1
+    assert err.startswith(f"mtplx serve: error: {message}"), err
+
+
+def test_kernels_cuda_without_cupy_names_the_gpu_extra(art, monkeypatch, capfd):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # as if cupy were not installed
+    code, events = _serve_main(["--model", str(art), "--port", "0", "--kernels", "cuda"],
+                               monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 2 and [e[0] for e in events] == ["listen", "load"], err
+    assert err.startswith("mtplx serve: error: ") and len(err.splitlines()) == 1, err
+    assert "cupy is not installed" in err and "pip install -e .[gpu]" in err
 
 
 def test_models_and_health(server, client):
@@ -202,6 +304,28 @@ def test_bad_completion_requests_get_4xx(server, body, status, param):
     err = json.loads(payload)["error"]
     assert got == status, err
     assert err["message"] and err["type"] and err["param"] == param
+
+
+@pytest.mark.parametrize("path,field", [("/v1/completions", "prompt"),
+                                        ("/v1/chat/completions", "messages")])
+def test_over_long_request_names_the_context_setting(server, path, field):
+    text = "word " * 5000
+    body = {"model": MODEL, "max_tokens": 12,
+            field: text if field == "prompt" else [{"role": "user", "content": text}]}
+    got, payload = _raw(server, "POST", path, body)
+    err = json.loads(payload)["error"]
+    assert got == 400 and err["code"] == "context_length_exceeded" and err["param"] == field
+    tok = server["rt"].tokenizer
+    if field == "prompt":
+        n = len(tok.encode(text))
+    else:
+        from mtplx_runtime.engine.chat import render_chat
+
+        n = len(render_chat(tok, body["messages"], thinking=True))
+    assert err["message"] == (
+        f"the prompt has {n} tokens and max_tokens asks for 12; the server's --context is 4096 "
+        "(tokens of prompt + reply): shorten the prompt, lower max_tokens, or start the server "
+        "with a larger --context")
 
 
 def _body_text(**fields) -> bytes:
@@ -550,3 +674,67 @@ def test_timeout_flags_are_checked(art, flag, value):
     add_args(parser)
     with pytest.raises(CliError, match=flag):
         build(parser.parse_args(["--model", str(art), flag, value]))
+
+
+# ---- access log ---------------------------------------------------------------------------------
+
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d 127\.0\.0\.1:(\d+) (\S+) (\S+) (\S+) "
+                      r"\d+\.\d{3}s (\d+)B")
+
+
+def _logged(lines: list[str], count: int) -> list[tuple[str, ...]]:
+    """The first `count` access-log lines parsed to (method, target, status, bytes); waits (up to
+    TIMEOUT s) for lines written once the app has finished (client gone, late body)."""
+    deadline = time.monotonic() + TIMEOUT
+    while len(lines) < count:
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.02)
+    parsed = [LOG_LINE.fullmatch(line) for line in lines[:count]]
+    assert all(parsed), lines
+    return [m.groups()[1:] for m in parsed]
+
+
+def test_access_log_one_line_per_request(server):
+    from mtplx_runtime.server.access import AccessLog
+
+    lines: list[str] = []
+    engine = server["engine"]
+    with _serve(AccessLog(server["app"], lines.append), body_timeout=1.5) as port:
+        at = {"port": port}
+        answers = [_raw(at, "GET", "/health", key=None),
+                   _raw(at, "POST", "/v1/completions", {"model": MODEL, "prompt": PROMPT}),
+                   _raw(at, "POST", "/v1/completions",
+                        {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}),
+                   _raw(at, "GET", "/v1/models", key="wrong"),
+                   _raw(at, "GET", "/v1/no%0Awhere?x=%0A1")]
+        # Each line is written before the answer's last bytes: all are in already.
+        assert _logged(lines, 5) == [
+            ("GET", "/health", "200", str(len(answers[0][1]))),
+            ("POST", "/v1/completions", "200", str(len(answers[1][1]))),
+            ("POST", "/v1/completions", "200", str(len(answers[2][1]))),
+            ("GET", "/v1/models", "401", str(len(answers[3][1]))),
+            ("GET", "/v1/no%0Awhere?x=%0A1", "404", str(len(answers[4][1])))]  # as sent
+        assert [a[0] for a in answers] == [200, 200, 200, 401, 404]
+        # A body that stops short: server/conn answers 408 and the line says so.
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                      + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{")
+            late = b""
+            while chunk := s.recv(65536):
+                late += chunk
+        assert _is_408(late), late
+        assert _logged(lines, 6)[5] == ("POST", "/v1/completions", "408",
+                                        str(len(late.partition(b"\r\n\r\n")[2])))
+        # A client that leaves before its answer: status "-", no bytes.
+        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 3000,
+                           "stop": ["never-appears-\x00"]}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nAuthorization: Bearer " + KEY.encode()
+                      + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            deadline = time.monotonic() + TIMEOUT
+            while engine.running is None:
+                assert time.monotonic() < deadline, "the request never reached the engine"
+                time.sleep(0.01)
+        assert _logged(lines, 7)[6] == ("POST", "/v1/completions", "-", "0")
+    assert all("\n" not in line for line in lines)

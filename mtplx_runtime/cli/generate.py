@@ -28,7 +28,8 @@ class CliError(Exception):
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by `generate` and `chat`: model, sampling, memory, trace."""
     p.add_argument("--model", required=True, help="checkpoint or streaming artifact directory")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="compute dtype of the model")
     p.add_argument("--no-thinking", action="store_true",
                    help="chat: render with thinking off (answer in the response channel)")
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")

@@ -48,7 +48,9 @@ def unavailable_reason() -> str | None:
     try:
         import cupy
     except Exception as e:  # missing or broken install
-        return f"cupy is not installed or failed to import ({type(e).__name__}: {e})"
+        if isinstance(e, ModuleNotFoundError) and e.name == "cupy":
+            return "cupy is not installed (the gpu extra: pip install -e .[gpu])"
+        return f"cupy failed to import ({type(e).__name__}: {e})"
     try:
         if not cupy.is_available():
             return "cupy found no CUDA device (no GPU or no driver)"

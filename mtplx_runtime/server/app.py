@@ -34,7 +34,7 @@ class ServerConfig:
     model_id: str
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
-    context: int = 4096  # prompt + max_tokens must fit
+    context: int = 4096  # the server's --context: prompt + max_tokens must fit
     default_max_tokens: int = 64
     thinking: bool = True  # chat default when the request does not say
 

@@ -34,6 +34,10 @@ import json
 
 from .params import ApiError, error_body
 
+# Scope key set on a request whose body was late (or that was shed mid-body): (status, body
+# bytes) of the response written here, which the app never sees (server/access logs it).
+CLOSED_WITH = "mtplx.closed_with"
+
 
 def _timeout_response(message: str) -> bytes:
     body = json.dumps(error_body(ApiError(408, message, code="request_timeout"))).encode()
@@ -129,6 +133,9 @@ def guarded_h11(header_timeout: float, body_timeout: float) -> type:
             reading the body, sees a disconnect; its late reply is dropped by uvicorn."""
             if self._partial():
                 self.transport.write(response)
+                if self._phase == "body":
+                    body = len(response) - response.index(b"\r\n\r\n") - 4
+                    self.cycle.scope[CLOSED_WITH] = (408, body)
             self._disarm()
             self.connections.discard(self)
             self.transport.close()

@@ -129,8 +129,12 @@ def _check_length(p: dict, cfg, param: str) -> dict:
     if n == 0:
         raise _bad(param, "the prompt encodes to no tokens")
     if n + r["max_tokens"] > cfg.context:
-        raise ApiError(400, f"this model's context is {cfg.context} tokens; the prompt has {n} "
-                            f"and max_tokens asks for {r['max_tokens']}", param=param,
+        # cfg.context is the server's --context (what the memory plan reserved), not the
+        # model's own limit: name the setting so the operator knows what to raise.
+        raise ApiError(400, f"the prompt has {n} tokens and max_tokens asks for "
+                            f"{r['max_tokens']}; the server's --context is {cfg.context} "
+                            "(tokens of prompt + reply): shorten the prompt, lower max_tokens, "
+                            "or start the server with a larger --context", param=param,
                        code="context_length_exceeded")
     return p
 
