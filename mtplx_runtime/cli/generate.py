@@ -50,9 +50,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=4096,
                    help="most tokens of prompt + reply: the memory plan reserves state for this "
                         "many, so a longer prompt is refused (or cut, --truncate)")
-    p.add_argument("--truncate", action="store_true",
-                   help="cut a prompt that does not fit --context from the left (its start) "
-                        "instead of refusing it")
     p.add_argument("--cache-policy", default="lru", choices=("lru", "freq"),
                    help="expert cache replacement policy (streaming)")
     p.add_argument("--lookahead", type=int, default=1,
@@ -76,6 +73,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt-file", metavar="FILE", help="read the prompt text from FILE")
     p.add_argument("--chat", action="store_true",
                    help="render the prompt as a one-user-message chat and parse the reply")
+    p.add_argument("--truncate", action="store_true",
+                   help="cut a prompt that does not fit --context from the left (its start) "
+                        "instead of refusing it")
     add_model_args(p)
 
 
