@@ -1,5 +1,6 @@
 """Streaming artifact builder: every fixture codec round-trips through a bank, t158 records are
-copied byte for byte, resume after ENOSPC / corruption, header mismatch, layouts, CLI."""
+copied byte for byte, resume after ENOSPC / corruption / Ctrl-C, extending a finished artifact,
+header mismatch, layouts, progress, CLI."""
 
 from __future__ import annotations
 
@@ -8,18 +9,29 @@ import dataclasses
 import errno
 import fnmatch
 import hashlib
+import io
+import itertools
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from mtplx_runtime import cli as mtplx_cli
 from mtplx_runtime.artifact import part as bank
-from mtplx_runtime.artifact.build import ExpertSource, build_artifact, parse_layers
+from mtplx_runtime.artifact.build import (
+    ExpertSource,
+    Progress,
+    build_artifact,
+    format_layers,
+    parse_layers,
+)
 from mtplx_runtime.artifact.journal import BuildError, canonical_line, parse_journal
 from mtplx_runtime.artifact.manifest import load_manifest
 from mtplx_runtime.artifact.open import open_source
@@ -351,6 +363,8 @@ def test_parse_layers():
     assert parse_layers(None, [1, 2]) == [1, 2]
     with pytest.raises(BuildError, match="not MoE layers"):
         parse_layers("0-2", [1, 2, 3])
+    assert format_layers([5, 1, 2, 3, 7, 8]) == "1-3,5,7-8"
+    assert parse_layers(format_layers([1, 2, 3, 5]), [1, 2, 3, 4, 5]) == [1, 2, 3, 5]
 
 
 def test_cli(sources, tmp_path, capsys):
@@ -365,10 +379,45 @@ def test_cli(sources, tmp_path, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_progress_bar_only_on_a_tty(sources, tmp_path, monkeypatch):
-    import io
-    import sys
+def test_cli_flags_and_help(capsys):
+    parser = argparse.ArgumentParser()
+    builder_cli.add_args(parser)
+    for flag in ("--no-progress", "--quiet"):  # --quiet as in recode-w4
+        assert parser.parse_args(["s", "o", flag]).no_progress
+    assert not parser.parse_args(["s", "o"]).no_progress
+    with pytest.raises(SystemExit):
+        mtplx_cli.main(["build-manifest", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--no-progress, --quiet" in text
+    for default in ("(default)", "(default: all)", "(default 1)", "(default: a bar on a terminal"):
+        assert default in text
 
+
+def test_missing_source_or_bad_layers_create_nothing(sources, tmp_path, capsys):
+    out = tmp_path / "new" / "out"
+    assert mtplx_cli.main(["build-manifest", str(tmp_path / "nope"), str(out)]) == 2
+    assert "nope: not a checkpoint directory" in capsys.readouterr().err
+    assert mtplx_cli.main(["build-manifest", str(sources["bf16"]), str(out), "--layers", "9"]) == 2
+    assert "--layers: [9] not MoE layers" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+def test_progress_lines_off_a_terminal(sources, tmp_path):
+    """Logs, nohup and CI get a plain line every interval (here the clock steps 2 s a call)."""
+    stream, ticks = io.StringIO(), itertools.count(0, 2)
+    build_artifact(sources["bf16"], tmp_path / "a", layers="1",
+                   progress=Progress(stream, interval_s=5, clock=lambda: next(ticks)))
+    stride = record_layout(tiny_config(), "bf16").logical_bytes
+    # t=6 s: 3 records, rate 3*stride/6, 5 left -> ETA 10 s; t=12 s: 6 records, ETA 4 s.
+    assert stream.getvalue().splitlines() == [
+        f"build-manifest: 3/8 records, {3 * stride / 1e9:.2f} GB written, "
+        f"{3 * stride / 6 / 1e6:.1f} MB/s, ETA 0:00:10",
+        f"build-manifest: 6/8 records, {6 * stride / 1e9:.2f} GB written, "
+        f"{6 * stride / 12 / 1e6:.1f} MB/s, ETA 0:00:04",
+    ]
+
+
+def test_progress_bar_on_a_tty(sources, tmp_path, monkeypatch):
     class TTY(io.StringIO):
         def isatty(self):
             return True
@@ -380,6 +429,103 @@ def test_progress_bar_only_on_a_tty(sources, tmp_path, monkeypatch):
     err.truncate(0)
     build_artifact(sources["bf16"], tmp_path / "b", layers="1", progress=False)
     assert err.getvalue() == ""
+
+
+class InterruptAfter(Progress):
+    """Raises KeyboardInterrupt from the progress callback once `n` records were written."""
+
+    def __init__(self, n: int):
+        super().__init__(disable=True)
+        self.n, self.seen, self.seen_lock = n, 0, threading.Lock()
+
+    def __call__(self, records: int, written_bytes: int) -> None:
+        with self.seen_lock:
+            self.seen += written_bytes > 0
+            if self.seen == self.n:
+                raise KeyboardInterrupt
+
+
+def assert_resumable(out: Path, mode: str, n_experts: int = 8) -> int:
+    """Every unfinished part's partial ends at the last journaled record; returns their count."""
+    stride = record_layout(tiny_config(), mode).logical_bytes
+    total = 0
+    for j in out.glob("*.journal.jsonl"):
+        parsed = parse_journal(j, n_experts)
+        partial = out / j.name.replace(".journal.jsonl", ".partial")
+        if parsed.completion is None:
+            assert partial.stat().st_size == len(parsed.records) * stride
+            assert parsed.torn_bytes == 0
+        total += len(parsed.records)
+    return total
+
+
+def test_ctrl_c_stops_at_a_record_boundary_and_resumes(sources, tmp_path, monkeypatch, capsys):
+    """A real SIGINT to the main thread while it waits for the workers: the worker finishes the
+    record it is writing and stops before the next; the CLI says how to resume."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    build_artifact(sources["bf16"], ref, progress=False)
+    real_check, calls = bank.check_stop, []
+
+    def check_stop(stop, path):
+        calls.append(path)
+        if len(calls) == 4:  # before record 3 of layer 1: Ctrl-C, then wait for it to land
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            assert stop.wait(timeout=60)
+        real_check(stop, path)
+
+    monkeypatch.setattr(bank, "check_stop", check_stop)
+    parser = argparse.ArgumentParser()
+    builder_cli.add_args(parser)
+    assert builder_cli.main(parser.parse_args([str(sources["bf16"]), str(out), "--quiet"])) == 130
+    assert capsys.readouterr().err == ("mtplx build-manifest: interrupted; every finished record "
+                                       "is kept: rerun the same command to resume\n")
+    name = part_name("bf16", 1, 5)
+    # Layer 1 stopped after its 3rd record; the queued layers never started.
+    assert sorted(p.name for p in out.iterdir()) == [name + ".journal.jsonl", name + ".partial"]
+    assert assert_resumable(out, "bf16") == 3
+    monkeypatch.undo()
+    report = build_artifact(sources["bf16"], out, progress=False)
+    assert (report.resumed, report.written) == (3, 37)
+    assert snapshot(out) == snapshot(ref)
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_keyboard_interrupt_in_a_worker_resumes_byte_identical(sources, tmp_path, jobs):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    build_artifact(sources["mxfp4"], ref, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        build_artifact(sources["mxfp4"], out, jobs=jobs, progress=InterruptAfter(11))
+    assert not (out / "expert-manifest.json").exists()
+    kept = assert_resumable(out, "mxfp4")
+    if jobs == 1:  # one worker: exactly the 11 records written, layer 2 stopped after 3
+        assert kept == 11 and not list(out.glob("*layer-003*"))
+    report = build_artifact(sources["mxfp4"], out, jobs=jobs, progress=False)
+    assert report.resumed + 8 * report.adopted + report.written == 40
+    assert report.written == 40 - kept
+    assert snapshot(out) == snapshot(ref)
+
+
+def test_finished_layers_extend_to_all(sources, tmp_path):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    build_artifact(sources["bf16"], ref, progress=False)
+    build_artifact(sources["bf16"], out, layers="1-3", progress=False)
+    old = load_manifest(out / "expert-manifest.json")
+    # Asking for fewer layers than are built is refused, naming the command that extends it.
+    with pytest.raises(BuildError, match="layers 1-3 and --layers 2-4 leaves out 1; to extend "
+                                         "it use --layers 1-4, else use a fresh output"):
+        build_artifact(sources["bf16"], out, layers="2-4", progress=False)
+    with pytest.raises(BuildError, match="finished bf16 artifact and this build makes t158"):
+        build_artifact(sources["bf16"], out, codec="t158", progress=False)
+    assert load_manifest(out / "expert-manifest.json").manifest_sha256 == old.manifest_sha256
+    stream = io.StringIO()
+    report = build_artifact(sources["bf16"], out, layers="1-5", progress=Progress(
+        stream, interval_s=0, clock=itertools.count().__next__))
+    assert report.notes == ["extended"] and (report.adopted, report.written) == (3, 16)
+    stride = record_layout(tiny_config(), "bf16").logical_bytes
+    assert stream.getvalue().splitlines()[-1].startswith(
+        f"build-manifest: 40/40 records, {16 * stride / 1e9:.2f} GB written")
+    assert snapshot(out) == snapshot(ref)  # receipt and manifest as if built whole at once
+    assert verify_artifact(out, records=True, shard_hashes=True).problems == []
 
 
 def test_hf_snapshot_source_keeps_its_metadata_files(sources, tmp_path):

@@ -1,6 +1,7 @@
 """SIGKILL a build at random points (a test hook counts crash points; one trial kills after a
 random delay), resume it, and require the artifact byte-identical to an uninterrupted build.
-Before completion no manifest exists and loading one fails cleanly."""
+Before completion no manifest exists and loading one fails cleanly; while a finished artifact
+is being extended, its old manifest stays in place and valid."""
 
 from __future__ import annotations
 
@@ -16,21 +17,25 @@ import pytest
 
 from mtplx_runtime.artifact.build import build_artifact
 from mtplx_runtime.artifact.manifest import ManifestError, load_manifest
+from mtplx_runtime.artifact.verify import verify_artifact
 from mtplx_runtime.fixtures.tiny import make_tiny
 
-pytestmark = pytest.mark.slow  # ~25 s: each build is a fresh interpreter (~1.5 s of imports)
+pytestmark = pytest.mark.slow  # ~35 s: each build is a fresh interpreter (~1.5 s of imports)
 
 # per record: after the partial write and after the journal line; per part: after the
 # completion line and after the hard link; then after residents and after the receipt.
 CRASH_POINTS = 5 * 8 * 2 + 5 * 2 + 2
+# Extending layers 1-3 to all: the records and parts of layers 4 and 5, residents, receipt
+# (adopting a finished part has no crash point: it only reads).
+EXTEND_CRASH_POINTS = 2 * 8 * 2 + 2 * 2 + 2
 BUILD = ("from mtplx_runtime.cli.build_manifest import main; import argparse, sys; "
          "sys.exit(main(argparse.Namespace(src=sys.argv[1], out=sys.argv[2], codec='keep', "
-         "layers=None, jobs=1, no_progress=True)))")
+         "layers=sys.argv[3] or None, jobs=1, no_progress=True)))")
 
 
-def run_build(src: Path, out: Path, crash_after: int = 0) -> subprocess.Popen:
+def run_build(src: Path, out: Path, crash_after: int = 0, layers: str = "") -> subprocess.Popen:
     env = dict(os.environ, MTPLX_BUILD_CRASH_AFTER=str(crash_after))
-    return subprocess.Popen([sys.executable, "-c", BUILD, str(src), str(out)], env=env,
+    return subprocess.Popen([sys.executable, "-c", BUILD, str(src), str(out), layers], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -87,6 +92,30 @@ def test_sigkill_after_random_delay(source_and_reference, tmp_path):
         assert {k: v for k, v in snapshot(out).items() if k != ".build.lock"} == ref
     else:
         assert_unfinished(out)
+    proc = run_build(src, out)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    assert snapshot(out) == ref
+
+
+def test_sigkill_while_extending_keeps_the_old_artifact(source_and_reference, tmp_path):
+    src, ref = source_and_reference
+    out = tmp_path / "out"
+    proc = run_build(src, out, layers="1-3")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    old = snapshot(out)
+    # Kill after layer 4's completion line (point 17), then after the new receipt is installed
+    # and before the manifest: the resumed build's last point (it redoes point 17, so 38 - 16).
+    for crash in (17, EXTEND_CRASH_POINTS - 17 + 1):
+        proc = run_build(src, out, crash)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL, err.decode()
+        # The new manifest replaces the old one last: until then layers 1-3 stay whole.
+        now = snapshot(out)
+        assert now["expert-manifest.json"] == old["expert-manifest.json"]
+        assert now["build-receipt.json"] == (old if crash == 17 else ref)["build-receipt.json"]
+        assert verify_artifact(out, records=True, shard_hashes=True).problems == []
     proc = run_build(src, out)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err.decode()

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +30,7 @@ from ..formats import FormatError
 from ..formats.ctint import pack_codes, pack_zero_points, unpack_codes, unpack_zero_points
 from ..formats.record import PROJECTIONS, RecordLayout, part_name, quantization_for, record_layout
 from ..formats.t158 import encode_t158
-from .journal import JOURNAL_FORMAT, BuildError
+from .journal import JOURNAL_FORMAT, BuildError, fsync_dir
 from .manifest import load_manifest, write_manifest
 from .outputs import (
     INDEX,
@@ -45,7 +45,15 @@ from .outputs import (
     receipt_bytes,
     source_hashes,
 )
-from .part import PartResult, build_part, crash_point, disk_errors, sha256_hex
+from .part import (
+    BuildStopped,
+    PartResult,
+    build_part,
+    check_stop,
+    crash_point,
+    disk_errors,
+    sha256_hex,
+)
 
 KEEP_MODES = {"t158": "t158", "mxfp4": "mxfp4", "bf16": "bf16"}
 
@@ -188,47 +196,96 @@ def journal_header(src: ExpertSource, layer: int, name: str, n_routed: int, file
     }
 
 
-class _Progress:
-    """tqdm over bytes with a records counter; off unless asked for and stderr is a TTY."""
+class Progress:
+    """Build progress on `stream` (default stderr): a tqdm bar on a terminal; elsewhere (a log,
+    nohup, CI) one plain line every `interval_s` seconds with records done/total, GB written by
+    this run, its rate and the ETA. Thread-safe: workers report records as they become durable.
+    `clock` is injectable so tests drive time; `disable` prints nothing.
+    """
 
-    def __init__(self, enabled: bool, total_records: int, total_bytes: int):
-        self.bar, self.lock, self.n, self.total = None, threading.Lock(), 0, total_records
-        if enabled and sys.stderr.isatty():
+    def __init__(self, stream=None, interval_s: float = 5.0, clock=time.monotonic,
+                 disable: bool = False):
+        self.stream = sys.stderr if stream is None else stream
+        self.interval_s, self.clock, self.disable = interval_s, clock, disable
+        self.lock, self.bar = threading.Lock(), None
+        self.total = self.record_bytes = self.done = self.written_bytes = 0
+        self.t0 = self.last = 0.0
+
+    def start(self, total_records: int, record_bytes: int) -> None:
+        self.total, self.record_bytes = total_records, record_bytes
+        self.done = self.written_bytes = 0
+        if self.disable:
+            return
+        self.t0 = self.last = self.clock()
+        if self.stream.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-                            desc="build", file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(total=total_records * record_bytes, unit="B", unit_scale=True,
+                            unit_divisor=1024, desc="build", file=self.stream,
+                            dynamic_ncols=True)
 
-    def __call__(self, nbytes: int) -> None:
-        if self.bar is not None:
-            with self.lock:
-                self.n += 1
-                self.bar.update(nbytes)
-                self.bar.set_postfix_str(f"{self.n}/{self.total} records", refresh=False)
+    def __call__(self, records: int, written_bytes: int) -> None:
+        """`records` more are durable, `written_bytes` of them written by this run (records kept
+        from an earlier run count as done, not as written)."""
+        if self.disable:
+            return
+        with self.lock:
+            self.done += records
+            self.written_bytes += written_bytes
+            if self.bar is not None:
+                self.bar.update(records * self.record_bytes)
+                self.bar.set_postfix_str(f"{self.done}/{self.total} records", refresh=False)
+                return
+            now = self.clock()
+            if now - self.last >= self.interval_s:
+                self.last = now
+                print(self.line(now), file=self.stream, flush=True)
+
+    def line(self, now: float) -> str:
+        rate = self.written_bytes / (now - self.t0) if now > self.t0 else 0.0
+        left = (self.total - self.done) * self.record_bytes
+        if rate > 0:
+            s = round(left / rate)
+            eta = f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+        else:
+            eta = "?"
+        return (f"build-manifest: {self.done}/{self.total} records, "
+                f"{self.written_bytes / 1e9:.2f} GB written, {rate / 1e6:.1f} MB/s, ETA {eta}")
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
 
 def build_artifact(src: str | os.PathLike, out: str | os.PathLike, *, codec: str = "keep",
                    layers: str | list[int] | None = None, jobs: int = 1,
-                   progress: bool = True) -> BuildReport:
-    """Build (or resume) the streaming artifact for `src` in `out`. Blocks.
+                   progress: bool | Progress = True) -> BuildReport:
+    """Build (or resume, or extend) the streaming artifact for `src` in `out`. Blocks.
 
     codec "keep" stores the source's own codec ("t158" copies records byte for byte, w3 becomes
     ct-int with 3-bit legacy words repacked dense, mxfp4 and bf16 copied); "t158" re-encodes
     every expert with encode_t158. A GGUF Q2_K source always becomes t158. Rerunning the same
-    command after a crash resumes (FORMAT.md "Build journal, resume and publication").
+    command after a crash, a full disk or Ctrl-C resumes; asking for more layers than a finished
+    `out` holds extends it (FORMAT.md "Build journal, resume and publication"). `progress`: True
+    for the default Progress on stderr, False for none, or a Progress to report to.
+    KeyboardInterrupt stops every worker at its next record boundary before it propagates.
     """
     if codec not in ("keep", "t158"):
         raise BuildError(f"codec must be 'keep' or 't158', got {codec!r}")
     if jobs < 1:
         raise BuildError(f"jobs must be >= 1, got {jobs}")
     t0, out = time.monotonic(), Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    with build_lock(out):
-        return _build_locked(src, out, codec, layers, jobs, progress, t0)
+    if not isinstance(progress, Progress):
+        progress = Progress(disable=not progress)
+    # SRC and the arguments are checked before OUT is created: a mistake leaves nothing behind.
+    with open_source(src) as ckpt:
+        esrc = ExpertSource(ckpt, codec)
+        moe = ckpt.config.moe_layers
+        layer_ids = sorted(layers) if isinstance(layers, list) else parse_layers(layers, moe)
+        out.mkdir(parents=True, exist_ok=True)
+        with build_lock(out):
+            return _build_locked(ckpt, esrc, out, codec, layer_ids, jobs, progress, t0)
 
 
 @contextmanager
@@ -271,51 +328,92 @@ def build_lock(out: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _build_locked(src, out: Path, codec: str, layers, jobs: int, progress: bool,
-                  t0: float) -> BuildReport:
-    with open_source(src) as ckpt:
-        cfg = ckpt.config
-        esrc = ExpertSource(ckpt, codec)
-        layer_ids = layers if isinstance(layers, list) else parse_layers(layers, cfg.moe_layers)
-        if (out / MANIFEST).exists():
-            return _already_built(out, esrc, layer_ids, t0)
-        n_routed = len(cfg.moe_layers)
-        _refuse_foreign_parts(out, esrc.mode)
-        files = [file_identity(p) for p in source_files(ckpt)]
-        names = {L: part_name(esrc.mode, L, n_routed) for L in layer_ids}
-        stride = esrc.layout.logical_bytes
-        bar = _Progress(progress, len(layer_ids) * cfg.num_experts,
-                        len(layer_ids) * cfg.num_experts * stride)
+def _build_locked(ckpt, esrc: ExpertSource, out: Path, codec: str, layer_ids: list[int],
+                  jobs: int, progress: Progress, t0: float) -> BuildReport:
+    cfg = ckpt.config
+    extending = (out / MANIFEST).exists()
+    if extending:
+        finished = _finished_manifest(out, esrc.mode, layer_ids)
+        if {r.layer for r in finished.records} == set(layer_ids):
+            parts = sorted({s.shard for r in finished.records for s in r.segments})
+            return BuildReport(out, esrc.mode, parts, len(finished.records), 0, 0, len(parts),
+                               finished.manifest_sha256, time.monotonic() - t0,
+                               ["already complete"])
+    n_routed = len(cfg.moe_layers)
+    _refuse_foreign_parts(out, esrc.mode)
+    files = [file_identity(p) for p in source_files(ckpt)]
+    names = {L: part_name(esrc.mode, L, n_routed) for L in layer_ids}
+    progress.start(len(layer_ids) * cfg.num_experts, esrc.layout.logical_bytes)
+    stop = threading.Event()
 
-        def one(L: int) -> PartResult:
-            header = journal_header(esrc, L, names[L], n_routed, files)
-            return build_part(out, names[L], L, esrc.layout, cfg.num_experts, header, esrc, bar)
-
+    def one(L: int) -> PartResult:
+        check_stop(stop, out / names[L])  # a queued layer started after a failure: skip it
+        header = journal_header(esrc, L, names[L], n_routed, files)
         try:
-            with ThreadPoolExecutor(max_workers=jobs) as pool:
-                results = dict(zip(layer_ids, pool.map(one, layer_ids)))
-        finally:
-            bar.close()
-        # Publication order (FORMAT.md "Build journal, resume and publication"): parts,
-        # residents, metadata, index, receipt, manifest last.
-        residents = copy_residents(ckpt, out)
-        crash_point("residents")
-        copy_metadata_files(ckpt, out)
-        index = {"metadata": {"total_size": sum(r.length for r in residents.tensors)},
-                 "weight_map": {r.tensor: r.shard for r in residents.tensors}}
-        install_bytes(out / INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-        src_hashes = source_hashes(source_files(ckpt))
-        manifest = assemble_manifest(cfg, esrc, ckpt, results, residents, src_hashes)
-        install_bytes(out / RECEIPT,
-                      receipt_bytes(ckpt, esrc, codec, out, results, manifest, src_hashes))
-        crash_point("receipt")
-        _install_manifest(manifest, out / MANIFEST)
+            return build_part(out, names[L], L, esrc.layout, cfg.num_experts, header, esrc,
+                              progress, stop)
+        except BaseException:
+            stop.set()  # the other workers end at their next record boundary
+            raise
+
+    try:
+        results = _run_parts(one, layer_ids, jobs, stop)
+    finally:
+        progress.close()
+    # Publication order (FORMAT.md "Build journal, resume and publication"): parts,
+    # residents, metadata, index, receipt, manifest last.
+    residents = copy_residents(ckpt, out)
+    crash_point("residents")
+    copy_metadata_files(ckpt, out)
+    index = {"metadata": {"total_size": sum(r.length for r in residents.tensors)},
+             "weight_map": {r.tensor: r.shard for r in residents.tensors}}
+    install_bytes(out / INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+    src_hashes = source_hashes(source_files(ckpt))
+    manifest = assemble_manifest(cfg, esrc, ckpt, results, residents, src_hashes)
+    receipt = receipt_bytes(ckpt, esrc, codec, out, results, manifest, src_hashes)
+    if extending:
+        # The old receipt describes the smaller artifact; readers never need it, and until the
+        # new manifest replaces the old one the old artifact stays valid.
+        _unlink_if_present(out / RECEIPT)
+    install_bytes(out / RECEIPT, receipt)
+    crash_point("receipt")
+    _install_manifest(manifest, out / MANIFEST)
     written = sum(r.written for r in results.values())
     resumed = sum(r.resumed for r in results.values())
     adopted = sum(r.adopted for r in results.values())
     return BuildReport(out, esrc.mode, [names[L] for L in layer_ids],
                        len(layer_ids) * cfg.num_experts, written, resumed, adopted,
-                       manifest.manifest_sha256, time.monotonic() - t0)
+                       manifest.manifest_sha256, time.monotonic() - t0,
+                       ["extended"] if extending else [])
+
+
+def _run_parts(one, layer_ids: list[int], jobs: int, stop: threading.Event) -> dict:
+    """`one(L)` for every layer on `jobs` threads. The first failure, or Ctrl-C landing in this
+    (main) thread, sets `stop`: the other workers end at their next record boundary, queued
+    layers never start, and the first real failure in layer order is raised."""
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        futures = [pool.submit(one, L) for L in layer_ids]
+        wait(futures, return_when=FIRST_EXCEPTION)
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+    first = next((e for e in errors if not isinstance(e, BuildStopped)), None)
+    if first is not None:
+        raise first
+    return {L: f.result() for L, f in zip(layer_ids, futures)}
+
+
+def _unlink_if_present(path: Path) -> None:
+    with disk_errors(path, "removing it"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        fsync_dir(path.parent)
 
 
 def _install_manifest(manifest, path: Path) -> None:
@@ -325,11 +423,10 @@ def _install_manifest(manifest, path: Path) -> None:
         with disk_errors(tmp, f"writing {path.name}"):
             write_manifest(manifest, path)
     except BaseException:
-        if not path.exists():  # give the space back; a rerun writes it again
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        try:  # give the space back (an old manifest, when extending, stays); a rerun writes it
+            os.unlink(tmp)
+        except OSError:
+            pass
         raise
 
 
@@ -341,13 +438,31 @@ def _refuse_foreign_parts(out: Path, mode: str) -> None:
                              f"fresh output directory")
 
 
-def _already_built(out: Path, esrc: ExpertSource, layer_ids: list[int],
-                   t0: float) -> BuildReport:
+def format_layers(layers: list[int]) -> str:
+    """[1, 2, 3, 5] -> "1-3,5" (the --layers syntax)."""
+    runs: list[list[int]] = []
+    for L in sorted(layers):
+        if runs and L == runs[-1][1] + 1:
+            runs[-1][1] = L
+        else:
+            runs.append([L, L])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _finished_manifest(out: Path, mode: str, layer_ids: list[int]):
+    """The manifest of the finished artifact in `out`. It can be extended (same mode, every
+    finished layer asked for again); anything else is refused naming the command to use."""
     m = load_manifest(out / MANIFEST)
+    have_mode = m.quantization.get("mode")
     layers = sorted({r.layer for r in m.records})
-    if m.quantization.get("mode") != esrc.mode or layers != layer_ids:
-        raise BuildError(f"{out / MANIFEST}: a finished artifact of mode "
-                         f"{m.quantization.get('mode')!r}, layers {layers} is already here")
-    parts = sorted({s.shard for r in m.records for s in r.segments})
-    return BuildReport(out, esrc.mode, parts, len(m.records), 0, 0, len(parts),
-                       m.manifest_sha256, time.monotonic() - t0, ["already complete"])
+    if have_mode != mode:
+        raise BuildError(f"{out}: holds a finished {have_mode} artifact and this build makes "
+                         f"{mode}; use a fresh output directory")
+    missing = sorted(set(layers) - set(layer_ids))
+    if missing:
+        union = format_layers(sorted(set(layers) | set(layer_ids)))
+        raise BuildError(f"{out}: holds a finished artifact of layers {format_layers(layers)} "
+                         f"and --layers {format_layers(layer_ids)} leaves out "
+                         f"{format_layers(missing)}; to extend it use --layers {union}, else "
+                         f"use a fresh output directory")
+    return m

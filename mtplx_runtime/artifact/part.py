@@ -111,6 +111,16 @@ class PartSource(Protocol):
     def record_parts(self, layer: int, expert: int, handle: object) -> dict: ...
 
 
+class BuildStopped(Exception):
+    """A part build that saw the stop flag (Ctrl-C, or another part failed) between records: its
+    partial and journal end at a record boundary, so rerunning the same command resumes."""
+
+
+def check_stop(stop: threading.Event | None, path: Path) -> None:
+    if stop is not None and stop.is_set():
+        raise BuildStopped(f"{path}: stopped at a record boundary")
+
+
 @dataclass
 class PartResult:
     name: str
@@ -143,9 +153,13 @@ def hashed_output(layout: RecordLayout, name: str, layer: int, expert: int, rec:
 
 
 def build_part(out_dir: Path, name: str, layer: int, layout: RecordLayout, n_experts: int,
-               header: dict, source: PartSource, on_record=lambda nbytes: None) -> PartResult:
+               header: dict, source: PartSource, on_progress=lambda records, written_bytes: None,
+               stop: threading.Event | None = None) -> PartResult:
     """Write (or resume, or adopt) bank part `name` in `out_dir`. Blocks; one record in memory.
 
+    `on_progress(records, written_bytes)` is called as records become durable (written_bytes 0
+    for records kept from an earlier run or an adopted part). `stop` is checked between records:
+    once set, BuildStopped is raised with the partial and journal at a record boundary.
     Raises BuildError when the existing state cannot be continued safely (header mismatch,
     source changed, stray files) or the disk is full (partial + journal stay resumable).
     """
@@ -153,7 +167,9 @@ def build_part(out_dir: Path, name: str, layer: int, layout: RecordLayout, n_exp
     partial = out_dir / (name + ".partial")
     jpath = out_dir / (name + ".journal.jsonl")
     if final.exists():
-        return _adopt(final, partial, jpath, layer, layout, n_experts, header, source)
+        result = _adopt(final, partial, jpath, layer, layout, n_experts, header, source, stop)
+        on_progress(n_experts, 0)
+        return result
     have_p, have_j = partial.exists(), jpath.exists()
     if have_j and not have_p:
         raise BuildError(f"{jpath}: journal without {partial.name}; remove the journal to rebuild")
@@ -174,7 +190,7 @@ def build_part(out_dir: Path, name: str, layer: int, layout: RecordLayout, n_exp
         if why:
             raise BuildError(f"{jpath}: journal header differs from this build ({why}); rerun the "
                              f"original command, or remove {partial.name} and the journal")
-        good_end = _rescan(parsed, partial, layer, layout, name, source, outputs, running)
+        good_end = _rescan(parsed, partial, layer, layout, name, source, outputs, running, stop)
         with disk_errors(jpath, "truncating it to the last good record"):
             truncate_file(jpath, good_end)
     elif have_j:
@@ -183,6 +199,8 @@ def build_part(out_dir: Path, name: str, layer: int, layout: RecordLayout, n_exp
     with disk_errors(partial, "truncating it to the last good record"):
         truncate_file(partial, len(outputs) * stride)
     resumed = len(outputs)
+    if resumed:
+        on_progress(resumed, 0)
     with disk_errors(jpath, "opening it"):
         journal = JournalWriter(jpath, _write)
     try:
@@ -199,6 +217,7 @@ def build_part(out_dir: Path, name: str, layer: int, layout: RecordLayout, n_exp
                 # a partial without its journal is refused on resume.
                 fsync_dir(out_dir)
         for e in range(resumed, n_experts):
+            check_stop(stop, partial)
             src_components, handle = source.source_components(layer, e)
             rec = record_bytes(layout, source.record_parts(layer, e, handle))
             doing = f"writing record {e} ({e} of {n_experts} records are durable)"
@@ -212,7 +231,7 @@ def build_part(out_dir: Path, name: str, layer: int, layout: RecordLayout, n_exp
                                 "output": outputs[-1]})
             running.update(rec)
             crash_point("journal")
-            on_record(stride)
+            on_progress(1, stride)
         with disk_errors(partial, "truncating it to its final size"):
             os.ftruncate(fd, n_experts * stride)
             os.fsync(fd)
@@ -262,13 +281,14 @@ def _check_source(line: dict, layer: int, e: int, source: PartSource, path: Path
 
 
 def _rescan(parsed, partial: Path, layer: int, layout: RecordLayout, name: str,
-            source: PartSource, outputs: list, running) -> int:
+            source: PartSource, outputs: list, running, stop: threading.Event | None) -> int:
     """Re-verify journaled records in order; keep the good prefix. Returns the journal offset
-    just past the last good record (or the header)."""
+    just past the last good record (or the header). Stopping here changes nothing on disk."""
     good_end = parsed.header_end
     stride = layout.logical_bytes
     with open(partial, "rb", buffering=0) as f:
         for e, line in enumerate(parsed.records):
+            check_stop(stop, partial)
             if check_record_geometry(line, expected_output(layout, name, layer, e)):
                 break
             _check_source(line, layer, e, source, partial)
@@ -283,7 +303,8 @@ def _rescan(parsed, partial: Path, layer: int, layout: RecordLayout, name: str,
 
 
 def _adopt(final: Path, partial: Path, jpath: Path, layer: int, layout: RecordLayout,
-           n_experts: int, header: dict, source: PartSource) -> PartResult:
+           n_experts: int, header: dict, source: PartSource,
+           stop: threading.Event | None) -> PartResult:
     """Accept an already published part only after full re-verification (FORMAT.md "Build
     journal")."""
     def fail(why: str) -> BuildError:
@@ -305,6 +326,7 @@ def _adopt(final: Path, partial: Path, jpath: Path, layer: int, layout: RecordLa
     running = hashlib.sha256()
     with open(final, "rb", buffering=0) as f:
         for e, line in enumerate(parsed.records):
+            check_stop(stop, final)  # re-verifying only reads: nothing to undo
             if check_record_geometry(line, expected_output(layout, name, layer, e)):
                 raise fail(f"record {e} geometry differs")
             _check_source(line, layer, e, source, final)

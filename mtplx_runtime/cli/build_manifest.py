@@ -1,7 +1,8 @@
 """`mtplx build-manifest SRC OUT`: build (or resume) a streaming artifact from a checkpoint.
 
-Rerunning the same command after a crash or a full disk continues where the journal ends
-(FORMAT.md "Build journal, resume and publication").
+Rerunning the same command after a crash, a full disk or Ctrl-C continues where the journal
+ends; asking a finished OUT for more layers extends it (FORMAT.md "Build journal, resume and
+publication").
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="keep the source codec (default) or re-encode experts to t158; "
                              "a GGUF Q2_K source always becomes t158")
     parser.add_argument("--layers", default=None, metavar="SPEC",
-                        help="MoE layers to build, e.g. 1-5,7 (default: all)")
+                        help="MoE layers to build, e.g. 1-5,7 (default: all); more layers than "
+                             "a finished OUT holds extend it")
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="layers built in parallel; memory holds at most N records (default 1)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
+                        help="no progress on stderr (default: a bar on a terminal, else a line "
+                             "every 5 s)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -35,6 +39,10 @@ def main(args: argparse.Namespace) -> int:
     except BuildError as e:
         print(f"mtplx build-manifest: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("mtplx build-manifest: interrupted; every finished record is kept: rerun the same "
+              "command to resume", file=sys.stderr)
+        return 130
     note = f" ({', '.join(r.notes)})" if r.notes else ""
     print(f"build-manifest: {r.mode} {len(r.parts)} parts, {r.records} records "
           f"({r.written} written, {r.resumed} resumed, {r.adopted} parts adopted) -> {r.out} "
