@@ -1,10 +1,13 @@
 """Cache profiler: hand-made traces give exact hits per policy (Belady included); on random
 traces Belady is the optimum and LRU/Belady hit rates never fall with capacity; the fast driver
 equals a real ExpertCache where their semantics meet; formats; a K3-shaped run with plots; the
-command's one-line errors, record pricing and plot contents."""
+command's one-line errors, record pricing, plot contents and the README example it prints."""
 
 import argparse
+import re
+import shlex
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -366,3 +369,26 @@ def test_reuse_plot_uses_the_table_bins(summary):
     line = next(ln for ln in report.table(summary).splitlines() if ln.startswith("reuse"))
     assert line.endswith(", ".join(f"{label}: {v:.1%}" for label, v in shares))
 
+
+def _readme_example() -> tuple[list[str], list[str]]:
+    """The README's `mtplx profile` example: (argv, the output lines it quotes)."""
+    text = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    block = text.split("```\n$ mtplx profile ", 1)[1].split("```", 1)[0].splitlines()
+    n = next(i for i, line in enumerate(block) if not line.endswith("\\"))
+    command = " ".join(line.rstrip("\\") for line in block[:n + 1])
+    return shlex.split(command), block[n + 1:]
+
+
+def _steady(lines: list[str]) -> list[str]:
+    """The version and the elapsed seconds are the only lines allowed to differ."""
+    return [re.sub(r"^mtplx profile \S+:", "mtplx profile V:",
+                   re.sub(r"^\(\d+\.\d s\)$", "(T s)", line)) for line in lines]
+
+
+def test_readme_example_is_what_the_command_prints(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")  # the example passes --plot
+    argv, quoted = _readme_example()
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = mtplx(["profile", *argv], capsys)
+    assert rc == 0 and err == ""
+    assert _steady(out.splitlines()) == _steady(quoted)
