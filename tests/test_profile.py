@@ -1,8 +1,13 @@
 """Cache profiler: hand-made traces give exact hits per policy (Belady included); on random
 traces Belady is the optimum and LRU/Belady hit rates never fall with capacity; the fast driver
-equals a real ExpertCache where their semantics meet; formats; a K3-shaped run with plots."""
+equals a real ExpertCache where their semantics meet; formats; a K3-shaped run with plots; the
+command's one-line errors, record pricing, plot contents and the README example it prints."""
 
 import argparse
+import re
+import shlex
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtplx_runtime.cli import profile as cli
-from mtplx_runtime.profile import load, profile, record_bytes, replay_runtime, synthetic
+from mtplx_runtime.profile import load, profile, record_bytes, replay_runtime, report, synthetic
 from mtplx_runtime.profile.replay import POLICY_NAMES
 from mtplx_runtime.profile.traces import _from_array, write_route_trace
 
@@ -132,8 +137,8 @@ def test_cli_small_run_writes_every_output(tmp_path, capsys):
     assert cli.main(args) == 0
     text = capsys.readouterr().out
     assert "belady" in text and "freq:0.9" in text
-    for f in (out, tmp_path / "p-layers.png", tmp_path / "p-reuse.png", tmp_path / "p.json",
-              tmp_path / "p.csv"):
+    for f in (out, tmp_path / "p-io.png", tmp_path / "p-layers.png", tmp_path / "p-reuse.png",
+              tmp_path / "p.json", tmp_path / "p.csv"):
         assert f.stat().st_size > 0
 
 
@@ -144,11 +149,11 @@ def test_k3_shaped_10k_tokens_report(tmp_path):
     np.save(path, tr.routes)
     out = tmp_path / "k3.png"
     s = cli.run(parse([str(path), "--capacity-bytes", "23GiB", "--policy", "lru",
-                       "--plot", str(out), "--json", str(tmp_path / "k3.json")]))
+                       "--json", str(tmp_path / "k3.json")]))
     assert s["decode_tokens"] == 10_000 and len(s["results"]) == 2
     assert 0 < s["results"][0]["belady_share"] <= 1
-    for f in s["plots"]:
-        assert (tmp_path / f).stat().st_size > 0
+    for f in report.plot(s, out):
+        assert f.stat().st_size > 0
 
 
 def test_prefetch_quality_by_hand(tmp_path):
@@ -182,3 +187,208 @@ def test_prefetch_quality_by_hand(tmp_path):
     assert row["waste"] == 2 / 2  # 6 and 0 never used, per covered miss (4 and 7)
     assert row["recall"] == 2 / 4  # 4 and 7 of the used {4, 5, 4, 7}
     assert prefetch_by_depth([row]) == {1: {"coverage": 2 / 3}}
+
+
+# ---- the command line: errors, pricing, plots, the README example --------------------------
+
+SMALL = "synth:zipf,tokens=200,layers=3,experts=16,top_k=2,seed=3"
+
+
+def mtplx(argv, capsys):
+    """(exit status, stdout, stderr) of `mtplx ARGV`; argparse's exit counts as a status."""
+    from mtplx_runtime.cli import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    got = capsys.readouterr()
+    return rc, got.out, got.err
+
+
+def test_plot_without_matplotlib_prints_the_table_then_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    out = tmp_path / "p.png"
+    rc, text, err = mtplx(["profile", SMALL, "--capacity", "6,12", "--workers", "1", "--plot",
+                           str(out)], capsys)
+    assert rc == 1
+    assert "capacity policy" in text and "belady" in text and "plots:" not in text
+    assert err == "mtplx profile: error: --plot needs matplotlib: pip install -e .[profile]\n"
+    assert not list(tmp_path.iterdir())
+
+
+def _bad_files(tmp_path):
+    np.save(tmp_path / "flat.npy", np.zeros((3, 4), np.int32))
+    np.save(tmp_path / "float.npy", np.zeros((3, 4, 2), np.float32))
+    np.save(tmp_path / "twice.npy", np.array([[[1, 1]]], np.int32))
+    (tmp_path / "fake.npy").write_text("1 2;3 4\n")
+    (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    (tmp_path / "latin1.txt").write_bytes(b"1 2;3 \xe94\n")
+    (tmp_path / "words.txt").write_text("hello world\n")
+    (tmp_path / "empty.jsonl").write_text(
+        '{"format": "mtplx-route-trace-v1", "layers": [1], "experts": 4, "top_k": 2}\n')
+
+
+NPY = "expected an integer .npy array [tokens, layers, top_k]"
+ANY = "expected mtplx-route-trace-v1 JSONL, a plain route list"
+SYNTH = "expected synth:uniform|zipf|temporal,tokens=N"
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["synth:zipff,tokens=50"], ["synth:zipff,tokens=50: synthetic kind must be", SYNTH]),
+    (["synth:zipf,tokns=50"], ["synth:zipf,tokns=50: unknown option 'tokns=50'", SYNTH]),
+    (["synth:zipf,tokens=5x0"], ["synth:zipf,tokens=5x0: tokens='5x0' is not an integer", SYNTH]),
+    (["synth:zipf,top_k=9,experts=4"], ["0 < top_k <= experts, got 1000, 92, 4, 9", SYNTH]),
+    (["{d}/flat.npy"], ["{d}/flat.npy: int32 array of shape (3, 4)", NPY]),
+    (["{d}/float.npy"], ["{d}/float.npy: float32 array of shape (3, 4, 2)", NPY]),
+    (["{d}/twice.npy"], ["{d}/twice.npy: a row repeats an expert id", NPY]),
+    (["{d}/fake.npy"], ["{d}/fake.npy: not a NumPy .npy file", NPY]),
+    (["{d}/image.png"], ["{d}/image.png: a binary file, not a route trace", ANY]),
+    (["{d}/latin1.txt"], ["{d}/latin1.txt:1: not UTF-8 text", ANY]),
+    (["{d}/words.txt"], ["{d}/words.txt:1: 'hello' is not a 0-based integer",
+                         "expected a plain route list"]),
+    (["{d}/empty.jsonl"], ["{d}/empty.jsonl: no token lines after the header"]),
+    ([SMALL, "--capacity", "10,abc"],
+     ["argument --capacity: expected comma-separated slot counts", "got '10,abc'"]),
+    ([SMALL, "--capacity", "-4"], ["argument --capacity: expected comma-separated slot counts"]),
+    ([SMALL, "--capacity-bytes", "8Gx"], ["argument --capacity-bytes: unknown unit 'GX'"]),
+    ([SMALL, "--policy", "lru,fifo"], ["argument --policy: unknown policy 'fifo'"]),
+    ([SMALL, "--policy", "freq:1.5"], ["argument --policy: decay must be in (0, 1]"]),
+    ([SMALL, "--disk-gbps", "0"], ["argument --disk-gbps: expected a number > 0, got '0'"]),
+])
+def test_user_mistakes_are_one_line_errors(tmp_path, capsys, argv, want):
+    _bad_files(tmp_path)
+    rc, _, err = mtplx(["profile", *(a.format(d=tmp_path) for a in argv), "--workers", "1"],
+                       capsys)
+    assert rc == 2 and "Traceback" not in err
+    last = err.splitlines()[-1]  # argparse prints its usage first
+    assert last.startswith("mtplx profile: error: ")
+    for w in want:
+        assert w.format(d=tmp_path) in last
+
+
+def test_trace_record_bytes_price_the_reads(tmp_path, capsys):
+    tr = synthetic("zipf", tokens=120, layers=2, experts=16, top_k=2, seed=5)
+    tr.record_bytes = 8192
+    path = tmp_path / "t.jsonl"
+    write_route_trace(tr, path)
+    s = cli.run(parse([str(path), "--capacity", "4,8", "--workers", "1"]))
+    assert s["record_bytes"] == 8192 and s["codec"] is None
+    assert "trace record 8,192 B" in report.table(s)
+    t158 = cli.run(parse([str(path), "--capacity", "4,8", "--workers", "1", "--codec", "t158"]))
+    assert t158["record_bytes"] == record_bytes("t158")
+    for mine, theirs in zip(s["results"], t158["results"]):
+        assert mine["misses"] == theirs["misses"] > 0  # pricing changes, the replay does not
+        assert mine["ssd_bytes_per_token"] == mine["misses"] / 120 * 8192
+        assert theirs["ssd_bytes_per_token"] == theirs["misses"] / 120 * record_bytes("t158")
+    # A budget buys slots of the trace's record: 40 KiB / 8 KiB = 5 slots.
+    s = cli.run(parse([str(path), "--capacity-bytes", "40KiB", "--workers", "1"]))
+    assert {r["capacity"] for r in s["results"]} == {5}
+    other = tmp_path / "other.jsonl"
+    tr.record_bytes = 4096
+    write_route_trace(tr, other)
+    rc, _, err = mtplx(["profile", str(path), str(other), "--workers", "1"], capsys)
+    assert rc == 2 and "disagree on record_bytes" in err and "--codec" in err
+
+
+def test_reuse_histogram_bins_by_hand():
+    # expert 0 at tokens 0, 1, 3, 7 (distances 1, 2, 4); 1 at 2, 4, 5 (2, 1); 2 at 6 (none)
+    from mtplx_runtime.profile.stats import reuse_histogram
+
+    h = reuse_histogram(one_layer([[0], [0], [1], [0], [1], [1], [2], [0]]))
+    assert (h["edges"], h["counts"], h["never"], h["selections"]) == ([1, 2, 4], [2, 2, 1],
+                                                                      3 / 8, 8)
+    assert report.reuse_shares(h) == [("1", 2 / 8), ("2-3", 2 / 8), ("4-7", 1 / 8),
+                                      ("never reused", 3 / 8)]
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory):
+    """A profile of a 3-layer trace whose layers are model layers 3, 7, 11."""
+    tr = synthetic("temporal", tokens=300, layers=3, experts=32, top_k=4, seed=7)
+    tr.layers, tr.record_bytes = [3, 7, 11], 8192
+    path = tmp_path_factory.mktemp("plots") / "run.jsonl"
+    write_route_trace(tr, path)
+    return cli.run(parse([str(path), "--capacity", "12,24,48,96", "--policy", "lru,freq",
+                          "--workers", "1"]))
+
+
+def _rows(s, policy):
+    return [r for r in s["results"] if r["policy"] == policy]
+
+
+@pytest.mark.parametrize("key", ["hit_rate", "io_tok_s"])
+def test_capacity_plots(summary, key):
+    pytest.importorskip("matplotlib")
+    fig = (report.hit_rate_figure if key == "hit_rate" else report.io_figure)(summary)
+    (ax,) = fig.axes
+    assert ax.get_xscale() == "log" and ax.xaxis.get_transform().base == 2
+    assert list(ax.get_xticks()) == [12, 24, 48, 96]
+    assert ax.get_xlabel() == "cache capacity: total slots, split evenly over the 3 layers"
+    assert "run.jsonl" in ax.get_title() and "trace record 8,192 B" in ax.get_title()
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert set(lines) == {"lru", "freq", "Belady MIN (optimal)"}
+    best = lines["Belady MIN (optimal)"]
+    assert best.get_linestyle() == "--" and best.get_color() == "black"
+    assert lines["lru"].get_linestyle() == "-"
+    for label, pol in (("lru", "lru"), ("Belady MIN (optimal)", "belady")):
+        want = [r[key] for r in _rows(summary, pol) if r[key] is not None]
+        assert list(lines[label].get_ydata()) == want
+
+
+def test_capacity_axis_says_global_scope(summary):
+    pytest.importorskip("matplotlib")
+    fig = report.hit_rate_figure({**summary, "scope": "global", "codec": "w3"})
+    assert fig.axes[0].get_xlabel() == "cache capacity: total slots, one cache shared by the " \
+                                       "3 layers"
+    assert "w3 record 8,192 B" in fig.axes[0].get_title()
+
+
+def test_layer_heatmaps_cover_every_policy_with_values(summary):
+    pytest.importorskip("matplotlib")
+    heat = [ax for ax in report.layers_figure(summary).axes if ax.images]
+    assert [ax.get_title() for ax in heat] == ["lru", "freq", "Belady MIN (optimal)"]
+    assert [t.get_text() for t in heat[0].get_yticklabels()] == ["3", "7", "11"]
+    for ax, pol in zip(heat, ("lru", "freq", "belady")):
+        cells = {(round(t.get_position()[0]), round(t.get_position()[1])): t.get_text()
+                 for t in ax.texts}
+        rows = _rows(summary, pol)
+        assert len(cells) == 3 * len(rows)
+        for c, r in enumerate(rows):
+            for j, v in enumerate(r["per_layer_hit_rate"]):
+                assert cells[(c, j)] == f"{v:.0%}"
+
+
+def test_reuse_plot_uses_the_table_bins(summary):
+    pytest.importorskip("matplotlib")
+    (ax,) = report.reuse_figure(summary).axes
+    shares = report.reuse_shares(summary["reuse"])
+    assert [t.get_text() for t in ax.get_xticklabels()] == [label for label, _ in shares]
+    assert [p.get_height() for p in ax.patches] == [v for _, v in shares]
+    assert shares[-1][0] == "never reused" and sum(v for _, v in shares) == pytest.approx(1)
+    line = next(ln for ln in report.table(summary).splitlines() if ln.startswith("reuse"))
+    assert line.endswith(", ".join(f"{label}: {v:.1%}" for label, v in shares))
+
+
+def _readme_example() -> tuple[list[str], list[str]]:
+    """The README's `mtplx profile` example: (argv, the output lines it quotes)."""
+    text = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    block = text.split("```\n$ mtplx profile ", 1)[1].split("```", 1)[0].splitlines()
+    n = next(i for i, line in enumerate(block) if not line.endswith("\\"))
+    command = " ".join(line.rstrip("\\") for line in block[:n + 1])
+    return shlex.split(command), block[n + 1:]
+
+
+def _steady(lines: list[str]) -> list[str]:
+    """The version and the elapsed seconds are the only lines allowed to differ."""
+    return [re.sub(r"^mtplx profile \S+:", "mtplx profile V:",
+                   re.sub(r"^\(\d+\.\d s\)$", "(T s)", line)) for line in lines]
+
+
+def test_readme_example_is_what_the_command_prints(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")  # the example passes --plot
+    argv, quoted = _readme_example()
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = mtplx(["profile", *argv], capsys)
+    assert rc == 0 and err == ""
+    assert _steady(out.splitlines()) == _steady(quoted)

@@ -56,18 +56,19 @@ def working_set(trace: Trace, windows=(1, 16, 256), _prev=None) -> dict:
 
 
 def reuse_histogram(trace: Trace, _prev=None) -> dict:
-    """{"edges": [1, 2, 4, ...], "counts": [...], "never": share of selections not reused}:
-    counts[i] = reuses with distance d, edges[i] <= d < 2 * edges[i]."""
+    """{"edges": [1, 2, 4, ...], "counts": [...], "never": share of selections not reused,
+    "selections": decode selections}: counts[i] = reuses with distance d, edges[i] <= d <
+    2 * edges[i]; the last bin holds the largest distance. A key's first use is the one
+    selection per key without a reuse distance, so sum(counts) + never * selections ==
+    selections."""
     t, prev = _prev or _prev_use(trace)
     if t.size == 0:
-        return {"edges": [], "counts": [], "never": 0.0}
-    dist = (t - prev)[prev >= 0]
-    top = int(np.ceil(np.log2(dist.max() + 1))) if dist.size else 1
-    edges = [1 << i for i in range(top + 1)]
-    counts = np.bincount(np.floor(np.log2(dist)).astype(np.int64), minlength=len(edges)) \
-        if dist.size else np.zeros(len(edges), np.int64)
-    never = float(1.0 - dist.size / t.size)
-    return {"edges": edges, "counts": [int(c) for c in counts[:len(edges)]], "never": never}
+        return {"edges": [], "counts": [], "never": 0.0, "selections": 0}
+    dist = (t - prev)[prev >= 0]  # >= 1: a layer uses an expert at most once per token
+    bins = np.floor(np.log2(dist)).astype(np.int64) if dist.size else np.zeros(0, np.int64)
+    counts = np.bincount(bins) if dist.size else np.zeros(0, np.int64)
+    return {"edges": [1 << i for i in range(len(counts))], "counts": [int(c) for c in counts],
+            "never": float(1.0 - dist.size / t.size), "selections": int(t.size)}
 
 
 def popularity(trace: Trace, top_share: float = 0.10) -> dict:

@@ -11,6 +11,7 @@ L layers, K ids (ascending; -1 pads a short row of an imported trace). The plain
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,16 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint.safetensors_io import open_regular
-from ..engine.trace import TRACE_FORMAT, TraceError, read_trace
+from ..engine.trace import MAX_TRACE_ID, TRACE_FORMAT, TraceError, read_trace
+
+# What `load` accepts, for error messages that tell a user what a trace should be.
+SOURCES = ("mtplx-route-trace-v1 JSONL, a plain route list (UTF-8 text), an integer .npy "
+           "[tokens, layers, top_k] or a synth: spec")
+SYNTH_SPEC = ("synth:uniform|zipf|temporal,tokens=N,layers=L,experts=E,top_k=K,alpha=A,"
+              "locality=P,seed=S")
+_SYNTH_KEYS = {"tokens": int, "layers": int, "experts": int, "top_k": int, "alpha": float,
+               "locality": float, "seed": int}
+NPY_MAGIC = b"\x93NUMPY"
 
 
 @dataclass
@@ -88,6 +98,8 @@ def read_route_trace(path: str | Path) -> Trace:
                 idx, got = predicted.setdefault((int(la), int(d)), ([], []))
                 idx.append(i)
                 got.append([int(e) for e in ids])
+    if not rows:
+        raise TraceError(f"{path}: no token lines after the header")
     k = int(header["top_k"])
     return Trace(layers, int(header["experts"]), k, _dense(rows, k), np.array(decode, bool),
                  np.array(ts, np.int64), {key: (np.array(v[0]), v[1])
@@ -116,9 +128,11 @@ def read_plain(path: str | Path) -> Trace:
                     continue
                 rows.append([[_plain_int(x) for x in part.replace(",", " ").split()]
                              for part in line.split(";")])
-        except (ValueError, UnicodeDecodeError) as e:
-            raise TraceError(f"{path}:{n + 1 if isinstance(e, UnicodeDecodeError) else n}: "
-                             f"{e}") from None
+        except UnicodeDecodeError:
+            raise TraceError(f"{path}:{n + 1}: not UTF-8 text; expected {SOURCES}") from None
+        except ValueError as e:
+            raise TraceError(f"{path}:{n}: {e}; expected a plain route list (ids separated by "
+                             "spaces or commas, layers by ';')") from None
     if not rows:
         raise TraceError(f"{path}: no route lines")
     nl = len(rows[0])
@@ -147,7 +161,7 @@ def _from_array(routes: np.ndarray, layers=None, experts=None, name="") -> Trace
     n, nl, k = routes.shape
     top = int(routes.max()) + 1 if routes.size else 1
     if experts is not None and top > experts:
-        raise ValueError(f"{name}: expert id {top - 1} >= experts {experts}")
+        raise TraceError(f"{name}: expert id {top - 1} >= experts {experts}")
     return Trace(list(layers) if layers is not None else list(range(nl)), experts or top, k,
                  np.sort(routes.astype(np.int32), axis=-1), np.ones(n, bool),
                  np.arange(n, dtype=np.int64), name=name)
@@ -155,28 +169,70 @@ def _from_array(routes: np.ndarray, layers=None, experts=None, name="") -> Trace
 
 def load(source: str) -> Trace:
     """A trace from a path (our JSONL, a plain text file, an int .npy [N, L, K]) or a
-    `synth:KIND,key=value,...` spec (see `synthetic`)."""
+    `synth:KIND,key=value,...` spec (see `synthetic`). Bad input: TraceError naming the source."""
     if source.startswith("synth:"):
-        kind, *opts = source[6:].split(",")
-        kw = {}
-        for o in opts:
-            name, _, val = o.partition("=")
-            kw[name.strip().replace("-", "_")] = float(val) if "." in val else int(val)
-        return synthetic(kind, **kw)
+        return _synth(source)
     p = Path(source)
     if p.suffix == ".npy":
-        with os.fdopen(open_regular(p, error=TraceError, what="route array"), "rb") as fh:
-            return _from_array(np.load(fh, allow_pickle=False), name=str(p))
-    with open(open_regular(p, error=TraceError, what="route trace"), encoding="utf-8",
-              errors="replace") as fh:
+        return read_npy(p)
+    with os.fdopen(open_regular(p, error=TraceError, what="route trace"), "rb") as fh:
         first = fh.readline(1 << 20)
+        sniff = first + fh.read(4096)
+    if b"\0" in sniff:  # UTF-8 text never holds NUL: an image, an archive, a .npy renamed
+        raise TraceError(f"{p}: a binary file, not a route trace; expected {SOURCES}")
     try:
         head = json.loads(first)
     except ValueError:
         head = None
-    if isinstance(head, dict) and head.get("format") == TRACE_FORMAT:
+    if isinstance(head, dict):  # a JSON header: our reader names what is wrong with it
         return read_route_trace(p)
     return read_plain(p)
+
+
+def _synth(spec: str) -> Trace:
+    """`synth:KIND,key=value,...` -> `synthetic(KIND, ...)`; the trace is named by the spec."""
+    kind, *opts = spec[6:].split(",")
+    kw = {}
+    for o in opts:
+        name, eq, val = o.partition("=")
+        key = name.strip().replace("-", "_")
+        if key not in _SYNTH_KEYS or not eq:
+            raise TraceError(f"{spec}: unknown option {o!r}; expected {SYNTH_SPEC}")
+        try:
+            kw[key] = _SYNTH_KEYS[key](val)
+        except ValueError:
+            what = "an integer" if _SYNTH_KEYS[key] is int else "a number"
+            raise TraceError(f"{spec}: {key}={val!r} is not {what}; expected {SYNTH_SPEC}"
+                             ) from None
+    try:
+        trace = synthetic(kind.strip(), **kw)
+    except TraceError as e:
+        raise TraceError(f"{spec}: {e}; expected {SYNTH_SPEC}") from None
+    trace.name = spec
+    return trace
+
+
+def read_npy(path: str | Path) -> Trace:
+    """An integer .npy [tokens, layers, top_k] of 0-based expert ids (-1 pads a short row),
+    layers 0..L-1, all decode lines. Anything else is a TraceError naming the file."""
+    want = "expected an integer .npy array [tokens, layers, top_k] of expert ids"
+    with os.fdopen(open_regular(path, error=TraceError, what="route array"), "rb") as fh:
+        if fh.read(len(NPY_MAGIC)) != NPY_MAGIC:
+            raise TraceError(f"{path}: not a NumPy .npy file; {want}")
+        fh.seek(0)
+        try:
+            routes = np.load(fh, allow_pickle=False)
+        except (ValueError, EOFError) as e:  # a damaged header, object dtype, truncated data
+            raise TraceError(f"{path}: unreadable .npy ({e}); {want}") from None
+    if routes.ndim != 3 or routes.dtype.kind not in "iu" or 0 in routes.shape:
+        raise TraceError(f"{path}: {routes.dtype} array of shape {routes.shape}; {want}")
+    if routes.min() < -1 or routes.max() >= MAX_TRACE_ID or routes.max() < 0:
+        raise TraceError(f"{path}: ids must be in 0..{MAX_TRACE_ID - 1} (-1 pads a short row) "
+                         f"with at least one id; {want}")
+    ids = np.sort(routes.astype(np.int64), axis=-1)
+    if ((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any():
+        raise TraceError(f"{path}: a row repeats an expert id; {want}")
+    return _from_array(ids, name=str(path))
 
 
 # ---- synthetic traces ----------------------------------------------------------------------
@@ -191,9 +247,13 @@ def synthetic(kind: str, tokens: int = 1000, layers: int = 92, experts: int = 89
     kept with probability `locality` (so consecutive tokens share about locality * K experts).
     Rows are drawn without replacement with the Gumbel top-k trick, in float32."""
     if kind not in ("uniform", "zipf", "temporal"):
-        raise ValueError(f"synthetic kind must be uniform, zipf or temporal, got {kind!r}")
-    if not 0 < top_k <= experts:
-        raise ValueError(f"need 0 < top_k <= experts, got {top_k}, {experts}")
+        raise TraceError(f"synthetic kind must be uniform, zipf or temporal, got {kind!r}")
+    if min(tokens, layers, experts) < 1 or not 0 < top_k <= experts:
+        raise TraceError(f"need tokens, layers, experts >= 1 and 0 < top_k <= experts, got "
+                         f"{tokens}, {layers}, {experts}, {top_k}")
+    if not (0 <= locality <= 1 and math.isfinite(alpha) and seed >= 0):
+        raise TraceError(f"need 0 <= locality <= 1, a finite alpha and seed >= 0, got "
+                         f"{locality}, {alpha}, {seed}")
     rng = np.random.default_rng(seed)
     logp = np.zeros((layers, experts), np.float32)  # [L, E]
     if kind != "uniform":
