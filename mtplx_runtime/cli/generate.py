@@ -89,7 +89,7 @@ def load_runtime(args):
     for flag, v, low in (("--max-tokens", args.max_tokens, 0), ("--top-k", args.top_k, 0),
                          ("--prefill-chunk", args.prefill_chunk, 1),
                          ("--lookahead", args.lookahead, 0), ("--context", args.context, 1)):
-        if v < low:
+        if v is not None and v < low:  # chat's --max-tokens defaults to None (rest of context)
             raise CliError(f"{flag} must be >= {low}, got {v}")
     if not 0 <= args.temperature < math.inf or not 0 < args.top_p <= 1:  # NaN fails both
         raise CliError("--temperature must be >= 0 and --top-p in (0, 1]")
@@ -136,6 +136,11 @@ class ReplyPrinter:
         self._channels = ChannelText(tok, thinking)
         self._kind = self._channels.kind
         self.prefix = "<think>\n" if thinking else ""  # the prompt opened this channel
+
+    @property
+    def in_think(self) -> bool:
+        """The printed text is inside an open `<think>` block."""
+        return self._kind == "reasoning"
 
     def _render(self, pieces: list[tuple[str, str]]) -> str:
         out = []
