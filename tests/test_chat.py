@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import pytest
 from test_tokenizer import write_k3_like
 
+from mtplx_runtime import load_model
 from mtplx_runtime.cli import main as cli_main
 from mtplx_runtime.cli import parse_args
 from mtplx_runtime.cli.chat import BANNER, HELP, Chat, chat_loop
@@ -26,7 +27,8 @@ from mtplx_runtime.engine.chat import (
     parse_assistant,
     render_chat,
 )
-from mtplx_runtime.engine.generate import generate
+from mtplx_runtime.engine.generate import GenerationStats, generate
+from mtplx_runtime.engine.session import Session
 from mtplx_runtime.engine.tokenizer import load_tokenizer
 from mtplx_runtime.engine.trace import read_trace
 from mtplx_runtime.fixtures.tiny import make_tiny
@@ -508,3 +510,81 @@ def test_cli_chat_reads_stdin_until_eof(tiny_model_dir, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("/exit\nnot read\n"))
     assert cli_main(args) == 0
     assert capsys.readouterr().out == ""
+
+
+# ---- the model state kept across turns (engine/session.py) ------------------------------------
+
+
+def test_session_prefills_only_new_ids_and_matches_a_fresh_prefill(tiny_model_dir):
+    model, tok = load_model(tiny_model_dir, dtype="float32"), load_tokenizer(tiny_model_dir)
+    session = Session(model)
+    opts = {"max_tokens": 6, "stop_ids": tok.stop_ids, "prefill_chunk": 8}
+
+    def turn(prompt):
+        stats = GenerationStats()
+        ids = list(session.generate(prompt, stats=stats, **opts))
+        assert ids == generate(model, prompt, **opts)[0]  # as a fresh full prefill gives
+        assert session.reused + stats.prompt_tokens == len(prompt)
+        return ids, stats.prompt_tokens
+
+    p1 = render_chat(tok, [{"role": "user", "content": "hello"}])
+    g1, n = turn(p1)
+    assert n == len(p1) and len(g1) == 6
+    # The state holds p1 + g1 but g1's last id (a reply cut by max_tokens is not decoded past
+    # its end): the next prompt extending p1 + g1 prefills from that id on.
+    p2 = p1 + g1 + tok.encode(" and more")
+    g2, n = turn(p2)
+    assert n == len(p2) - len(p1) - 5
+    # A prompt that leaves the state's ids after p2's end goes back to the mark taken there.
+    p3 = p2 + tok.encode(" instead")
+    _, n = turn(p3)
+    assert n == len(p3) - len(p2) and p3[len(p2)] != g2[0]
+    # One that differs before the mark starts from scratch; so does one after a reset.
+    p4 = tok.encode("Hi") + p3
+    assert turn(p4)[1] == len(p4)
+    session.reset()
+    assert turn(p1)[1] == len(p1)
+
+
+def test_session_stop_keeps_the_state_and_failures_drop_it(tiny_model_dir):
+    model, tok = load_model(tiny_model_dir, dtype="float32"), load_tokenizer(tiny_model_dir)
+    session = Session(model)
+    prompt = render_chat(tok, [{"role": "user", "content": "hello"}])
+    stats = GenerationStats()
+    assert list(session.generate(prompt, stats=stats, stop=lambda: True, max_tokens=4,
+                                 prefill_chunk=8)) == []
+    assert stats.stop_reason == "stopped" and session.ids == prompt[:8]  # one forward ran
+    stats = GenerationStats()
+    assert list(session.generate(prompt, stats=stats, max_tokens=4, prefill_chunk=8)) == \
+        generate(model, prompt, max_tokens=4)[0]
+    assert stats.prompt_tokens == len(prompt) - 8
+
+    class Broken:
+        def on_forward(self, model, phase, first_position, n_tokens):
+            raise RuntimeError("trace disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        list(session.generate(prompt + [5], trace=Broken(), max_tokens=4))
+    assert session.state is None and session.ids == []  # next turn: a fresh prefill
+
+
+def test_chat_turn_prefills_only_the_new_part(tiny_model_dir):
+    # The tiny model's noise replies do not re-render to the same ids, so turn 2 starts from
+    # the mark at turn 1's prompt end: it prefills the rendered reply and the new user line.
+    with chat_on(tiny_model_dir, "--max-tokens", "5") as chat:
+        assert chat_loop(chat, Lines("hello", "/stats", "tell me more", "/stats"), False) == 0
+        tok = chat.rt.tokenizer
+        p1 = render_chat(tok, chat.messages[:1])
+        p2 = render_chat(tok, chat.messages[:3])
+        assert p2[:len(p1)] == p1 and chat.last_stats.prompt_tokens == len(p2) - len(p1)
+        assert chat.messages[3]["reasoning_content"] == parse_assistant(
+            greedy(chat, chat.messages[:3], 5), tok)["reasoning"]
+        stats = [e for e in chat.err.getvalue().splitlines() if "last turn" in e]
+        assert stats[0].startswith(f"mtplx chat: last turn: prompt {len(p1)} tok,")
+        assert stats[0].endswith("; 0 earlier prompt tok reused")
+        assert stats[1].startswith(f"mtplx chat: last turn: prompt {len(p2) - len(p1)} tok,")
+        assert stats[1].endswith(f"; {len(p1)} earlier prompt tok reused")
+        # /thinking off re-renders the history without think channels: a fresh prefill.
+        assert chat_loop(chat, Lines("/thinking off", "again"), False) == 0
+        p3 = render_chat(tok, chat.messages[:5], thinking=False)
+        assert chat.last_stats.prompt_tokens == len(p3) and chat.session.reused == 0

@@ -7,8 +7,8 @@ Replies go to stdout; the banner, command output and notes go to stderr. On a te
 readline module (where the platform has it) gives line editing and history. Ctrl-C during a
 reply sets a flag that is checked after every forward and every printed token, so the reply
 stops on a step boundary: no forward is cut in half and the conversation goes on. A second
-Ctrl-C before that boundary quits at once (exit 130). Each turn re-prefills the whole
-conversation from a fresh state.
+Ctrl-C before that boundary quits at once (exit 130). The model state is kept from turn to
+turn (`engine.session`), so a turn prefills only what the state has not seen.
 """
 
 from __future__ import annotations
@@ -41,10 +41,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(max_tokens=None)  # chat: a reply may use the rest of --context
 
 
-class _Stop(Exception):
-    """Raised after a forward once Ctrl-C asked the reply to stop."""
-
-
 class CtrlC:
     """While a reply is generated, SIGINT asks it to stop (`requested`) instead of raising; a
     second SIGINT before it stopped raises KeyboardInterrupt. Main thread only."""
@@ -62,22 +58,6 @@ class CtrlC:
     def __exit__(self, *exc) -> None:
         signal.signal(signal.SIGINT, self._previous)
 
-    def on_forward(self, model, phase: str, first_position: int, n_tokens: int) -> None:
-        """`generate_step`'s per-forward hook: the state is whole here, a safe place to stop."""
-        if self.requested:
-            raise _Stop
-
-
-class _Hooks:
-    """Calls the route trace (if any), then the Ctrl-C check, after every forward."""
-
-    def __init__(self, *hooks):
-        self._hooks = [h for h in hooks if h is not None]
-
-    def on_forward(self, model, phase: str, first_position: int, n_tokens: int) -> None:
-        for h in self._hooks:
-            h.on_forward(model, phase, first_position, n_tokens)
-
 
 def _cache_counters(rt) -> dict | None:
     """Compute-tier lookups and hits, bytes read and read stalls summed over the tiers, since
@@ -94,8 +74,11 @@ class Chat:
     """One conversation over a loaded runtime; replies to `out`, everything else to `err`."""
 
     def __init__(self, rt, args: argparse.Namespace, out: TextIO, err: TextIO):
+        from ..engine.session import Session
+
         self.rt, self.args, self.out, self.err = rt, args, out, err
         self.thinking = not args.no_thinking
+        self.session = Session(rt.model)
         self.reset()
         self.last_stats = None
         self.last_cache: dict | None = None  # compute-tier counters over the last turn
@@ -106,6 +89,7 @@ class Chat:
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.args.system}] if self.args.system \
             else []
+        self.session.reset()
 
     def command(self, line: str) -> bool:
         """Run one `/command` line; False when it ends the chat."""
@@ -135,7 +119,8 @@ class Chat:
         elif self.last_stats is None:
             self.note("no reply yet")
         else:
-            self.note(f"last turn: {stats_line(self.rt, self.last_stats)}")
+            self.note(f"last turn: {stats_line(self.rt, self.last_stats)}; "
+                      f"{self.session.reused} earlier prompt tok reused")
             if self.last_cache is not None:
                 c = self.last_cache
                 rate = f"{100 * c['hits'] / c['lookups']:.1f}%" if c["lookups"] else "n/a"
@@ -148,7 +133,7 @@ class Chat:
         """Answer one user line, streaming the reply; the reply joins the conversation even
         when Ctrl-C or the token limit cut it short."""
         from ..engine.chat import parse_assistant, render_chat
-        from ..engine.generate import GenerationStats, generate_step
+        from ..engine.generate import GenerationStats
 
         tok, args = self.rt.tokenizer, self.args
         messages = [*self.messages, {"role": "user", "content": text}]
@@ -163,19 +148,16 @@ class Chat:
         before = _cache_counters(self.rt)
         with CtrlC() as ctrl_c:
             self.out.write(printer.prefix)
-            try:
-                for t in generate_step(self.rt.model, prompt, max_tokens=max_tokens,
-                                       temperature=args.temperature, top_p=args.top_p,
-                                       top_k=args.top_k, seed=args.seed,
-                                       stop_ids=tok.stop_ids, prefill_chunk=args.prefill_chunk,
-                                       trace=_Hooks(self.rt.trace, ctrl_c), stats=stats):
-                    ids.append(t)
-                    self.out.write(printer.push(t))
-                    self.out.flush()
-                    if ctrl_c.requested:
-                        break
-            except _Stop:
-                pass
+            for t in self.session.generate(
+                    prompt, stats=stats, stop=lambda: ctrl_c.requested, trace=self.rt.trace,
+                    max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed, stop_ids=tok.stop_ids,
+                    prefill_chunk=args.prefill_chunk):
+                ids.append(t)
+                self.out.write(printer.push(t))
+                self.out.flush()
+                if ctrl_c.requested:
+                    break
         if ctrl_c.requested:
             stats.stop_reason = "Ctrl-C"
         tail = printer.flush()
