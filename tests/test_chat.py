@@ -1,4 +1,5 @@
-"""K3 XTML chat rendering and reply parsing (FORMAT.md "Chat format"), checked id by id.
+"""K3 XTML chat rendering and reply parsing (FORMAT.md "Chat format"), checked id by id; then
+`mtplx chat` driven through its input loop on the tiny fixture (float32, greedy).
 
 Expected sequences are written by hand from that section: markers as special ids, every other piece
 as `encode()` of its literal string. Both vocabularies are used (tiny fixture; K3-like, whose
@@ -7,18 +8,30 @@ structural words are single tokens so layouts have K3's id counts).
 
 from __future__ import annotations
 
+import io
 import json
+import signal
+from contextlib import contextmanager
 
 import pytest
 from test_tokenizer import write_k3_like
 
+from mtplx_runtime import load_model
+from mtplx_runtime.cli import main as cli_main
+from mtplx_runtime.cli import parse_args
+from mtplx_runtime.cli.chat import BANNER, HELP, Chat, chat_loop
+from mtplx_runtime.cli.generate import load_runtime
 from mtplx_runtime.engine.chat import (
     DEFAULT_THINKING_EFFORT,
     build_segments,
     parse_assistant,
     render_chat,
 )
+from mtplx_runtime.engine.generate import GenerationStats, generate
+from mtplx_runtime.engine.session import Session
 from mtplx_runtime.engine.tokenizer import load_tokenizer
+from mtplx_runtime.engine.trace import read_trace
+from mtplx_runtime.fixtures.tiny import make_tiny
 from mtplx_runtime.fixtures.tokenizer import write_tokenizer
 
 
@@ -315,3 +328,263 @@ def test_stop_ids(tok):
     assert (
         tok.special("<|end_of_msg|>") == tok.n_ranks + 2 and tok.special("[EOS]") == tok.n_ranks + 1
     )
+
+
+# ---- `mtplx chat`: the input loop, driven with injected input and output ----------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("chat") / "t158"
+    make_tiny(d, "t158")
+    return d
+
+
+class Lines:
+    """input()'s contract over a script: each item is a line, or an exception to raise."""
+
+    def __init__(self, *items):
+        self.items, self.prompts = list(items), []
+
+    def __call__(self, prompt):
+        self.prompts.append(prompt)
+        if not self.items:
+            raise EOFError
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class Out(io.StringIO):
+    """Reply output; sends this process SIGINT (as Ctrl-C does) on the writes numbered in
+    `ctrl_c` (1 = the first write of the run). The handler runs before raise_signal returns."""
+
+    def __init__(self, *ctrl_c):
+        super().__init__()
+        self.ctrl_c, self.writes = list(ctrl_c), 0
+
+    def write(self, s):
+        n = super().write(s)
+        self.writes += 1
+        while self.ctrl_c and self.ctrl_c[0] == self.writes:
+            self.ctrl_c.pop(0)
+            signal.raise_signal(signal.SIGINT)
+        return n
+
+
+@contextmanager
+def chat_on(model_dir, *flags, out=None):
+    args = parse_args(["chat", "--model", str(model_dir), "--dtype", "float32", *flags])
+    rt = load_runtime(args)
+    try:
+        yield Chat(rt, args, out or Out(), io.StringIO())
+    finally:
+        rt.close()
+
+
+def greedy(chat, messages, n, thinking=True):
+    """The first n ids of a fresh, uninterrupted greedy reply to `messages`."""
+    prompt = render_chat(chat.rt.tokenizer, messages, thinking=thinking)
+    return generate(chat.rt.model, prompt, max_tokens=n, stop_ids=chat.rt.tokenizer.stop_ids)[0]
+
+
+def test_chat_commands_never_reach_the_model(tiny_model_dir):
+    with chat_on(tiny_model_dir, "--system", "Be brief.") as chat:
+        lines = Lines("/help", "  /frobnicate now", "/thinking", "/thinking off", "/thinking maybe",
+                      "/stats", "/reset again", "/reset", "/exit", "never read")
+        assert chat_loop(chat, lines, interactive=True) == 0
+        err = chat.err.getvalue().splitlines()
+        assert chat.out.getvalue() == "" and lines.items == ["never read"]
+        assert lines.prompts == ["> "] * 9
+        assert err[0] == BANNER and all(c in err[0] for c in ("/help", "/exit", "/reset",
+                                                             "/thinking", "/stats"))
+        assert err[1:1 + len(HELP.splitlines())] == HELP.splitlines()
+        rest = err[1 + len(HELP.splitlines()):]
+        assert rest == [
+            "mtplx chat: unknown command /frobnicate; /help lists them (// sends a leading /)",
+            "mtplx chat: thinking on", "mtplx chat: thinking off",
+            "mtplx chat: /thinking takes on or off, not 'maybe'",
+            "mtplx chat: no reply yet", "mtplx chat: /reset takes no argument",
+            "mtplx chat: conversation cleared",
+        ]
+        assert chat.thinking is False and chat.messages == [{"role": "system",
+                                                             "content": "Be brief."}]
+    for ends in (EOFError(), KeyboardInterrupt()):  # Ctrl-D, or Ctrl-C at the prompt: exit 0
+        with chat_on(tiny_model_dir) as chat:
+            assert chat_loop(chat, Lines(ends), True) == 0
+            assert chat.err.getvalue().endswith("\n\n")  # the cursor leaves the prompt line
+
+
+def test_chat_turns_reset_and_slash_escape(tiny_model_dir):
+    with chat_on(tiny_model_dir, "--max-tokens", "4", "--no-thinking") as chat:
+        assert chat_loop(chat, Lines("hello there", "", "//etc is a folder"), False) == 0
+        assert [m["role"] for m in chat.messages] == ["user", "assistant"] * 2
+        assert chat.messages[2]["content"] == "/etc is a folder"
+        first = greedy(chat, chat.messages[:1], 4, thinking=False)
+        assert chat.messages[1]["content"] == parse_assistant(first, chat.rt.tokenizer,
+                                                              thinking=False)["content"]
+        assert chat.out.getvalue().count("\n") == 2 and "<think>" not in chat.out.getvalue()
+        assert chat.err.getvalue().count("reply cut at 4 tokens (--max-tokens)") == 2
+        assert chat_loop(chat, Lines("/reset", "/stats"), False) == 0
+        assert chat.messages == []
+        stats = chat.err.getvalue().splitlines()[-1]
+        assert stats.startswith("mtplx chat: last turn: prompt ")
+        assert "TTFT" in stats and "tok/s" in stats and "stop: length" in stats
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_conversation(tiny_model_dir, tmp_path):
+    # Writes: 1 the "<think>" prefix, then one per token; Ctrl-C on write 4 stops after 3 ids.
+    with chat_on(tiny_model_dir, "--max-tokens", "12", out=Out(4)) as chat:
+        assert chat_loop(chat, Lines("hello", "go on"), False) == 0
+        tok = chat.rt.tokenizer
+        partial = greedy(chat, chat.messages[:1], 3)
+        reply = parse_assistant(partial, tok)
+        assert chat.messages[1] == {"role": "assistant", "content": reply["content"],
+                                    "reasoning_content": reply["reasoning"]}
+        assert [m["role"] for m in chat.messages] == ["user", "assistant", "user", "assistant"]
+        full = greedy(chat, chat.messages[:3], 12)  # turn 2 saw the partial reply
+        assert chat.messages[3]["reasoning_content"] == parse_assistant(full, tok)["reasoning"]
+        printed = chat.out.getvalue()
+        first_reply = printed[:printed.index("<think>", 1)]
+        assert first_reply.endswith("\n</think>\n")  # closed, and the prompt starts a new line
+        assert chat.last_stats.stop_reason == "length"
+    # Ctrl-C before the first token stops the prefill after its first forward: the route trace
+    # holds that forward's 8 tokens only.
+    trace = tmp_path / "routes.jsonl"
+    with chat_on(tiny_model_dir, "--prefill-chunk", "8", "--trace-routes", str(trace),
+                 out=Out(1)) as chat:
+        assert chat_loop(chat, Lines("hello"), False) == 0
+        assert chat.messages[1]["reasoning_content"] == ""
+        assert chat.last_stats.stop_reason == "Ctrl-C"
+        assert chat.out.getvalue() == "<think>\n\n</think>\n"
+    assert len(list(read_trace(trace)[1])) == 8
+
+
+def test_second_ctrl_c_quits(tiny_model_dir):
+    with chat_on(tiny_model_dir, "--max-tokens", "12", out=Out(3, 3)) as chat:
+        assert chat_loop(chat, Lines("hello", "not read"), False) == 130
+        assert chat.out.getvalue().endswith("\n")
+        assert chat.err.getvalue().splitlines()[-1] == "mtplx chat: interrupted"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+
+
+def test_reply_cut_in_the_think_channel_is_closed_and_said(tiny_model_dir):
+    with chat_on(tiny_model_dir, "--max-tokens", "3") as chat:
+        assert chat_loop(chat, Lines("hello"), False) == 0
+        assert chat.out.getvalue().endswith("\n</think>\n")
+        assert chat.err.getvalue().splitlines() == [
+            "mtplx chat: reply cut at 3 tokens (--max-tokens) inside the think channel"]
+    # Without --max-tokens a reply may use the rest of --context.
+    n = len(render_chat(load_tokenizer(tiny_model_dir), [{"role": "user", "content": "hello"}]))
+    with chat_on(tiny_model_dir, "--context", str(n + 5)) as chat:
+        assert chat_loop(chat, Lines("hello", "more please"), False) == 0
+        assert chat.last_stats.generated_tokens == 5 and len(chat.messages) == 2
+        err = chat.err.getvalue().splitlines()
+        assert err[0] == ("mtplx chat: reply cut at 5 tokens (the rest of --context) inside "
+                          "the think channel")
+        assert err[1].startswith("mtplx chat: the conversation (") and "fills --context" in err[1]
+
+
+def test_stats_show_the_cache_when_streaming(tiny_model_dir, tmp_path):
+    from mtplx_runtime.artifact.build import build_artifact
+
+    art = tmp_path / "art"
+    build_artifact(tiny_model_dir, art, codec="keep", progress=False)
+    with chat_on(art, "--max-tokens", "3", "--memory-budget", "2GiB",
+                 "--kernels", "reference") as chat:
+        assert chat_loop(chat, Lines("hello", "/stats"), False) == 0
+        err = chat.err.getvalue().splitlines()
+        assert err[-2].startswith("mtplx chat: last turn: prompt") and "cache hit rate" in err[-2]
+        lookups = chat.last_cache["lookups"]
+        assert lookups > 0 and err[-1].startswith(f"mtplx chat: cache in the last turn: "
+                                                  f"{lookups} lookups, ")
+
+
+def test_cli_chat_reads_stdin_until_eof(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\n\nhow are you\n"))
+    args = ["chat", "--model", str(tiny_model_dir), "--max-tokens", "4", "--dtype", "float32"]
+    assert cli_main(args) == 0
+    out, err = capsys.readouterr()
+    assert out.count("<think>\n") == 2 and BANNER not in err  # not a terminal: no banner
+    monkeypatch.setattr("sys.stdin", io.StringIO("/exit\nnot read\n"))
+    assert cli_main(args) == 0
+    assert capsys.readouterr().out == ""
+
+
+# ---- the model state kept across turns (engine/session.py) ------------------------------------
+
+
+def test_session_prefills_only_new_ids_and_matches_a_fresh_prefill(tiny_model_dir):
+    model, tok = load_model(tiny_model_dir, dtype="float32"), load_tokenizer(tiny_model_dir)
+    session = Session(model)
+    opts = {"max_tokens": 6, "stop_ids": tok.stop_ids, "prefill_chunk": 8}
+
+    def turn(prompt):
+        stats = GenerationStats()
+        ids = list(session.generate(prompt, stats=stats, **opts))
+        assert ids == generate(model, prompt, **opts)[0]  # as a fresh full prefill gives
+        assert session.reused + stats.prompt_tokens == len(prompt)
+        return ids, stats.prompt_tokens
+
+    p1 = render_chat(tok, [{"role": "user", "content": "hello"}])
+    g1, n = turn(p1)
+    assert n == len(p1) and len(g1) == 6
+    # The state holds p1 + g1 but g1's last id (a reply cut by max_tokens is not decoded past
+    # its end): the next prompt extending p1 + g1 prefills from that id on.
+    p2 = p1 + g1 + tok.encode(" and more")
+    g2, n = turn(p2)
+    assert n == len(p2) - len(p1) - 5
+    # A prompt that leaves the state's ids after p2's end goes back to the mark taken there.
+    p3 = p2 + tok.encode(" instead")
+    _, n = turn(p3)
+    assert n == len(p3) - len(p2) and p3[len(p2)] != g2[0]
+    # One that differs before the mark starts from scratch; so does one after a reset.
+    p4 = tok.encode("Hi") + p3
+    assert turn(p4)[1] == len(p4)
+    session.reset()
+    assert turn(p1)[1] == len(p1)
+
+
+def test_session_stop_keeps_the_state_and_failures_drop_it(tiny_model_dir):
+    model, tok = load_model(tiny_model_dir, dtype="float32"), load_tokenizer(tiny_model_dir)
+    session = Session(model)
+    prompt = render_chat(tok, [{"role": "user", "content": "hello"}])
+    stats = GenerationStats()
+    assert list(session.generate(prompt, stats=stats, stop=lambda: True, max_tokens=4,
+                                 prefill_chunk=8)) == []
+    assert stats.stop_reason == "stopped" and session.ids == prompt[:8]  # one forward ran
+    stats = GenerationStats()
+    assert list(session.generate(prompt, stats=stats, max_tokens=4, prefill_chunk=8)) == \
+        generate(model, prompt, max_tokens=4)[0]
+    assert stats.prompt_tokens == len(prompt) - 8
+
+    class Broken:
+        def on_forward(self, model, phase, first_position, n_tokens):
+            raise RuntimeError("trace disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        list(session.generate(prompt + [5], trace=Broken(), max_tokens=4))
+    assert session.state is None and session.ids == []  # next turn: a fresh prefill
+
+
+def test_chat_turn_prefills_only_the_new_part(tiny_model_dir):
+    # The tiny model's noise replies do not re-render to the same ids, so turn 2 starts from
+    # the mark at turn 1's prompt end: it prefills the rendered reply and the new user line.
+    with chat_on(tiny_model_dir, "--max-tokens", "5") as chat:
+        assert chat_loop(chat, Lines("hello", "/stats", "tell me more", "/stats"), False) == 0
+        tok = chat.rt.tokenizer
+        p1 = render_chat(tok, chat.messages[:1])
+        p2 = render_chat(tok, chat.messages[:3])
+        assert p2[:len(p1)] == p1 and chat.last_stats.prompt_tokens == len(p2) - len(p1)
+        assert chat.messages[3]["reasoning_content"] == parse_assistant(
+            greedy(chat, chat.messages[:3], 5), tok)["reasoning"]
+        stats = [e for e in chat.err.getvalue().splitlines() if "last turn" in e]
+        assert stats[0].startswith(f"mtplx chat: last turn: prompt {len(p1)} tok,")
+        assert stats[0].endswith("; 0 earlier prompt tok reused")
+        assert stats[1].startswith(f"mtplx chat: last turn: prompt {len(p2) - len(p1)} tok,")
+        assert stats[1].endswith(f"; {len(p1)} earlier prompt tok reused")
+        # /thinking off re-renders the history without think channels: a fresh prefill.
+        assert chat_loop(chat, Lines("/thinking off", "again"), False) == 0
+        p3 = render_chat(tok, chat.messages[:5], thinking=False)
+        assert chat.last_stats.prompt_tokens == len(p3) and chat.session.reused == 0

@@ -369,30 +369,6 @@ def test_cli_generate_corrupt_model_is_an_error(cli, tmp_path, monkeypatch, caps
         "mtplx chat: error: the model produced non-finite logits")
 
 
-def test_cli_chat_two_turns_then_eof(cli, tiny, monkeypatch, capsys):
-    import mtplx_runtime.engine.chat as chat  # chat_cli imports render_chat inside main
-
-    seen = []
-
-    orig = chat.render_chat
-
-    def spy(tok, messages, **kw):
-        seen.append(json.loads(json.dumps(messages)))
-        return orig(tok, messages, **kw)
-
-    monkeypatch.setattr(chat, "render_chat", spy)
-    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\n\nhow are you\n"))
-    assert cli(["chat", "--model", str(tiny), "--max-tokens", "4", "--dtype", "float32"]) == 0
-    out, err = capsys.readouterr()
-    assert err.count("mtplx chat: prompt") == 2 and out.count("<think>") >= 2
-    assert [m["role"] for m in seen[0]] == ["user"]
-    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]
-    assert seen[1][2]["content"] == "how are you"
-    monkeypatch.setattr("sys.stdin", io.StringIO("/exit\nnot read\n"))
-    assert cli(["chat", "--model", str(tiny), "--max-tokens", "2"]) == 0
-    assert "mtplx chat: prompt" not in capsys.readouterr().err
-
-
 def test_cli_streamed_generation_matches_resident(cli, tiny, model, tok, tmp_path, capsys,
                                                    monkeypatch):
     pytest.importorskip("mtplx_runtime.offload.provider")

@@ -24,7 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("mtplx_runtime.cli.generate",
                  "generate from a prompt (or a one-message chat), streaming text; stats to stderr"),
     "chat": ("mtplx_runtime.cli.chat",
-             "interactive chat on stdin; the whole conversation is re-prefilled each turn"),
+             "interactive chat; each turn prefills only what the model state has not seen"),
     "make-tiny": ("mtplx_runtime.cli.make_tiny", "write a tiny deterministic K3 checkpoint"),
     "inspect": ("mtplx_runtime.cli.inspect", "summarise a K3 checkpoint: layout, codec, experts"),
     "logits": ("mtplx_runtime.cli.logits",

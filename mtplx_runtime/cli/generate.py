@@ -124,7 +124,7 @@ def load_runtime(args):
                          ("--prefill-chunk", args.prefill_chunk, 1),
                          ("--lookahead", args.lookahead, 0), ("--context", args.context, 1),
                          ("--host-slots", args.host_slots, 0)):
-        if v < low:
+        if v is not None and v < low:  # chat's --max-tokens defaults to None (rest of context)
             raise CliError(f"{flag} must be >= {low}, got {v}")
     slots = None
     if args.device_slots is not None:
@@ -181,6 +181,11 @@ class ReplyPrinter:
         self._channels = ChannelText(tok, thinking)
         self._kind = self._channels.kind
         self.prefix = "<think>\n" if thinking else ""  # the prompt opened this channel
+
+    @property
+    def in_think(self) -> bool:
+        """The printed text is inside an open `<think>` block."""
+        return self._kind == "reasoning"
 
     def _render(self, pieces: list[tuple[str, str]]) -> str:
         out = []
