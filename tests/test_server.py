@@ -738,3 +738,25 @@ def test_access_log_one_line_per_request(server):
                 time.sleep(0.01)
         assert _logged(lines, 7)[6] == ("POST", "/v1/completions", "-", "0")
     assert all("\n" not in line for line in lines)
+
+
+def test_a_request_without_max_tokens_gets_the_rest_of_the_context(server):
+    """As vLLM: no max_tokens (and no server --max-tokens) means up to --context minus the
+    prompt, never a silent 64-token cut; a prompt that fills the context is a 400 naming it."""
+    from mtplx_runtime.server.app import ServerConfig
+    from mtplx_runtime.server.params import ApiError, chat_params, completion_params
+
+    tok = server["rt"].tokenizer
+    cfg = ServerConfig(model_id=MODEL, context=200)
+    n = len(tok.encode(PROMPT))
+    p = completion_params({"model": MODEL, "prompt": PROMPT}, cfg, tok)
+    assert p["request"]["max_tokens"] == 200 - n
+    asked = completion_params({"model": MODEL, "prompt": PROMPT, "max_tokens": 3}, cfg, tok)
+    assert asked["request"]["max_tokens"] == 3
+    msgs = [{"role": "user", "content": PROMPT}]
+    c = chat_params({"model": MODEL, "messages": msgs}, cfg, tok)
+    assert c["request"]["max_tokens"] == 200 - len(c["request"]["prompt_ids"])
+    with pytest.raises(ApiError, match="leaves no room for a reply") as e:
+        completion_params({"model": MODEL, "prompt": PROMPT},
+                          ServerConfig(model_id=MODEL, context=n), tok)
+    assert e.value.status == 400

@@ -32,7 +32,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype of the model")
     p.add_argument("--no-thinking", action="store_true",
                    help="chat: render with thinking off (answer in the response channel)")
-    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="most tokens to generate (chat and serve: default the rest of "
+                        "--context)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1 = all)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely ids (0 = all)")

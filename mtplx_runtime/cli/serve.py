@@ -62,6 +62,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="one line per request on stderr: client, method, path, status, "
                         "duration, response body bytes")
     add_model_args(p)  # --context bounds prompt + max_tokens; --max-tokens is the default
+    p.set_defaults(max_tokens=None)  # a request without max_tokens gets the rest of --context
 
 
 def _uvicorn():
@@ -133,7 +134,7 @@ def check_args(args: argparse.Namespace) -> None:
                     ("--body-timeout", args.body_timeout)):
         if not 0 < t < float("inf"):  # NaN fails too
             raise CliError(f"{flag} must be a number of seconds > 0, got {t}")
-    if args.max_tokens < 1:
+    if args.max_tokens is not None and args.max_tokens < 1:
         raise CliError("--max-tokens (the default per request) must be >= 1")
 
 

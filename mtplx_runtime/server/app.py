@@ -35,7 +35,7 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     context: int = 4096  # the server's --context: prompt + max_tokens must fit
-    default_max_tokens: int = 64
+    default_max_tokens: int | None = None  # None: the rest of the context, as vLLM does
     thinking: bool = True  # chat default when the request does not say
 
 
