@@ -451,3 +451,36 @@ def test_cli_device_slots_show_cache_misses_on_a_small_model(cli, tiny, model, t
     assert "not both" in capsys.readouterr().err
     assert cli([*flags, "--host-slots", "2"]) == 2
     assert "--host-slots needs --device-slots" in capsys.readouterr().err
+
+
+def test_prefill_progress_lines_for_a_long_prompt(cli, tiny, model, tok, monkeypatch, capsys):
+    """A long prompt says how its prefill goes (stderr), at most every few seconds and at the
+    end; the route trace still sees every forward; the text is unchanged."""
+    import io
+
+    from mtplx_runtime.cli import generate as gen
+
+    ticks = iter(range(0, 1000, 3))  # each forward "takes" 3 s on a fake clock
+    err = io.StringIO()
+    seen = []
+
+    class Inner:
+        def on_forward(self, model, phase, first, n):
+            seen.append((phase, first, n))
+
+    hook = gen.PrefillProgress(20, err, inner=Inner(), every_s=5.0, clock=lambda: next(ticks))
+    for first in range(0, 20, 4):
+        hook.on_forward(model, "prefill", first, 4)
+    hook.on_forward(model, "decode", 20, 1)
+    lines = err.getvalue().splitlines()
+    # clock: start 0; forwards at 3 (4 done), 6 (8: 6 >= 5 -> line), 9, 12 (16: line), 15 (end)
+    assert lines == [f"mtplx: prefill {n}/20 tokens (1 tok/s)" for n in (8, 16, 20)]
+    assert seen[-1] == ("decode", 20, 1) and len(seen) == 6
+
+    monkeypatch.setattr(gen, "PROGRESS_MIN_TOKENS", 4)
+    assert cli(["generate", "--model", str(tiny), "--prompt", PROMPT, "--dtype", "float32",
+                "--max-tokens", "3", "--prefill-chunk", "2"]) == 0
+    out, err_text = capsys.readouterr()
+    n = len(tok.encode(PROMPT))
+    assert f"mtplx: prefill {n:,}/{n:,} tokens" in err_text
+    assert out == tok.decode(_manual_greedy(model, tok.encode(PROMPT), 3)) + "\n"

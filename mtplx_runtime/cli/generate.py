@@ -208,18 +208,50 @@ class ReplyPrinter:
         return self._render(self._channels.flush())
 
 
+PROGRESS_MIN_TOKENS = 1024  # shorter prompts prefill in about a second: no progress lines
+
+
+class PrefillProgress:
+    """A per-forward hook (`generate_step`'s `trace`) that prints a long prompt's prefill
+    progress to `err` at most every `every_s` seconds and once at the end, then hands each
+    forward to `inner` (the route trace, if any)."""
+
+    def __init__(self, total: int, err, inner=None, every_s: float = 2.0, clock=None):
+        import time
+
+        self.total, self.err, self.inner, self.every_s = total, err, inner, every_s
+        self.clock = clock or time.monotonic
+        self.start = self.last = self.clock()
+
+    def on_forward(self, model, phase: str, first_position: int, n_tokens: int) -> None:
+        if self.inner is not None:
+            self.inner.on_forward(model, phase, first_position, n_tokens)
+        if phase != "prefill":
+            return
+        done, now = first_position + n_tokens, self.clock()
+        if done >= self.total or now - self.last >= self.every_s:
+            rate = done / (now - self.start) if now > self.start else 0.0
+            print(f"mtplx: prefill {done:,}/{self.total:,} tokens ({rate:,.0f} tok/s)",
+                  file=self.err, flush=True)
+            self.last = now
+
+
 def run_turn(rt, args, prompt_ids: list[int], printer, out=None):
-    """Generate from prompt_ids, writing printer text to `out` as produced; (ids, stats)."""
+    """Generate from prompt_ids, writing printer text to `out` as produced; (ids, stats).
+    A prompt of PROGRESS_MIN_TOKENS or more reports its prefill progress on stderr."""
     from ..engine.generate import GenerationStats, generate_step
 
     out = sys.stdout if out is None else out
     stats = GenerationStats()
     ids: list[int] = []
+    hook = rt.trace
+    if len(prompt_ids) >= PROGRESS_MIN_TOKENS:
+        hook = PrefillProgress(len(prompt_ids), sys.stderr, inner=rt.trace)
     out.write(getattr(printer, "prefix", ""))
     for t in generate_step(rt.model, prompt_ids, max_tokens=args.max_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                            seed=args.seed, stop_ids=rt.tokenizer.stop_ids,
-                           prefill_chunk=args.prefill_chunk, trace=rt.trace, stats=stats):
+                           prefill_chunk=args.prefill_chunk, trace=hook, stats=stats):
         ids.append(t)
         out.write(printer.push(t))
         out.flush()
