@@ -122,3 +122,31 @@ def test_version(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"mtplx_runtime {mtplx_runtime.__version__}"
+
+
+def test_the_model_directory_is_a_flag_or_a_positional_everywhere(tmp_path, capsys):
+    """`--model DIR` and `DIR` are the same argument for every model-taking subcommand."""
+    tiny = tmp_path / "t"
+    assert main(["make-tiny", str(tiny), "--codec", "t158"]) == 0
+    capsys.readouterr()
+    outs = []
+    for argv in (["inspect", str(tiny)], ["inspect", "--model", str(tiny)]):
+        assert main(argv) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and "t158" in outs[0]
+    gen = ["--prompt", "hi", "--max-tokens", "2", "--dtype", "float32"]
+    texts = []
+    for argv in (["generate", str(tiny), *gen], ["generate", "--model", str(tiny), *gen]):
+        assert main(argv) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+    assert main(["plan", str(tiny), "--memory-budget", "8GiB"]) == 0
+    capsys.readouterr()
+    assert main(["generate", *gen]) == 2
+    assert "the model directory is required: --model DIR (or DIR)" in capsys.readouterr().err
+    assert main(["verify", str(tiny), "--model", str(tmp_path / "other")]) == 2
+    assert "two model directories given" in capsys.readouterr().err
+    for name in ("generate", "chat", "serve", "logits", "plan", "inspect", "verify"):
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        assert "--model DIR" in capsys.readouterr().out, name

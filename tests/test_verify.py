@@ -3,7 +3,6 @@ by hand: random bank bytes laid out per `descriptor_for`, a resident shard, an i
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -26,7 +25,7 @@ from mtplx_runtime.artifact.manifest import (
     write_manifest,
 )
 from mtplx_runtime.checkpoint.safetensors_io import write_safetensors
-from mtplx_runtime.cli import verify as verify_cli
+from mtplx_runtime.cli import main as cli_main
 from mtplx_runtime.fixtures.tiny import tiny_config
 from mtplx_runtime.formats.record import padded_layout, tensor_name
 
@@ -81,9 +80,7 @@ def build(root, mode="t158", bits=None):
 
 
 def run_cli(root, *flags):
-    p = argparse.ArgumentParser()
-    verify_cli.add_args(p)
-    return verify_cli.main(p.parse_args([str(root), *flags]))
+    return cli_main(["verify", str(root), *flags])
 
 
 @pytest.mark.parametrize("mode, bits", [("t158", None), ("mxfp4", None), ("ct-int", 3),

@@ -16,6 +16,7 @@ from .. import __version__
 from ..checkpoint.safetensors_io import CheckpointError
 from ..engine import presets
 from ..formats.base import FormatError
+from . import model_dir
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -87,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
     except presets.PresetError as e:
         print(f"mtplx {_command(argv)}: error: {e}", file=sys.stderr)
+        return 2
+    why = model_dir.resolve(args)
+    if why is not None:
+        print(f"mtplx {args.command}: error: {why}", file=sys.stderr)
         return 2
     try:
         return int(importlib.import_module(args._module).main(args) or 0)

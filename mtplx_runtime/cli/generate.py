@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from .model_dir import add_model_dir
+
 PROG = "mtplx generate"
 
 
@@ -27,7 +29,7 @@ class CliError(Exception):
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by `generate` and `chat`: model, sampling, memory, trace."""
-    p.add_argument("--model", required=True, help="checkpoint or streaming artifact directory")
+    add_model_dir(p, "checkpoint or streaming artifact directory")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="compute dtype of the model")
     p.add_argument("--no-thinking", action="store_true",

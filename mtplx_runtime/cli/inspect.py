@@ -11,9 +11,11 @@ import argparse
 
 import numpy as np
 
+from .model_dir import add_model_dir
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="checkpoint directory (config.json + safetensors shards)")
+    add_model_dir(p, "checkpoint directory (config.json + safetensors shards)")
     p.add_argument("--decode", type=int, default=0, metavar="E",
                    help="decode E experts spread over the MoE layers and report their statistics")
 

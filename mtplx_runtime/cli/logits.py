@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .model_dir import add_model_dir
+
 
 def _token_list(text: str) -> list[int]:
     try:
@@ -18,7 +20,7 @@ def _token_list(text: str) -> list[int]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory")
+    add_model_dir(p, "checkpoint directory")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="model dtype, as generate's default (float32 for exact comparisons); "
                         "the saved logits are float32 either way")

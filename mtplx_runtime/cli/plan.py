@@ -7,14 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from ..engine.presets import add_config_arg
+from .model_dir import add_model_dir
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, required=True, metavar="DIR",
-                        help="streaming artifact (expert-manifest.json) or plain checkpoint")
+    add_model_dir(parser, "streaming artifact (expert-manifest.json) or plain checkpoint",
+                  path=True)
     parser.add_argument("--memory-budget", default=None, metavar="SIZE",
                         help="bytes the process may use, e.g. 8GiB, 512MiB, 1.5GB (default: the "
                              "memory the OS reports available, MemAvailable, as generate uses)")

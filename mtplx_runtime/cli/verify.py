@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 
 from ..artifact.verify import verify_artifact
+from .model_dir import add_model_dir
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("artifact", help="artifact directory holding expert-manifest.json")
+    add_model_dir(parser, "artifact directory holding expert-manifest.json", dest="artifact")
     parser.add_argument("--records", action="store_true",
                         help="re-read every record and compare its SHA-256")
     parser.add_argument("--shard-hashes", action="store_true",

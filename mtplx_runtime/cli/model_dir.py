@@ -1,0 +1,36 @@
+"""The model directory argument, one form for every subcommand that takes one: `--model DIR` or
+a positional `DIR`, whichever the user types (`generate`, `chat`, `serve`, `logits`, `plan`,
+`inspect`, `verify`). `resolve` runs after parsing and leaves the path in `args.<dest>`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+_POSITIONAL = "_model_dir_positional"
+
+
+def add_model_dir(p: argparse.ArgumentParser, help: str, *, dest: str = "model",
+                  path: bool = False) -> None:
+    """`--model DIR` and a positional `DIR` for the same value; one of them is required."""
+    kind = Path if path else str
+    p.add_argument(_POSITIONAL, nargs="?", type=kind, default=None, metavar="DIR",
+                   help=f"{help} (or --model DIR)")
+    p.add_argument("--model", dest=dest, type=kind, default=None, metavar="DIR",
+                   help=f"{help} (or as the positional DIR)")
+    p.set_defaults(_model_dir_dest=dest)
+
+
+def resolve(args: argparse.Namespace) -> str | None:
+    """Merge the two forms into `args.<dest>`; the error text when neither or two different
+    directories were given (None when fine, or when the subcommand takes no model)."""
+    dest = getattr(args, "_model_dir_dest", None)
+    if dest is None:
+        return None
+    flag, pos = getattr(args, dest), getattr(args, _POSITIONAL)
+    if flag is not None and pos is not None and flag != pos:
+        return f"two model directories given ({pos} and --model {flag}): give one"
+    if flag is None and pos is None:
+        return "the model directory is required: --model DIR (or DIR)"
+    setattr(args, dest, flag if flag is not None else pos)
+    return None
