@@ -150,3 +150,21 @@ def test_the_model_directory_is_a_flag_or_a_positional_everywhere(tmp_path, caps
         with pytest.raises(SystemExit):
             main([name, "--help"])
         assert "--model DIR" in capsys.readouterr().out, name
+
+
+def test_help_gives_every_options_default():
+    """Every option of every subcommand says its default in --help (the shared formatter adds
+    it unless the help text already does)."""
+    import argparse
+
+    from mtplx_runtime.cli import DefaultsHelp, _build
+
+    _, subs = _build()
+    for name, p in subs.items():
+        fmt = DefaultsHelp(prog=name)
+        for a in p._actions:
+            if isinstance(a, argparse._HelpAction) or a.default is argparse.SUPPRESS \
+                    or a.required or not a.option_strings:
+                continue
+            assert "default" in fmt._get_help_string(a), (name, a.option_strings)
+        assert p.format_help()  # every default formats (lists, None, booleans)

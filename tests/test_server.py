@@ -124,7 +124,9 @@ def test_help_and_clear_error_without_server_extra(tmp_path):
 
 
 def test_help_shows_every_default():
-    parser = argparse.ArgumentParser(prog="mtplx serve")
+    from mtplx_runtime.cli import DefaultsHelp
+
+    parser = argparse.ArgumentParser(prog="mtplx serve", formatter_class=DefaultsHelp)
     add_args(parser)
     text = parser.format_help()
     blocks = re.split(r"\n  (?=-)", text.split("\noptions:\n", 1)[1].strip())

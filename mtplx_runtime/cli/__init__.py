@@ -45,6 +45,19 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class DefaultsHelp(argparse.HelpFormatter):
+    """Every option's default at the end of its help, unless its help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.required or action.default is argparse.SUPPRESS:
+            return text
+        d = action.default
+        shown = ("none" if d is None else "off" if d is False else "on" if d is True
+                 else ",".join(map(str, d)) if isinstance(d, (list, tuple)) else "%(default)s")
+        return f"{text} (default: {shown})"
+
+
 def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The `mtplx` parser and its subparsers by name."""
     parser = argparse.ArgumentParser(
@@ -55,7 +68,8 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     subs = {}
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = subs[name] = sub.add_parser(name, help=help_text, description=help_text)
+        p = subs[name] = sub.add_parser(name, help=help_text, description=help_text,
+                                        formatter_class=DefaultsHelp)
         p.set_defaults(_module=module)
         importlib.import_module(module).add_args(p)
     return parser, subs

@@ -14,9 +14,11 @@ def add_model_dir(p: argparse.ArgumentParser, help: str, *, dest: str = "model",
                   path: bool = False) -> None:
     """`--model DIR` and a positional `DIR` for the same value; one of them is required."""
     kind = Path if path else str
-    p.add_argument(_POSITIONAL, nargs="?", type=kind, default=None, metavar="DIR",
+    # SUPPRESS: an absent form leaves no attribute, so neither overwrites the other and help
+    # shows no "(default: ...)" for a required value.
+    p.add_argument(_POSITIONAL, nargs="?", type=kind, default=argparse.SUPPRESS, metavar="DIR",
                    help=f"{help} (or --model DIR)")
-    p.add_argument("--model", dest=dest, type=kind, default=None, metavar="DIR",
+    p.add_argument("--model", dest=dest, type=kind, default=argparse.SUPPRESS, metavar="DIR",
                    help=f"{help} (or as the positional DIR)")
     p.set_defaults(_model_dir_dest=dest)
 
@@ -27,7 +29,7 @@ def resolve(args: argparse.Namespace) -> str | None:
     dest = getattr(args, "_model_dir_dest", None)
     if dest is None:
         return None
-    flag, pos = getattr(args, dest), getattr(args, _POSITIONAL)
+    flag, pos = getattr(args, dest, None), getattr(args, _POSITIONAL, None)
     if flag is not None and pos is not None and flag != pos:
         return f"two model directories given ({pos} and --model {flag}): give one"
     if flag is None and pos is None:

@@ -21,21 +21,9 @@ import sys
 PROG = "mtplx serve"
 
 
-class _Help(argparse.HelpFormatter):
-    """Every option's default at the end of its help, unless its help already says it."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text or action.required or action.default is argparse.SUPPRESS:
-            return text
-        shown = {None: "none", False: "off", True: "on"}.get(action.default, "%(default)s")
-        return f"{text} (default: {shown})"
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     from .generate import add_model_args
 
-    p.formatter_class = _Help
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (loopback; 0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
