@@ -208,6 +208,8 @@ def test_single_file_checkpoint_and_cli(tmp_path, capsys):
     recode_w4_cli.add_args(parser)
     assert recode_w4_cli.main(parser.parse_args([str(root), str(tmp_path / "out")])) == 0
     assert "1 shards, 1 tensors recoded from the dense 3-bit layout" in capsys.readouterr().err
+    for flag in ("--no-progress", "--quiet"):  # one spelling across subcommands, either works
+        assert parser.parse_args([str(root), "dst", flag]).quiet is True
     out = SafetensorsFile(tmp_path / "out" / "model.safetensors")
     assert out.read("x.weight_packed").shape == (8, 8)
     assert out.read_bytes("y.weight") == np.arange(6, dtype=np.uint16).tobytes()

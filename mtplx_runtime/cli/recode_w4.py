@@ -15,7 +15,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=("dense", "legacy"), default=None,
                         help="force the 3-bit layout when quantization_config.version contradicts "
                              "the packed widths (hand-made checkpoints only)")
-    parser.add_argument("--quiet", action="store_true", help="no per-shard progress on stderr")
+    parser.add_argument("--no-progress", "--quiet", dest="quiet", action="store_true",
+                        help="no per-shard progress on stderr (both spellings, as "
+                             "build-manifest)")
 
 
 def main(args: argparse.Namespace) -> int:
