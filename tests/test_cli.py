@@ -115,6 +115,13 @@ def test_inspect_reports_layout_and_sizes(tmp_path, capsys):
     assert "layout        t158" in out
     assert "5,760 (1.875 bits/weight)" in out  # 3 projections of 128x64 at 15 B per 64 weights
     assert out.count("finite True") == 6  # 2 experts x 3 projections
+    make_tiny(tmp_path / "w3", "w3")
+    assert main(["recode-w4", str(tmp_path / "w3"), str(tmp_path / "w4"), "--quiet"]) == 0
+    for name, bits, packing in (("w3", 3, "legacy"), ("w4", 4, "dense")):
+        assert main(["inspect", str(tmp_path / name)]) == 0
+        assert (f"layout        compressed-tensors int W{bits} ({packing} packing, symmetric, "
+                f"group 64); build-manifest keeps it as bank mode ct-int bits {bits}"
+                ) in capsys.readouterr().out
 
 
 def test_version(capsys):

@@ -43,11 +43,24 @@ def describe(ckpt) -> list[tuple[str, str]]:
         ("hidden", f"{cfg.hidden_size}, vocab {cfg.vocab_size}"),
         ("experts", f"{cfg.num_experts} routed per MoE layer, top-{cfg.num_experts_per_token}, "
                     f"{g[1]} -> {g[0]} -> {g[1]}, {cfg.num_shared_experts} shared"),
-        ("layout", f"{ckpt.layout}: {ckpt.codec!r}"),
+        ("layout", layout_text(ckpt.layout, ckpt.codec)),
         ("bytes/expert", f"{expert_bytes:,} ({8 * expert_bytes / weights:.3f} bits/weight)"),
         ("routed", f"{_gb(routed)} in {len(moe) * cfg.num_experts:,} experts"),
         ("resident", f"{_gb(resident_bytes)} in {len(residents):,} tensors"),
     ]
+
+
+def layout_text(layout: str, codec) -> str:
+    """The expert layout in words that match the rest of the tools: a compressed-tensors int
+    checkpoint (reader layout "w3": `make-tiny --codec w3`, or a W4 from recode-w4) names its
+    bit width and the bank mode build-manifest keeps it as (FORMAT.md "Bank parts")."""
+    bits = getattr(codec, "num_bits", None)
+    if bits is None:
+        return f"{layout}: {codec!r}"
+    sym = codec.symmetric
+    return (f"compressed-tensors int W{bits} ({codec.layout} packing, "
+            f"{'symmetric' if sym else 'asymmetric'}, group {codec.group_size}); "
+            f"build-manifest keeps it as bank mode ct-int{'' if sym else '-asym'} bits {bits}")
 
 
 def main(args: argparse.Namespace) -> int:
