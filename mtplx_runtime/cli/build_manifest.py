@@ -17,8 +17,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="source checkpoint directory (safetensors or GGUF Q2_K)")
     parser.add_argument("out", type=Path, metavar="OUT", help="artifact directory (created)")
     parser.add_argument("--codec", choices=("keep", "t158"), default="keep",
-                        help="keep the source codec (default) or re-encode experts to t158; "
-                             "a GGUF Q2_K source always becomes t158")
+                        help="expert codec of the bank to write: keep the source's (default) "
+                             "or re-encode to t158; a GGUF Q2_K source always becomes t158")
     parser.add_argument("--layers", default=None, metavar="SPEC",
                         help="MoE layers to build, e.g. 1-5,7 (default: all); more layers than "
                              "a finished OUT holds extend it")

@@ -87,8 +87,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="lru, lfu, freq[:DECAY], belady (Belady's MIN is always added)")
     p.add_argument("--disk-gbps", type=_positive, default=7.0, help="drive read rate, GB/s")
     p.add_argument("--codec", choices=("t158", "w3", "mxfp4"),
-                   help="price SSD reads with K3 records of this codec (t158 7.74 MB, w3 13.4 MB, "
-                        "mxfp4 17.5 MB); default: the traces' record_bytes, else t158")
+                   help="expert codec of the records read: prices SSD reads with K3 records "
+                        "of it (t158 7.74 MB, w3 13.4 MB, mxfp4 17.5 MB); default: the traces' "
+                        "record_bytes, else t158")
     p.add_argument("--prefill-chunk", type=int, default=64,
                    help="prefill chunk the trace was recorded with (prefill read counting)")
     p.add_argument("--workers", type=_workers, default=0,
