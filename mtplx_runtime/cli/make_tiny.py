@@ -15,8 +15,9 @@ from ..fixtures.tiny_weights import CODECS, W3_LAYOUTS
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", type=Path, metavar="OUT",
                         help="output directory (created if missing)")
-    parser.add_argument("--codec", required=True, choices=CODECS, help="expert codec of the checkpoint to write (its published "
-                        "on-disk layout)")
+    parser.add_argument("--codec", required=True, choices=CODECS,
+                        help="expert codec of the checkpoint to write (its published on-disk "
+                             "layout)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--w3-layout", choices=W3_LAYOUTS, default=None,
                         help="3-bit packing for --codec w3 (default legacy, as vellum ships)")
