@@ -13,14 +13,14 @@ _POSITIONAL = "_model_dir_positional"
 def add_model_dir(p: argparse.ArgumentParser, help: str, *, dest: str = "model",
                   path: bool = False) -> None:
     """`--model DIR` and a positional `DIR` for the same value; one of them is required."""
-    kind = Path if path else str
     # SUPPRESS: an absent form leaves no attribute, so neither overwrites the other and help
-    # shows no "(default: ...)" for a required value.
-    p.add_argument(_POSITIONAL, nargs="?", type=kind, default=argparse.SUPPRESS, metavar="DIR",
+    # shows no "(default: ...)" for a required value. No `type=`: argparse would apply it to
+    # the SUPPRESS marker of an absent positional; `resolve` converts instead.
+    p.add_argument(_POSITIONAL, nargs="?", default=argparse.SUPPRESS, metavar="DIR",
                    help=f"{help} (or --model DIR)")
-    p.add_argument("--model", dest=dest, type=kind, default=argparse.SUPPRESS, metavar="DIR",
+    p.add_argument("--model", dest=dest, default=argparse.SUPPRESS, metavar="DIR",
                    help=f"{help} (or as the positional DIR)")
-    p.set_defaults(_model_dir_dest=dest)
+    p.set_defaults(_model_dir_dest=dest, _model_dir_path=path)
 
 
 def resolve(args: argparse.Namespace) -> str | None:
@@ -34,5 +34,6 @@ def resolve(args: argparse.Namespace) -> str | None:
         return f"two model directories given ({pos} and --model {flag}): give one"
     if flag is None and pos is None:
         return "the model directory is required: --model DIR (or DIR)"
-    setattr(args, dest, flag if flag is not None else pos)
+    value = flag if flag is not None else pos
+    setattr(args, dest, Path(value) if args._model_dir_path else value)
     return None

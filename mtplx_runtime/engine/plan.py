@@ -30,8 +30,12 @@ from ..formats.record import align_up, record_layout
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2}
 ACT_BYTES = 4  # workspace activations are estimated in fp32 (the reference's fp32 islands)
 # Python + torch + this package: 226 MiB RSS measured (torch 2.13 CPU, Linux x86-64), doubled
-# for allocator arenas, I/O thread stacks and the CUDA context of a GPU run.
+# for allocator arenas, I/O thread stacks and the CUDA context of a GPU run. The estimate for a
+# plan made without the runtime loaded (`mtplx plan`); `load` measures its own (below).
 RUNTIME_FLOOR_BYTES = 512 * 2**20
+# A loaded process's floor: what it holds before the model (interpreter, torch, the manifest)
+# plus half again for allocator arenas and the reader/prefetch thread stacks.
+MEASURED_FLOOR_HEADROOM = 1.5
 RESERVE_FRACTION = 0.05  # of the budget, for allocator fragmentation
 MAX_AUTO_CHUNK = 256
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9,
@@ -83,6 +87,23 @@ def mem_available_bytes() -> int:
     except OSError:
         pass
     raise PlanError("cannot read MemAvailable from /proc/meminfo; give a memory budget")
+
+
+def process_rss_bytes() -> int:
+    """VmRSS of this process from /proc/self/status."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise PlanError("cannot read VmRSS from /proc/self/status")
+
+
+def measured_runtime_floor() -> int:
+    """The runtime floor of this process, measured: its resident size now (call it before the
+    model loads) times MEASURED_FLOOR_HEADROOM, rounded up to a MiB."""
+    return align_up(int(process_rss_bytes() * MEASURED_FLOOR_HEADROOM), 2**20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +183,7 @@ class MemoryPlan:
     minimum_budget: int = 0  # smallest memory_budget that plans at prefill chunk minimum_chunk
     minimum_chunk: int = 1
     minimum_dominant: str = ""  # the largest item at the minimum
+    reserve_floor: int = RUNTIME_FLOOR_BYTES  # the runtime floor inside `items["reserve"]`
 
     @property
     def fixed_bytes(self) -> int:
@@ -313,7 +335,7 @@ def _plan(facts, budget, host, context, dtype, batch, chunk, io_buffers, decoded
         working_set_records=working, decoded_experts=decoded, items=items,
         compute_slots=slots, host_slots=host_slots, slack_bytes=left - slots * stride,
         host_slack_bytes=host - host_slots * stride, minimum_budget=minimum, minimum_chunk=chunk,
-        minimum_dominant=top)
+        minimum_dominant=top, reserve_floor=floor)
 
 
 def _minimum_budget(need: int, frac: float) -> int:
@@ -341,7 +363,8 @@ def format_plan(plan: MemoryPlan) -> str:
              f"activations, chunk {p.prefill_chunk}; {p.decoded_experts} decoded experts"),
             ("I/O buffers", p.items["io_buffers"],
              f"{p.items['io_buffers'] // p.record_stride} x {p.record_stride:,} B"),
-            ("reserve", p.items["reserve"], "runtime floor + fraction of the budget"),
+            ("reserve", p.items["reserve"],
+             f"runtime floor {fmt_bytes(p.reserve_floor)} + fraction of the budget"),
             ("compute-tier slots", p.compute_slots * p.record_stride,
              f"{p.compute_slots} slots x {p.record_stride:,} B"),
             ("slack", p.slack_bytes, "unused")]

@@ -29,7 +29,7 @@ from ..model.kimi_k3 import KimiK3
 from ..model.load import load_residents, model_dtype
 from ..model.moe import ResidentExpertProvider
 from ..offload.provider import StreamingExpertProvider
-from .plan import MemoryPlan, make_plan, mem_available_bytes
+from .plan import MemoryPlan, make_plan, measured_runtime_floor, mem_available_bytes
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["Runtime", "load", "load_model"]
@@ -126,9 +126,12 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
             n = len(bank.layers)
             compute_bytes, host_bytes = cache_slots[0] * n * stride, cache_slots[1] * n * stride
         else:
+            # The floor is this process measured now (interpreter, torch, manifest), not the
+            # fixed estimate `mtplx plan` uses without a runtime.
             plan = make_plan(root, memory_budget=memory_budget or mem_available_bytes(),
                              host_budget=host_budget, context=context, dtype=dtype,
-                             prefill_chunk=prefill_chunk, manifest=bank.manifest)
+                             prefill_chunk=prefill_chunk, manifest=bank.manifest,
+                             reserve_floor=measured_runtime_floor())
             compute_bytes = plan.compute_slots * plan.record_stride
             host_bytes = plan.host_slots * plan.record_stride
         provider = StreamingExpertProvider(
