@@ -230,3 +230,29 @@ def test_load_sizes_the_runtime_floor_from_its_own_process(tiny, monkeypatch):
     assert make_plan(tiny[1], memory_budget="1GiB").reserve_floor == RUNTIME_FLOOR_BYTES
     monkeypatch.undo()
     assert 0 < plan_mod.process_rss_bytes() < 64 * GiB  # the real reader reads this process
+
+
+def test_the_default_context_is_what_the_plan_affords(tiny, monkeypatch, capsys):
+    """No --context: the longest power of two (4,096 .. 32,768) whose plan keeps 90 % of the
+    4,096-token plan's expert slots; printed by generate; a tight budget stays at 4,096."""
+    import mtplx_runtime
+    from mtplx_runtime.cli import main as cli_main
+    from mtplx_runtime.engine import plan as plan_mod
+
+    facts = facts_from_dir(tiny[1])
+    roomy = plan_mod.afforded_context(facts, memory_budget="8GiB")
+    assert roomy == 32768  # the tiny model's state is small: the ceiling
+    base = plan_for(facts, memory_budget="8GiB", context=4096)
+    assert plan_for(facts, memory_budget="8GiB", context=roomy).compute_slots \
+        >= 0.9 * base.compute_slots
+    minimum = base.minimum_budget
+    tight = plan_mod.afforded_context(facts, memory_budget=minimum + 2**20)
+    assert tight == 4096
+    with mtplx_runtime.load(tiny[1], dtype="float32", kernels="reference",
+                            memory_budget="8GiB", tokenizer=False) as rt:
+        assert rt.context == 32768 and rt.plan.context == 32768
+    assert cli_main(["generate", str(tiny[1]), "--prompt", "hi", "--max-tokens", "1",
+                     "--dtype", "float32", "--memory-budget", "8GiB",
+                     "--kernels", "reference"]) == 0
+    assert "mtplx: context 32,768 tokens: the longest this memory plan affords" in \
+        capsys.readouterr().err

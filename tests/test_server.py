@@ -136,7 +136,7 @@ def test_help_shows_every_default():
         if not block.startswith(("-h", "--model ")):  # --help; --model is required
             assert "default" in block, block
     for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: none, open to all)",
-                  "(default: bfloat16)", "(default: 4096)"):
+                  "(default: bfloat16)", "affords, 4,096 to 32,768"):
         assert shown in text
     assert re.search(r"--access-log +one line per request[^-]*\(default: off\)", text), text
 

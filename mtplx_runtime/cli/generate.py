@@ -51,9 +51,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "instead of a memory budget (small models, cache experiments)")
     p.add_argument("--host-slots", type=int, default=0, metavar="N",
                    help="with --device-slots: N host-tier slots per MoE layer")
-    p.add_argument("--context", type=int, default=4096,
+    p.add_argument("--context", type=int, default=None,
                    help="most tokens of prompt + reply: the memory plan reserves state for this "
-                        "many, so a longer prompt is refused (or cut, --truncate)")
+                        "many, so a longer prompt is refused (or cut, --truncate) (default: the "
+                        "longest the memory plan affords, 4,096 to 32,768, printed; 4,096 "
+                        "without a plan)")
     p.add_argument("--cache-policy", default="lru", choices=("lru", "freq"),
                    help="expert cache replacement policy (streaming)")
     p.add_argument("--lookahead", type=int, default=1,
@@ -153,6 +155,11 @@ def load_runtime(args):
                   cache_slots=slots)
     except (PlanError, ValueError, RuntimeError) as e:  # budget, bank/kernel mismatch, kernels
         raise CliError(str(e)) from None
+    if args.context is None:
+        args.context = rt.context
+        if rt.plan is not None:
+            print(f"mtplx: context {rt.context:,} tokens: the longest this memory plan affords "
+                  "while keeping its expert cache (--context sets it)", file=sys.stderr)
     if rt.streamed and args.no_verify:
         print("mtplx: integrity checks off (--no-verify): a damaged record or shard would go "
               "unnoticed", file=sys.stderr)

@@ -37,6 +37,13 @@ RUNTIME_FLOOR_BYTES = 512 * 2**20
 # plus half again for allocator arenas and the reader/prefetch thread stacks.
 MEASURED_FLOOR_HEADROOM = 1.5
 RESERVE_FRACTION = 0.05  # of the budget, for allocator fragmentation
+DEFAULT_CONTEXT = 4096  # tokens, when nothing else decides
+# An afforded context (afforded_context) grows in powers of two up to here, and only while the
+# expert cache keeps this share of its slots: long contexts where memory has room, never bought
+# by starving the cache; the ceiling keeps a reply that never stops (max_tokens = the rest of
+# the context) from running for hours.
+CONTEXT_CEILING = 32768
+CONTEXT_KEEP_SLOTS = 0.9
 MAX_AUTO_CHUNK = 256
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9,
           "GB": 10**9, "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
@@ -344,6 +351,23 @@ def _minimum_budget(need: int, frac: float) -> int:
     while b - int(b * frac) < need:
         b += 1
     return b
+
+
+def afforded_context(facts: ModelFacts, *, memory_budget: int | str, **kwargs) -> int:
+    """The longest context, a power of two from DEFAULT_CONTEXT up to CONTEXT_CEILING (and the
+    model's max positions), whose plan keeps CONTEXT_KEEP_SLOTS of the compute slots the
+    DEFAULT_CONTEXT plan gets. Raises PlanError when even DEFAULT_CONTEXT does not plan."""
+    base = plan_for(facts, memory_budget=memory_budget, context=DEFAULT_CONTEXT, **kwargs)
+    best, ctx = DEFAULT_CONTEXT, 2 * DEFAULT_CONTEXT
+    while ctx <= min(CONTEXT_CEILING, facts.cfg.max_position_embeddings):
+        try:
+            p = plan_for(facts, memory_budget=memory_budget, context=ctx, **kwargs)
+        except PlanError:
+            break
+        if p.compute_slots < CONTEXT_KEEP_SLOTS * base.compute_slots:
+            break
+        best, ctx = ctx, 2 * ctx
+    return best
 
 
 def make_plan(model_dir: str | Path, *, memory_budget: int | str, manifest=None,

@@ -29,7 +29,15 @@ from ..model.kimi_k3 import KimiK3
 from ..model.load import load_residents, model_dtype
 from ..model.moe import ResidentExpertProvider
 from ..offload.provider import StreamingExpertProvider
-from .plan import MemoryPlan, make_plan, measured_runtime_floor, mem_available_bytes
+from .plan import (
+    DEFAULT_CONTEXT,
+    MemoryPlan,
+    afforded_context,
+    facts_from_dir,
+    measured_runtime_floor,
+    mem_available_bytes,
+    plan_for,
+)
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["Runtime", "load", "load_model"]
@@ -48,6 +56,7 @@ class Runtime:
     provider: StreamingExpertProvider | ResidentExpertProvider
     plan: MemoryPlan | None = None
     trace: object | None = None
+    context: int = DEFAULT_CONTEXT  # tokens of prompt + reply this run holds state for
 
     @property
     def streamed(self) -> bool:
@@ -73,18 +82,20 @@ class Runtime:
 
 def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None,
          host_budget=0, kernels: str | ModuleType | None = None, lookahead: int = 1,
-         cache_policy: str = "lru", context: int = 4096, prefill_chunk: int = 64,
+         cache_policy: str = "lru", context: int | None = None, prefill_chunk: int = 64,
          cache_slots: tuple[int, int] | None = None, tokenizer: bool = True,
          verify: bool = True, device: str | None = None) -> Runtime:
     """Load the model at `path` (a streaming artifact or any checkpoint the reader accepts).
 
     Experts stream from the bank when `path` is a streaming artifact or `memory_budget` is given
     (a budget needs an artifact): `memory_budget` (bytes or "24GiB"; None: MemAvailable) and
-    `host_budget` are split by the memory plan (`engine.plan`) for `context` tokens and
+    `host_budget` are split by the memory plan (`engine.plan`) for `context` tokens (None: the
+    longest the budget affords, `plan.afforded_context`; DEFAULT_CONTEXT without a plan) and
     `prefill_chunk`; `cache_slots=(device, host)` per MoE layer sizes the cache directly instead
-    (demos, benchmarks). `kernels`: 'reference' | 'cpu' | 'cuda' | 'auto' | None ($MTPLX_KERNELS,
-    else the best available); with the cuda kernels the residents live on the GPU. Otherwise
-    every expert is decoded once and kept resident (tiny models, tests).
+    (demos, benchmarks). The context used is `Runtime.context`. `kernels`: 'reference' |
+    'cpu' | 'cuda' | 'auto' | None ($MTPLX_KERNELS, else the best available); with the cuda
+    kernels the residents live on the GPU. Otherwise every expert is decoded once and kept
+    resident (tiny models, tests).
     `dtype`: "bfloat16" | "float32". `tokenizer=False` skips the tokenizer (logits-only use).
     `verify` (streamed experts): every record read is checked (its manifest SHA-256 the first
     time, then its learned XXH64: `offload.digests`) and every resident shard before use
@@ -105,7 +116,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
         tok = load_tokenizer(root) if tokenizer else None
         dev = device or "cpu"
         provider = ResidentExpertProvider(ckpt, torch_dtype, dev)
-        return Runtime(_build(ckpt, torch_dtype, dev, provider), tok, provider)
+        return Runtime(_build(ckpt, torch_dtype, dev, provider), tok, provider,
+                       context=context or DEFAULT_CONTEXT)
     if not is_artifact(root):
         raise ValueError(f"{root} is not a streaming artifact (no expert-manifest.json): build "
                          "one with `mtplx build-manifest`, or load it without a memory budget "
@@ -128,10 +140,13 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
         else:
             # The floor is this process measured now (interpreter, torch, manifest), not the
             # fixed estimate `mtplx plan` uses without a runtime.
-            plan = make_plan(root, memory_budget=memory_budget or mem_available_bytes(),
-                             host_budget=host_budget, context=context, dtype=dtype,
-                             prefill_chunk=prefill_chunk, manifest=bank.manifest,
-                             reserve_floor=measured_runtime_floor())
+            budget = memory_budget or mem_available_bytes()
+            facts = facts_from_dir(root, bank.manifest)
+            kw = dict(host_budget=host_budget, dtype=dtype, prefill_chunk=prefill_chunk,
+                      reserve_floor=measured_runtime_floor())
+            if context is None:
+                context = afforded_context(facts, memory_budget=budget, **kw)
+            plan = plan_for(facts, memory_budget=budget, context=context, **kw)
             compute_bytes = plan.compute_slots * plan.record_stride
             host_bytes = plan.host_slots * plan.record_stride
         provider = StreamingExpertProvider(
@@ -145,7 +160,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
             raise
     finally:
         ckpt.close()  # residents are in memory now; the provider has its own reader
-    return Runtime(model, tok, provider, plan)
+    return Runtime(model, tok, provider, plan, context=context or DEFAULT_CONTEXT)
 
 
 def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str = "float32") -> KimiK3:
