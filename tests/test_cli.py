@@ -175,3 +175,19 @@ def test_help_gives_every_options_default():
                 continue
             assert "default" in fmt._get_help_string(a), (name, a.option_strings)
         assert p.format_help()  # every default formats (lists, None, booleans)
+
+
+def test_a_closed_output_pipe_ends_quietly(tmp_path):
+    """`mtplx inspect DIR | head -1`: the reader leaves; the command stops without a traceback
+    or an error line (exit 141, as Unix tools)."""
+    import subprocess
+    import sys
+
+    from mtplx_runtime.fixtures.tiny import make_tiny
+
+    make_tiny(tmp_path / "t", "t158")
+    proc = subprocess.Popen([sys.executable, "-m", "mtplx_runtime", "inspect", str(tmp_path / "t")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # no reader before the child writes a byte
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == b""

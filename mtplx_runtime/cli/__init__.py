@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .. import __version__
@@ -112,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of our output left (`mtplx inspect DIR | head`): stop quietly, as Unix
+        # tools do; stdout goes to /dev/null so the exit-time flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (FormatError, CheckpointError, OSError) as e:
         # Bad input and I/O failures end the command with their message, not a traceback;
         # anything else is a bug and keeps its traceback.
