@@ -221,7 +221,8 @@ def main(argv=None) -> int:
     kernels = select_backend(a.kernels)
     if kernels.DEVICE != "cpu":
         ap.error("bench_decode runs the model on the CPU: use --kernels cpu or reference")
-    torch.set_num_threads(os.cpu_count() or 1)
+    cpus = len(os.sched_getaffinity(0))  # a run pinned with taskset gets what it was given
+    torch.set_num_threads(cpus)
     base = a.dir or Path(tempfile.mkdtemp(prefix="bench_decode_",
                                           dir="/work" if os.path.isdir("/work") else None))
     src, art = base / "src", base / "art"
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
         paths = part_paths(art)
         bank = sum(p.stat().st_size for p in paths)
         print(f"# bench_decode commit={commit()} python={platform.python_version()} "
-              f"torch={torch.__version__} numpy={np.__version__} cpus={os.cpu_count()} "
+              f"torch={torch.__version__} numpy={np.__version__} cpus={cpus} "
               f"threads={torch.get_num_threads()} layers={a.layers} experts={a.experts} top_k=16 "
               f"bank_bytes={bank} slots_per_layer={a.slots_per_layer} tokens={a.tokens} "
               f"prompt={len(PROMPT)} dtype=bfloat16 build_s={build_s:.0f} "
