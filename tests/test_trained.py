@@ -31,17 +31,22 @@ from mtplx_runtime.kernels.reference import ExpertWeights, routed_sum
 
 ROOT = Path(__file__).resolve().parents[1]
 EXCERPT = ROOT / "tests" / "data" / "kjv-heldout.txt"
+ROUTES = ROOT / "tests" / "data" / "kjv-routes.jsonl"  # tools/record_routes.py on the excerpt
 # README "The trained tiny K3": the shipped model's perplexity on the excerpt is within 1 % of
 # training.json's figure. Float reordering across machines moves it by ~1e-5; a wrong scale,
 # dropped norm or misread tensor moves it by far more.
 PPL_BOUND = 0.01
 
 
-def train_tiny():
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "tools" / "train_tiny.py")
+def tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def train_tiny():
+    return tool("train_tiny")
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +191,61 @@ def test_training_script_runs_two_steps_of_a_toy_model(tmp_path):
     # bf16 rounding of the trunk is all that separates it from the trained model's figure.
     ppl = meta["heldout_ppl"]
     assert ppl["t158_checkpoint"] == pytest.approx(ppl["t158_training"], rel=0.05)
+
+
+def test_shipped_trace_is_the_trained_models_and_routes_skewed():
+    from mtplx_runtime.profile import load as load_trace
+    from mtplx_runtime.profile import profile, synthetic
+
+    trace = load_trace(str(ROUTES))
+    cfg = open_checkpoint(TRAINED).config
+    assert (trace.layers, trace.experts, trace.top_k) == (cfg.moe_layers, cfg.num_experts,
+                                                          cfg.num_experts_per_token)
+    assert {depth for _, depth in trace.predicted} == {1, 2, 3}
+    # Its first routes are the model's own on the excerpt's first tokens.
+    tok = load_tokenizer(TRAINED)
+    ids = tok.encode(EXCERPT.read_text(encoding="utf-8"))[:4]
+    model = load_model(TRAINED, dtype="float32")
+    state = model.new_state()
+    for pos, t in enumerate(ids):
+        model.decode(t, state)
+        got = [moe.last_ids[0].tolist() for moe in model.moe_blocks()]
+        assert got == trace.routes[pos].tolist(), pos
+    # Trained routes are more cacheable than uniform random ones of the same shape, and a later
+    # layer's router on this layer's hidden state guesses far more of its experts than chance.
+    n = int(trace.decode.sum())
+    uniform = synthetic("uniform", tokens=n, layers=len(trace.layers), experts=trace.experts,
+                        top_k=trace.top_k, seed=0)
+    cap = cfg.num_experts // 4 * len(trace.layers)  # a quarter of each layer's experts
+    trained = profile(trace, ["lru"], [cap], workers=1)[0][0]  # [lru, belady] rows
+    random_ = profile(uniform, ["lru"], [cap], workers=1)[0][0]
+    assert trained.policy == random_.policy == "lru"
+    assert trained.hit_rate > random_.hit_rate, (trained.hit_rate, random_.hit_rate)
+    j = {layer: i for i, layer in enumerate(trace.layers)}
+    hit = total = 0
+    for (layer, depth), (lines, guesses) in trace.predicted.items():
+        if depth == 1:
+            for line, guess in zip(lines.tolist(), guesses):
+                hit += len(set(guess) & set(trace.routes[line, j[layer]].tolist()))
+                total += trace.top_k
+    assert hit / total > 3 * trace.top_k / trace.experts, hit / total
+
+
+def test_bench_decode_replays_the_trace_as_expert_bundles():
+    from mtplx_runtime.engine.trace import read_trace
+
+    bench = tool("bench_decode")
+    header, lines = read_trace(ROUTES)
+    decode = [line["routes"] for line in lines if line["phase"] == "decode"]
+    layers, experts = len(header["layers"]) + 1, 896  # one more than the trace: wraps around
+    routes = bench.trace_routes(ROUTES, layers, experts)
+    assert len(routes) == len(decode)
+    stride, bundle = experts // header["experts"], 16 // header["top_k"]
+    for step, want in zip(routes[:50], decode):
+        assert len(step) == layers
+        for j, ids in enumerate(step):
+            row = ids[0].tolist()
+            assert ids.shape == (1, 16) and row == sorted(set(row))
+            assert all(i % stride < bundle for i in row)
+            layer = str(header["layers"][j % len(header["layers"])])
+            assert sorted({i // stride for i in row}) == want[layer]

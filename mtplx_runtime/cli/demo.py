@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-PROMPT = "And God said unto Moses,"
+PROMPT = "The LORD is my shepherd;"
 # The small K3 trained on the King James Bible by tools/train_tiny.py (README "The trained tiny
 # K3"): package data, so a wheel install runs the demo too.
 TRAINED = Path(__file__).resolve().parents[1] / "fixtures" / "kimi-k3-tiny-kjv"
@@ -199,10 +199,11 @@ A cache miss waits for a read (stall); lookahead guesses the next layer's expert
 layer's hidden state and reads them early. The I/O bound is the fastest decode this disk
 allows at this miss rate (ARCHITECTURE.md "I/O bound"). The tiny model decodes far below it
 (Python overhead, not reads); full K3 reads 1,472 records of 7.7 MB per token, and there the
-bound is what limits decode. {weights} `mtplx demo --codecs`: the expert codecs."""
-TRAINED_NOTE = """The model was trained on the King James Bible (tools/train_tiny.py), so it
-writes in its style, and its routers pick skewed, recurring sets of experts, which the cache
-and the lookahead exploit."""
+bound is what limits decode.
+{weights} `mtplx demo --codecs`: the expert codecs."""
+TRAINED_NOTE = """The model was trained on the King James Bible (tools/train_tiny.py): it writes in
+its style (greedy, so it repeats itself), and its routers pick skewed, recurring sets of experts,
+which the cache and the lookahead exploit."""
 RANDOM_NOTE = "The weights are random, so the text is noise."
 
 
