@@ -25,6 +25,7 @@ from tqdm import tqdm
 from mtplx_runtime import load
 from mtplx_runtime.artifact.build import build_artifact
 from mtplx_runtime.artifact.open import is_artifact
+from mtplx_runtime.checkpoint.config import ModelConfig
 from mtplx_runtime.engine.trace import RouteTrace
 
 
@@ -33,8 +34,9 @@ def record(artifact: Path, text: str, out: Path, tokens: int, lookahead: int,
     """Write the trace of the first `tokens` tokens of `text`; returns the lines written."""
     # The reference kernels and a cache holding every expert: the routes are the model's own,
     # bit-identical to the resident model, whatever the machine.
+    experts = ModelConfig.from_file(artifact / "config.json").num_experts
     with load(artifact, dtype="float32", kernels="reference", lookahead=lookahead,
-              cache_slots=(1 << 16, 0)) as rt:
+              cache_slots=(experts, 0)) as rt:
         ids = rt.tokenizer.encode(text)[:tokens]
         model, state = rt.model, rt.model.new_state()
         with RouteTrace(out, model, model_name=name,

@@ -30,6 +30,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -137,10 +138,10 @@ def init_value(name: str, shape: tuple[int, ...], cfg: ModelConfig,
         v[: cfg.kda_num_heads] = torch.empty(cfg.kda_num_heads).uniform_(1, 16, generator=gen).log()
         return v
     if name.endswith("dt_bias"):
-        # Per-channel decays exp(g) log-spread over (e^-1, 0.999) at z = 0: solve
-        # g = lower_bound * sigmoid(A * z) for z with A = exp(A_log) of the channel's head.
+        # Slow to fast channels: logit(g / lower_bound) for g log-uniform in (-1, -0.001) is
+        # the gate input giving log-decay g when A = 1 (a head's A = exp(A_log) scales it).
         g = -torch.exp(torch.empty(shape).uniform_(math.log(1e-3), 0.0, generator=gen))
-        return torch.logit(g / cfg.kda_gate_lower_bound).reshape(cfg.kda_num_heads, -1).flatten()
+        return torch.logit(g / cfg.kda_gate_lower_bound)
     if name.endswith("_conv1d.weight"):
         return torch.empty(shape).uniform_(-0.5, 0.5, generator=gen)  # torch's Conv1d bound
     if name.endswith("embed_tokens.weight"):
@@ -343,10 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     corpus_sha = hashlib.sha256("".join(chapters).encode()).hexdigest()
     pieces = regex.findall(K3_PAT_STR_NO_INTERSECTION, train_text)
     ranks = train_ranks(pieces, args.ranks)
-    tok_dir = Path(args.out + ".tokenizer")  # scratch: the tokenizer as the runtime reads it
-    write_tokenizer(tok_dir, ranks, pat_str=None)
-    tok = load_tokenizer(tok_dir)
-    shutil.rmtree(tok_dir)
+    with tempfile.TemporaryDirectory() as tok_dir:  # the tokenizer as the runtime reads it
+        write_tokenizer(tok_dir, ranks, pat_str=None)
+        tok = load_tokenizer(tok_dir)
     train_ids = np.array(tok.encode(train_text), dtype=np.int64)
     held_ids = np.array(tok.encode(held_text), dtype=np.int64)
     tqdm.write(f"corpus: {len(chapters)} chapters, train {len(train_text):,} chars = "
