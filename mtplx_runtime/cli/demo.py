@@ -202,8 +202,9 @@ allows at this miss rate (ARCHITECTURE.md "I/O bound"). The tiny model decodes f
 bound is what limits decode.
 {weights} `mtplx demo --codecs`: the expert codecs."""
 TRAINED_NOTE = """The model was trained on the King James Bible (tools/train_tiny.py): it writes in
-its style (greedy, so it repeats itself), and its routers pick skewed, recurring sets of experts,
-which the cache and the lookahead exploit."""
+its style (greedy, so it repeats itself). Its routers are balanced as K3's are, so experts are
+used about evenly, and a later layer's router guesses most of its experts a layer early
+(BENCHMARKS.md "Routes of the trained tiny K3")."""
 RANDOM_NOTE = "The weights are random, so the text is noise."
 
 
