@@ -41,8 +41,9 @@ def test_demo_builds_then_reuses_the_streaming_artifact(tmp_path, capsys):
     assert main(["demo", "--cache-dir", str(tmp_path), "--max-tokens", "8"]) == 0
     first = capsys.readouterr().out
     lines = first.splitlines()
-    assert "(built in " in lines[0] and (tmp_path / "tiny-t158-seed0-stream"
+    assert "(built in " in lines[0] and (tmp_path / "kimi-k3-tiny-kjv-stream"
                                          / "expert-manifest.json").is_file()
+    assert "trained small Kimi K3" in lines[0] and "16 compute + 16 host slots" in first
     text = next(line for line in lines if line.startswith("text:   "))
     assert text[len("text:   "):].strip()
     assert "same 8 token ids as the resident model" in first
@@ -62,7 +63,7 @@ def test_demo_disk_rate_reads_enough_and_a_beaten_bound_says_why(tmp_path, capsy
 
     assert main(["demo", "--cache-dir", str(tmp_path), "--max-tokens", "2"]) == 0
     capsys.readouterr()
-    art = tmp_path / "tiny-t158-seed0-stream"
+    art = tmp_path / "kimi-k3-tiny-kjv-stream"
     one_pass = sum(r.sidecar_length for r in load_manifest(art / "expert-manifest.json").records)
     nbytes, secs = demo.measure_disk_rate(art, min_bytes=5 * one_pass + 1)
     assert nbytes == 6 * one_pass and secs > 0  # whole cold passes until enough was read
@@ -81,7 +82,7 @@ def test_demo_streamed_tokens_equal_the_resident_models(tmp_path, kernels):
     from mtplx_runtime.engine.generate import generate
     from mtplx_runtime.engine.tokenizer import load_tokenizer
 
-    artifact, built = demo.ensure_artifact(tmp_path, seed=0, rebuild=False)
+    artifact, built = demo.ensure_artifact(tmp_path, rebuild=False, seed=0)
     assert built
     tok = load_tokenizer(artifact)
     prompt = tok.encode(demo.PROMPT)
@@ -95,6 +96,15 @@ def test_demo_streamed_tokens_equal_the_resident_models(tmp_path, kernels):
         resident, _ = generate(load_model(tmp_path / "tiny-t158-seed0", dtype="float32"),
                                prompt, max_tokens=10)
     assert streamed == resident
+
+
+def test_demo_random_weights_streams_the_random_fixture(tmp_path, capsys):
+    assert main(["demo", "--cache-dir", str(tmp_path), "--max-tokens", "4",
+                 "--random-weights"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mtplx demo: random-weight tiny Kimi K3")
+    assert (tmp_path / "tiny-t158-seed0-stream" / "expert-manifest.json").is_file()
+    assert "2 compute + 2 host slots" in out and "the text is noise" in out
 
 
 def test_demo_codec_table(tmp_path, capsys):

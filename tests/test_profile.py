@@ -376,7 +376,9 @@ def _readme_example() -> tuple[list[str], list[str]]:
     block = text.split("```\n$ mtplx profile ", 1)[1].split("```", 1)[0].splitlines()
     n = next(i for i, line in enumerate(block) if not line.endswith("\\"))
     command = " ".join(line.rstrip("\\") for line in block[:n + 1])
-    return shlex.split(command), block[n + 1:]
+    root = Path(__file__).parents[1]  # README paths are relative to the repository root
+    argv = [str(root / a) if a.startswith("tests/") else a for a in shlex.split(command)]
+    return argv, block[n + 1:]
 
 
 def _steady(lines: list[str]) -> list[str]:

@@ -1,5 +1,6 @@
 """t158 codec: golden bytes from the spec, bit-exactness against a slow per-group transcription of
-the MTPLX reference encoder, round trips, hostile bytes, and the torch decode."""
+the MTPLX reference encoder, round trips, hostile bytes, the torch decode, and the torch
+ternarizer that quantization-aware training uses."""
 
 
 import numpy as np
@@ -16,6 +17,7 @@ from mtplx_runtime.formats.t158 import (
     decode_t158_torch,
     encode_t158,
     group_sum_f32,
+    ternarize_t158_torch,
 )
 
 F32 = np.float32
@@ -262,3 +264,22 @@ def test_codec_k3_geometry_and_parts():  # FORMAT.md "Bank parts"
         codec.decode({**parts, "scales": parts["scales"].view(np.int16)}, (4, 128))
 
 
+
+
+def test_torch_ternarizer_is_encode_then_decode():
+    # Training sees exactly the values the encoder will store (tools/train_tiny.py), including
+    # at threshold ties and bf16 rounding midpoints, where a different summation order flips them.
+    rng = np.random.default_rng(7)
+    w = np.concatenate([
+        rng.standard_normal((64, 64)).astype(F32) * F32(0.03),
+        near_threshold_groups(rng, 64), near_bf16_tie_groups(rng, 64),
+        np.zeros((1, 64), F32), np.full((1, 64), 0.5, F32),
+    ]).reshape(-1, 128)  # 97 rows of two groups
+    want = decode_t158(*encode_t158(w))
+    got = ternarize_t158_torch(torch.from_numpy(w))
+    assert got.dtype == torch.float32 and got.shape == w.shape
+    np.testing.assert_array_equal(got.numpy(), want)
+    # Leading dims (an expert stack [E, rows, cols]) ternarize group by group, like a 2-D matrix.
+    stacked = torch.from_numpy(w[:96].reshape(3, 32, 128))
+    np.testing.assert_array_equal(ternarize_t158_torch(stacked).reshape(96, 128).numpy(),
+                                  want[:96])

@@ -21,9 +21,16 @@ cache (posix_fadvise DONTNEED), and mincore checks it really left (the run stops
 configuration whose decode beats its own I/O bound is marked INVALID=ratio_above_1 and the run
 exits 1: a bound the run beats was measured wrong, it is not a result.
 
+`--routes TRACE` replays a recorded route trace (FORMAT.md "Route traces"; the trained model's
+is tests/data/kjv-routes.jsonl) instead of the slice's random routers, whose picks are nearly
+uniform: decode step i of every MoE layer uses the trace's route of line i, each trace expert
+standing for 16 / top-k slice experts (a bundle read and evicted together), slice layer j taking
+trace layer j mod L. Lookahead is 0 only: the slice's routers cannot guess a replayed route.
+
     python tools/bench_decode.py [--layers 2] [--experts 896] [--tokens 8]
                                  [--slots-per-layer 32] [--kernels auto|reference|cpu|cuda]
                                  [--repeats 1] [--dir DIR] [--keep] [--config NAME|PATH]
+                                 [--routes TRACE]
 """
 
 from __future__ import annotations
@@ -50,12 +57,14 @@ from mtplx_runtime.artifact.integrity import RECEIPTS_ENV
 from mtplx_runtime.artifact.manifest import MANIFEST_NAME, load_manifest
 from mtplx_runtime.engine.generate import GenerationStats, generate_step
 from mtplx_runtime.engine.presets import PresetError, add_config_arg, parse_args
+from mtplx_runtime.engine.trace import read_trace
 from mtplx_runtime.fixtures.k3_slice import make_k3_slice
 from mtplx_runtime.kernels import name_of, select_backend
 from mtplx_runtime.offload.buffers import aligned_buffer
 from mtplx_runtime.offload.provider import StreamingExpertProvider
 
 PROMPT = [3, 17]
+SLICE_TOP_K = 16  # make_k3_slice keeps K3's top-k
 CHUNK = 8 * 2**20
 RAW_READ_BYTES = 2 * 2**30
 
@@ -164,15 +173,49 @@ def snapshot(provider) -> dict:
             "check_s": (st["checks"] or {}).get("seconds", 0.0)}
 
 
+def trace_routes(path: Path, layers: int, experts: int,
+                 top_k: int = SLICE_TOP_K) -> list[list[torch.Tensor]]:
+    """The decode routes of a trace mapped onto the slice: per decode line, per slice MoE layer
+    j, ids [1, top_k] (ascending) of trace layer j mod L, trace expert e standing for slice
+    experts e * (experts // E) + 0 .. top_k / K - 1."""
+    header, lines = read_trace(path)
+    E, k = header["experts"], header["top_k"]
+    if top_k % k or (experts // E) < top_k // k:
+        raise ValueError(f"{path}: top-{k} of {E} experts does not map onto top-{top_k} of "
+                         f"{experts}")
+    bundle, stride = top_k // k, experts // E
+    src = [str(header["layers"][j % len(header["layers"])]) for j in range(layers)]
+    return [[torch.tensor([sorted(e * stride + i for e in line["routes"][la]
+                                  for i in range(bundle))]) for la in src]
+            for line in lines if line["phase"] == "decode"]
+
+
+def replay_step(model, state, routes: list[torch.Tensor], tok: int) -> torch.Tensor:
+    """One decode forward with every MoE layer's experts forced to `routes`."""
+    for moe, ids in zip(model.moe_blocks(), routes):
+        moe.forced_ids = ids
+    return model.decode(tok, state)
+
+
 def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens: int,
-               kernels, verify: bool) -> dict:
+               kernels, verify: bool, routes: list | None = None) -> dict:
     evict(paths)
     with load(art, dtype="bfloat16", kernels=kernels, lookahead=lookahead,
               cache_slots=(slots, 0), tokenizer=False, verify=verify) as rt:
         stats, before = GenerationStats(), None
-        for _ in generate_step(rt.model, PROMPT, max_tokens=tokens + 1, stats=stats):
-            if before is None:  # prefill done, no decode forward yet
-                before = snapshot(rt.provider)
+        if routes is None:
+            for _ in generate_step(rt.model, PROMPT, max_tokens=tokens + 1, stats=stats):
+                if before is None:  # prefill done, no decode forward yet
+                    before = snapshot(rt.provider)
+        else:
+            state = rt.model.new_state()
+            logits = rt.model.prefill(PROMPT, state)[-1]
+            before = snapshot(rt.provider)
+            for step in routes[:tokens]:
+                t0 = time.perf_counter()
+                logits = replay_step(rt.model, state, step, int(logits.argmax()))
+                stats.decode_s += time.perf_counter() - t0
+                stats.decode_forwards += 1
         after = snapshot(rt.provider)
         checks = rt.provider.stats()["checks"] or {}
     d = {k: after[k] - before[k] for k in after}
@@ -207,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rounds over every configuration (the disk's rate drifts between runs)")
     ap.add_argument("--keep", action="store_true",
                     help="keep the slice in --dir and reuse an artifact already built there")
+    ap.add_argument("--routes", type=Path, default=None,
+                    help="replay this route trace's decode routes (lookahead 0 only)")
     add_config_arg(ap)  # of a preset's keys only `kernels` is a flag here
     return ap
 
@@ -221,6 +266,11 @@ def main(argv=None) -> int:
     kernels = select_backend(a.kernels)
     if kernels.DEVICE != "cpu":
         ap.error("bench_decode runs the model on the CPU: use --kernels cpu or reference")
+    try:
+        routes = None if a.routes is None else trace_routes(a.routes, a.layers, a.experts)
+    except (OSError, ValueError) as e:  # TraceError is a ValueError
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
     cpus = len(os.sched_getaffinity(0))  # a run pinned with taskset gets what it was given
     torch.set_num_threads(cpus)
     base = a.dir or Path(tempfile.mkdtemp(prefix="bench_decode_",
@@ -241,7 +291,8 @@ def main(argv=None) -> int:
               f"threads={torch.get_num_threads()} layers={a.layers} experts={a.experts} top_k=16 "
               f"bank_bytes={bank} slots_per_layer={a.slots_per_layer} tokens={a.tokens} "
               f"prompt={len(PROMPT)} dtype=bfloat16 build_s={build_s:.0f} "
-              f"kernels={name_of(kernels)}", flush=True)
+              f"kernels={name_of(kernels)}"
+              + ("" if routes is None else f" routes={a.routes.name}:{len(routes)}"), flush=True)
         disk = raw_disk_bps(paths)
         model = load_model(art, dtype="bfloat16")
         t_exp = expert_seconds(art, model, kernels)
@@ -256,14 +307,14 @@ def main(argv=None) -> int:
             if rep:  # the disk's rate drifts: measure it again before every round
                 disk = raw_disk_bps(paths)
                 print(f"# round={rep} raw_odirect_seq_gbps={disk / 1e9:.3f}", flush=True)
-            for la in (0, 1):
+            for la in (0, 1) if routes is None else (0,):
                 # A fresh receipt directory per round and lookahead: "sha256" learns, "xxh64"
                 # reuses; odd rounds move "off" last so no configuration always runs first.
                 os.environ[RECEIPTS_ENV] = tempfile.mkdtemp(prefix="receipts_", dir=base)
                 order = ("off", "sha256", "xxh64") if rep % 2 == 0 else ("sha256", "xxh64", "off")
                 for verify in order:
                     r = run_config(art, paths, la, a.slots_per_layer, a.tokens, kernels,
-                                   verify != "off")
+                                   verify != "off", routes)
                     io_bound = (disk / r["bytes_per_token"] if r["bytes_per_token"]
                                 else float("inf"))
                     ratio = r["tok_s"] / min(io_bound, compute_bound)

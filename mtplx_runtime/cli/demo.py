@@ -1,7 +1,8 @@
-"""`mtplx demo`: the README's main command. Streamed generation from a tiny Kimi K3.
+"""`mtplx demo`: the README's main command. Streamed generation from a small Kimi K3.
 
-    first run: make_tiny(t158) -> build_artifact -> cache dir (reused while complete)
-    load_model(artifact) + StreamingExpertProvider (a deliberately small cache) -> text streamed
+    first run: shipped trained checkpoint (or make_tiny(t158) with --random-weights)
+      -> build_artifact -> cache dir (reused while complete)
+    load(artifact) + StreamingExpertProvider (a cache smaller than the experts) -> text streamed
     -> stats table: per-tier hits, bytes read per token, stall share, tok/s, the I/O bound
 
 The same prompt is then run with every expert resident (decoded once, kept in memory) and the
@@ -18,34 +19,42 @@ import sys
 import time
 from pathlib import Path
 
-PROMPT = "The expert cache reads ahead of the router"
+PROMPT = "The LORD is my shepherd;"
+# The small K3 trained on the King James Bible by tools/train_tiny.py (README "The trained tiny
+# K3"): package data, so a wheel install runs the demo too.
+TRAINED = Path(__file__).resolve().parents[1] / "fixtures" / "kimi-k3-tiny-kjv"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=".mtplx-cache", help="where the tiny model is built")
     p.add_argument("--prompt", default=PROMPT, help="text to continue")
-    p.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (greedy)")
-    p.add_argument("--slots-per-layer", type=int, default=3,
-                   help="device cache slots per MoE layer (the tiny model has 8 experts)")
-    p.add_argument("--host-slots-per-layer", type=int, default=2,
-                   help="second-tier (host) cache slots per MoE layer (0: no host tier)")
+    p.add_argument("--max-tokens", type=int, default=40, help="tokens to generate (greedy)")
+    p.add_argument("--slots-per-layer", type=int, default=None,
+                   help="device cache slots per MoE layer (default: a quarter of the experts)")
+    p.add_argument("--host-slots-per-layer", type=int, default=None,
+                   help="second-tier (host) cache slots per MoE layer (0: no host tier; "
+                        "default: a quarter of the experts)")
     p.add_argument("--lookahead", type=int, default=1, help="prefetch this many layers ahead")
     p.add_argument("--kernels", default=None, choices=("auto", "reference", "cpu", "cuda"),
                    help="routed-expert kernels (default: $MTPLX_KERNELS, else auto)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
+    p.add_argument("--random-weights", action="store_true",
+                   help="stream the random-weight tiny fixture (8 experts per layer) instead of "
+                        "the trained model")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random fixture's weights")
     p.add_argument("--rebuild", action="store_true", help="rebuild even if already built")
     p.add_argument("--codecs", action="store_true",
                    help="also build one tiny fixture per expert codec and show what each holds")
 
 
-def ensure_artifact(root: Path, seed: int, rebuild: bool) -> tuple[Path, bool]:
-    """(artifact dir, built now?): the tiny t158 checkpoint and its streaming artifact under
+def ensure_artifact(root: Path, rebuild: bool, seed: int | None = None) -> tuple[Path, bool]:
+    """(artifact dir, built now?): the streaming artifact of the trained checkpoint (`seed`
+    None) or of the random tiny t158 fixture of `seed` (written under `root` first), under
     `root`. A present manifest marks a finished build; the bank part sizes are checked too."""
     from ..artifact.build import build_artifact
     from ..artifact.manifest import ManifestError, load_manifest
     from ..fixtures.codec_table import fixture
 
-    out = root / f"tiny-t158-seed{seed}-stream"
+    out = root / (f"tiny-t158-seed{seed}-stream" if seed is not None else f"{TRAINED.name}-stream")
     manifest = out / "expert-manifest.json"
     if not rebuild and manifest.is_file():
         try:  # a damaged or half-deleted earlier build is rebuilt, not reused
@@ -56,8 +65,13 @@ def ensure_artifact(root: Path, seed: int, rebuild: bool) -> tuple[Path, bool]:
         except (OSError, ManifestError):
             pass
     shutil.rmtree(out, ignore_errors=True)
-    info, _ = fixture(root, "t158", "t158", {}, seed, rebuild)
-    build_artifact(info.path, out, progress=False)
+    if seed is None:
+        if not (TRAINED / "config.json").is_file():
+            raise FileNotFoundError(f"the trained checkpoint is missing from {TRAINED}")
+        source = TRAINED
+    else:
+        source = fixture(root, "t158", "t158", {}, seed, rebuild)[0].path
+    build_artifact(source, out, progress=False)
     return out, True
 
 
@@ -185,12 +199,18 @@ A cache miss waits for a read (stall); lookahead guesses the next layer's expert
 layer's hidden state and reads them early. The I/O bound is the fastest decode this disk
 allows at this miss rate (ARCHITECTURE.md "I/O bound"). The tiny model decodes far below it
 (Python overhead, not reads); full K3 reads 1,472 records of 7.7 MB per token, and there the
-bound is what limits decode. The weights are random, so the text is noise. `mtplx demo
---codecs`: the expert codecs."""
+bound is what limits decode.
+{weights} `mtplx demo --codecs`: the expert codecs."""
+TRAINED_NOTE = """The model was trained on the King James Bible (tools/train_tiny.py): it writes in
+its style (greedy, so it repeats itself). Its routers are balanced as K3's are, so experts are
+used about evenly, and a later layer's router guesses most of its experts a layer early
+(BENCHMARKS.md "Routes of the trained tiny K3")."""
+RANDOM_NOTE = "The weights are random, so the text is noise."
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.max_tokens < 1 or args.slots_per_layer < 1 or args.host_slots_per_layer < 0 \
+    if args.max_tokens < 1 or (args.slots_per_layer is not None and args.slots_per_layer < 1) \
+            or (args.host_slots_per_layer is not None and args.host_slots_per_layer < 0) \
             or args.lookahead < 0:
         print("mtplx demo: error: need --max-tokens >= 1, --slots-per-layer >= 1, "
               "--host-slots-per-layer >= 0, --lookahead >= 0", file=sys.stderr)
@@ -215,6 +235,7 @@ def one_compute_thread():
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..checkpoint.config import ModelConfig
     from ..engine.runtime import load, load_model
     from ..kernels import name_of
 
@@ -222,14 +243,25 @@ def _run(args: argparse.Namespace) -> int:
     root.mkdir(parents=True, exist_ok=True)
     out = sys.stdout
     t0 = time.perf_counter()
-    artifact, built = ensure_artifact(root, args.seed, args.rebuild)
+    try:
+        artifact, built = ensure_artifact(root, args.rebuild,
+                                          args.seed if args.random_weights else None)
+    except FileNotFoundError as e:
+        print(f"mtplx demo: error: {e}; --random-weights runs the random fixture",
+              file=sys.stderr)
+        return 2
     size = sum(f.stat().st_size for f in artifact.iterdir() if f.suffix in (".bin", ".safetensors"))
-    print(f"mtplx demo: tiny Kimi K3, t158 experts streamed from {artifact}/ "
+    kind = "random-weight tiny" if args.random_weights else "trained small"
+    print(f"mtplx demo: {kind} Kimi K3, t158 experts streamed from {artifact}/ "
           f"({'built' if built else 'reused'} in {time.perf_counter() - t0:.2f} s, "
           f"{size / 2**20:.1f} MiB)")
-    try:  # a deliberately small cache: args' slots per MoE layer
+    # A cache smaller than the experts: by default a quarter of each layer's in each tier.
+    quarter = max(ModelConfig.from_file(artifact / "config.json").num_experts // 4, 1)
+    slots = (args.slots_per_layer or quarter,
+             quarter if args.host_slots_per_layer is None else args.host_slots_per_layer)
+    try:
         rt = load(artifact, dtype="float32", kernels=args.kernels, lookahead=args.lookahead,
-                  cache_slots=(args.slots_per_layer, args.host_slots_per_layer))
+                  cache_slots=slots)
     except (ValueError, RuntimeError) as e:  # an unavailable --kernels backend
         print(f"mtplx demo: error: {e}", file=sys.stderr)
         return 2
@@ -243,7 +275,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         print(f"model: {cfg.num_hidden_layers} layers, {len(cfg.moe_layers)} MoE layers x "
               f"{cfg.num_experts} experts (top-{cfg.num_experts_per_token}); cache "
-              f"{args.slots_per_layer} compute + {args.host_slots_per_layer} host slots per "
+              f"{slots[0]} compute + {slots[1]} host slots per "
               f"layer, lookahead {args.lookahead}, kernels "
               f"{name_of(provider.kernels)}")
         print(f"prompt: {args.prompt!r} ({len(prompt)} tokens)")
@@ -260,8 +292,8 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         rt.close()
     print()
-    print(EXPLAIN.format(k=cfg.num_experts_per_token, e=cfg.num_experts,
-                         n=len(cfg.moe_layers)))
+    print(EXPLAIN.format(k=cfg.num_experts_per_token, e=cfg.num_experts, n=len(cfg.moe_layers),
+                         weights=RANDOM_NOTE if args.random_weights else TRAINED_NOTE))
     ok = same
     if args.codecs:
         from ..fixtures.codec_table import codec_table

@@ -124,6 +124,38 @@ def decode_t158(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(*scales.shape[:-1], -1)
 
 
+def _group_sum_torch(x: torch.Tensor) -> torch.Tensor:
+    """float32 `[N, 64]` -> `[N]` in `group_sum_f32`'s order (the encoder's bytes depend on it)."""
+    v = x.reshape(-1, 8, 8)  # [N, k, j] = x[:, 8k + j]
+    r = v[:, 0, :]
+    for k in range(1, 8):
+        r = r + v[:, k, :]
+    left = (r[:, 0] + r[:, 1]) + (r[:, 2] + r[:, 3])
+    right = (r[:, 4] + r[:, 5]) + (r[:, 6] + r[:, 7])
+    return left + right
+
+
+def ternarize_t158_torch(weight: torch.Tensor) -> torch.Tensor:
+    """The weights t158 stores for `weight`, as float32: `decode_t158(*encode_t158(w))`, bit for
+    bit, computed in torch on weight's device (the encoder's threshold, kept-mean scale and
+    double rounding to bf16; FORMAT.md "t158", encode).
+
+    weight: float `[..., cols]`, cols % 64 == 0, finite (not checked: a training step calls
+    this). No gradient is defined; quantization-aware training wraps it in a straight-through
+    estimator (tools/train_tiny.py).
+    """
+    g = weight.detach().float().reshape(-1, GROUP_ELEMS)  # [N, 64]
+    a = g.abs()
+    m = _group_sum_torch(a) / GROUP_ELEMS  # [N]
+    tau = (torch.tensor(float(_TAU_RATIO), dtype=torch.float32, device=g.device) * m)[:, None]
+    trits = (g > tau).float() - (g < -tau).float()  # [N, 64]; ties are zero
+    n = (trits != 0).sum(1)  # [N]
+    kept = _group_sum_torch(torch.where(trits != 0, a, torch.zeros_like(a)))
+    s = torch.where(n > 0, (kept.double() / n.clamp(min=1).double()).float(), m)
+    s = s.to(torch.bfloat16).float()  # round to nearest even, as f32_to_bf16_bits
+    return (trits * s[:, None]).reshape(weight.shape)
+
+
 @cache
 def _trits_on(device: torch.device) -> torch.Tensor:
     return torch.from_numpy(_TRITS).to(device)

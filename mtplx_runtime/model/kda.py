@@ -211,6 +211,9 @@ class KDALayer:
         self.A_log = a_log[:H]  # [H]; entries past H are the zero padding
         self.dt_bias = weights["dt_bias"].float().reshape(H, K)  # index h·K + c
         self.o_norm = weights["o_norm.weight"].float().reshape(K)
+        # Tokens per chunk of the chunked form (FORMAT.md "KDA": 64). Any size is the same math
+        # up to fp32 rounding; training sets 16, where backward through the chunks is cheapest.
+        self.chunk = 64
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None, mode: str = "chunk"
                 ) -> torch.Tensor:
@@ -241,8 +244,10 @@ class KDALayer:
         k = l2norm(k)  # [T, H, K] fp32
         # Step 6.
         S0 = None if state is None else state.S
-        run = kda_chunked if mode == "chunk" else kda_recurrent
-        o, S = run(q, k, v.float(), g, beta, S0)  # [T, H, V] fp32, [H, K, V]
+        if mode == "chunk":
+            o, S = kda_chunked(q, k, v.float(), g, beta, S0, self.chunk)  # [T, H, V], [H, K, V]
+        else:
+            o, S = kda_recurrent(q, k, v.float(), g, beta, S0)
         if state is not None:
             state.S.copy_(S)
         o = o.to(self.dtype)  # the reference kernels emit o in the model dtype

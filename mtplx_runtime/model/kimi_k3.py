@@ -48,6 +48,8 @@ class DecoderLayer:
 
     def forward(self, h: torch.Tensor, bank: list[torch.Tensor],
                 state: KDAState | MLACache | None) -> torch.Tensor:
+        """h [T, D] -> [T, D]; `bank` gains this layer's block start; `state` None: no state
+        kept (a throwaway MLA cache, a zero KDA start)."""
         w, eps = self.w, self.cfg.rms_norm_eps
         p = h  # [T, D] running sum of the current block
         a_in = (attn_res_mix(p, bank, w["self_attention_res_norm.weight"],
@@ -118,17 +120,24 @@ class KimiK3:
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
         """Logits [T, V] for `token_ids` [T] continuing `state` (updated in place)."""
+        return self.run(token_ids, state)
+
+    def run(self, token_ids: torch.Tensor, state: SequenceState | None) -> torch.Tensor:
+        """`forward` outside inference mode, so autograd sees it (tools/train_tiny.py trains
+        through this very code). `state` None: a fresh sequence whose state is not kept."""
         embed = self.top["embed_tokens.weight"]
         h = embed[token_ids.to(embed.device)]  # [T, D] plain lookup, no scaling
         bank: list[torch.Tensor] = []  # AttnRes blocks of these tokens; never crosses tokens
-        for layer, layer_state in zip(self.layers, state.layers):
+        states = [None] * len(self.layers) if state is None else state.layers
+        for layer, layer_state in zip(self.layers, states):
             h = layer.forward(h, bank, layer_state)
         # A fresh buffer: an in-place final mix aliases the live sum (FORMAT.md "Attention
         # Residuals").
         h = attn_res_mix(h, bank, self.top["output_attn_res_norm.weight"],
                          self.top["output_attn_res_proj.weight"])
         h = rms_norm(h, self.top["norm.weight"], self.cfg.rms_norm_eps)
-        state.tokens += int(token_ids.numel())
+        if state is not None:
+            state.tokens += int(token_ids.numel())
         return h @ self.top["lm_head.weight"].T  # [T, V] in the model dtype
 
     def logits(self, token_ids) -> torch.Tensor:
