@@ -214,24 +214,6 @@ def test_plan_without_a_budget_uses_memavailable_as_generate_does(tiny, monkeypa
     assert json.loads(capsys.readouterr().out)["memory_budget"] == 3 * 2**30
 
 
-def test_load_sizes_the_runtime_floor_from_its_own_process(tiny, monkeypatch):
-    """`load` plans with the process measured (resident size x 1.5) instead of the fixed
-    estimate `mtplx plan` uses; the table says which floor it took."""
-    import mtplx_runtime
-    from mtplx_runtime.engine import plan as plan_mod
-
-    monkeypatch.setattr(plan_mod, "process_rss_bytes", lambda: 300 * 2**20)
-    with mtplx_runtime.load(tiny[1], dtype="float32", kernels="reference",
-                            memory_budget="1GiB", tokenizer=False) as rt:
-        p = rt.plan
-    assert p.reserve_floor == 450 * 2**20
-    assert p.items["reserve"] == 450 * 2**20 + int(GiB * 0.05)
-    assert "runtime floor 450.00 MiB" in format_plan(p)
-    assert make_plan(tiny[1], memory_budget="1GiB").reserve_floor == RUNTIME_FLOOR_BYTES
-    monkeypatch.undo()
-    assert 0 < plan_mod.process_rss_bytes() < 64 * GiB  # the real reader reads this process
-
-
 def test_the_default_context_is_what_the_plan_affords(tiny, monkeypatch, capsys):
     """No --context: the longest power of two (4,096 .. 32,768) whose plan keeps 90 % of the
     4,096-token plan's expert slots; printed by generate; a tight budget stays at 4,096."""

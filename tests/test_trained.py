@@ -118,10 +118,11 @@ def test_tokenizer_is_k3s_format_and_chat_runs(meta, monkeypatch, capsys):
     assert tok.decode(tok.encode(text)) == text
     cfg = open_checkpoint(TRAINED).config
     assert tok.special("<|end_of_msg|>") == cfg.eos_token_id == tok.vocab_size - 256 + 2
-    monkeypatch.setattr("sys.stdin", io.StringIO("Who made the heaven?\n"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who made the heaven?\n/stats\n"))
     assert cli(["chat", "--model", str(TRAINED), "--max-tokens", "6", "--dtype", "float32",
                 "--no-thinking"]) == 0
-    assert "mtplx chat: prompt" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert out.strip() and "mtplx chat: last turn: prompt" in err and "generated 6 tok" in err
 
 
 def test_training_experts_are_t158_forward_and_straight_through_backward():

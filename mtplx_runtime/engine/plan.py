@@ -30,12 +30,8 @@ from ..formats.record import align_up, record_layout
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2}
 ACT_BYTES = 4  # workspace activations are estimated in fp32 (the reference's fp32 islands)
 # Python + torch + this package: 226 MiB RSS measured (torch 2.13 CPU, Linux x86-64), doubled
-# for allocator arenas, I/O thread stacks and the CUDA context of a GPU run. The estimate for a
-# plan made without the runtime loaded (`mtplx plan`); `load` measures its own (below).
+# for allocator arenas, I/O thread stacks and the CUDA context of a GPU run.
 RUNTIME_FLOOR_BYTES = 512 * 2**20
-# A loaded process's floor: what it holds before the model (interpreter, torch, the manifest)
-# plus half again for allocator arenas and the reader/prefetch thread stacks.
-MEASURED_FLOOR_HEADROOM = 1.5
 RESERVE_FRACTION = 0.05  # of the budget, for allocator fragmentation
 DEFAULT_CONTEXT = 4096  # tokens, when nothing else decides
 # An afforded context (afforded_context) grows in powers of two up to here, and only while the
@@ -94,23 +90,6 @@ def mem_available_bytes() -> int:
     except OSError:
         pass
     raise PlanError("cannot read MemAvailable from /proc/meminfo; give a memory budget")
-
-
-def process_rss_bytes() -> int:
-    """VmRSS of this process from /proc/self/status."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    raise PlanError("cannot read VmRSS from /proc/self/status")
-
-
-def measured_runtime_floor() -> int:
-    """The runtime floor of this process, measured: its resident size now (call it before the
-    model loads) times MEASURED_FLOOR_HEADROOM, rounded up to a MiB."""
-    return align_up(int(process_rss_bytes() * MEASURED_FLOOR_HEADROOM), 2**20)
 
 
 @dataclass(frozen=True, slots=True)

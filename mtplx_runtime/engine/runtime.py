@@ -34,7 +34,6 @@ from .plan import (
     MemoryPlan,
     afforded_context,
     facts_from_dir,
-    measured_runtime_floor,
     mem_available_bytes,
     plan_for,
 )
@@ -138,12 +137,9 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
             n = len(bank.layers)
             compute_bytes, host_bytes = cache_slots[0] * n * stride, cache_slots[1] * n * stride
         else:
-            # The floor is this process measured now (interpreter, torch, manifest), not the
-            # fixed estimate `mtplx plan` uses without a runtime.
             budget = memory_budget or mem_available_bytes()
             facts = facts_from_dir(root, bank.manifest)
-            kw = dict(host_budget=host_budget, dtype=dtype, prefill_chunk=prefill_chunk,
-                      reserve_floor=measured_runtime_floor())
+            kw = dict(host_budget=host_budget, dtype=dtype, prefill_chunk=prefill_chunk)
             if context is None:
                 context = afforded_context(facts, memory_budget=budget, **kw)
             plan = plan_for(facts, memory_budget=budget, context=context, **kw)
