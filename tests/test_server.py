@@ -59,22 +59,12 @@ def server(art):
          "--served-model-name", MODEL, "--context", "4096", "--max-tokens", "12",
          "--max-body-bytes", "65536"])
     app, engine, rt = build(args)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = make_server(app, host="127.0.0.1", port=sock.getsockname()[1])
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    yield {"port": sock.getsockname()[1], "engine": engine, "rt": rt, "app": app}
-    srv.should_exit = True
-    thread.join(TIMEOUT)
-    engine.close()
-    rt.close()
-    sock.close()
-    assert not thread.is_alive()
+    try:
+        with _serve(app) as port:
+            yield {"port": port, "engine": engine, "rt": rt, "app": app}
+    finally:
+        engine.close()
+        rt.close()
 
 
 @pytest.fixture(scope="module")
