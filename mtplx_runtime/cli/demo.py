@@ -108,11 +108,12 @@ def measure_disk_rate(artifact: Path, min_bytes: int = MIN_RATE_BYTES) -> tuple[
     `min_bytes` were read: before each pass the page cache is dropped for the bank parts
     (posix_fadvise DONTNEED), then the RecordReader reads every record."""
     from ..artifact.manifest import load_manifest
+    from ..formats.record import align_up
     from ..offload.buffers import aligned_buffer
     from ..offload.reader import from_manifest
 
     man = load_manifest(artifact / "expert-manifest.json")
-    stride = -(-max(r.sidecar_length for r in man.records) // 4096) * 4096
+    stride = align_up(max(r.sidecar_length for r in man.records))
     buf = aligned_buffer(stride * len(man.records))
     total, secs = 0, 0.0
     with from_manifest(artifact, man) as reader:

@@ -106,9 +106,9 @@ def fit_context(prompt: list[int], args, err=None) -> tuple[list[int], int]:
             raise CliError(f"the prompt has {len(prompt)} tokens and --context is {args.context} "
                            "(tokens of prompt + reply): raise --context, or pass --truncate to "
                            "keep the prompt's last tokens")
-        keep = args.context - min(args.max_tokens, args.context // 2) if args.max_tokens else (
-            args.context - 1)
-        keep = max(1, min(keep, args.context - 1))
+        # Room for the reply (at least one token, at most half the context), the prompt's tail
+        # in the rest.
+        keep = max(1, args.context - max(1, min(args.max_tokens, args.context // 2)))
         print(f"mtplx: prompt cut from {len(prompt)} to its last {keep} tokens to fit "
               f"--context {args.context} (--truncate)", file=err)
         prompt, room = prompt[-keep:], args.context - keep

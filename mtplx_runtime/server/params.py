@@ -129,12 +129,12 @@ def _check_length(p: dict, cfg, param: str) -> dict:
     if n == 0:
         raise _bad(param, "the prompt encodes to no tokens")
     if r["max_tokens"] is None:  # not asked: the rest of the context (the prompt must fit)
-        r["max_tokens"] = max(cfg.context - n, 0) or None
-        if r["max_tokens"] is None:
+        if n >= cfg.context:
             raise ApiError(400, f"the prompt has {n} tokens; the server's --context is "
                                 f"{cfg.context} (tokens of prompt + reply), which leaves no room "
                                 "for a reply: shorten the prompt or start the server with a "
                                 "larger --context", param=param, code="context_length_exceeded")
+        r["max_tokens"] = cfg.context - n
     if n + r["max_tokens"] > cfg.context:
         # cfg.context is the server's --context (what the memory plan reserved), not the
         # model's own limit: name the setting so the operator knows what to raise.
