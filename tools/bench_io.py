@@ -113,10 +113,11 @@ def raw_sequential(path: Path) -> tuple[float, int]:
     return time.perf_counter() - t0, total
 
 
-def random_reads(root: Path, parts: list[tuple[str, int]], extents: list[tuple[int, int]],
+def random_reads(root: Path, parts: list[tuple], extents: list[tuple[int, int]],
                  length: int, depth: int, direct: bool | str = True) -> float:
-    """Seconds to read `length` bytes at each (part, offset) of `extents`, in that order, through
-    RecordReader with exactly `depth` reads in flight (a read is issued the moment one lands, so
+    """Seconds to read `length` bytes at each (part, absolute offset) of `extents`, in that
+    order, through RecordReader over `parts` ([(file, size[, data_start])]) with exactly `depth`
+    reads in flight (a read is issued the moment one lands, so
     the drive never sees fewer until the tail). The caller evicts the page cache first."""
     bufs = [aligned_buffer(length) for _ in range(depth)]
     for b in bufs:
