@@ -5,6 +5,7 @@ hang; plus one run on a real artifact."""
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 from collections import Counter
@@ -580,10 +581,13 @@ def test_many_concurrent_demands_complete(make):
     assert reader.max_bytes <= 6 * REC
 
 
-def test_real_reader_reads_record_bytes_into_slots(tmp_path):
+def test_real_reader_reads_record_bytes_into_slots(tmp_path, monkeypatch):
+    """Record bytes land straight in their slots: every preadv destination is a slot, with no
+    staging buffer and copy between."""
     from mtplx_runtime.artifact.build import build_artifact
     from mtplx_runtime.artifact.manifest import load_manifest
     from mtplx_runtime.fixtures.tiny import make_tiny
+    from mtplx_runtime.offload.buffers import buffer_address
     from mtplx_runtime.offload.reader import from_manifest
 
     make_tiny(tmp_path / "src", "t158")
@@ -599,6 +603,13 @@ def test_real_reader_reads_record_bytes_into_slots(tmp_path):
 
     record_bytes = max(r.sidecar_length for r in recs.values())
     cache = SpyCache(slots=len(recs), record_bytes=record_bytes)
+    real_preadv, landed = os.preadv, []
+
+    def spy(fd, buffers, offset, *a):
+        landed.extend(buffer_address(b) for b in buffers)
+        return real_preadv(fd, buffers, offset, *a)
+
+    monkeypatch.setattr(os, "preadv", spy)
     with from_manifest(root, man, direct="auto", read_depth=4) as reader:
         pf = Prefetcher(reader, real_locate, cache, max_inflight_bytes=256 << 10, read_depth=4,
                         speculative_fraction=0.5)
@@ -619,5 +630,10 @@ def test_real_reader_reads_record_bytes_into_slots(tmp_path):
             want = f.read(r.sidecar_length)
         assert cache.data(key).tobytes()[: r.sidecar_length] == want
     assert not cache.aborted
+    # Each record's slot was a preadv destination; besides them at most the one page the
+    # reader's O_DIRECT probe reads into its own buffer.
+    slots = {buffer_address(cache.data(k)) for k in half + issued}
+    assert len(slots) == len(half) + len(issued) and slots <= set(landed)
+    assert len(landed) - len(slots) in (0, 1)
     assert sorted((k, n) for k, n, _ in cache.records) == sorted(
         (k, recs[k].sidecar_length) for k in half + issued)
