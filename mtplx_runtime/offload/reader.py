@@ -40,8 +40,9 @@ log = logging.getLogger("mtplx_runtime.artifact.manifest")
 # EINTR and EAGAIN are transient by definition; EIO is retried because virtio/NVMe paths do
 # report one-off EIOs under pressure. Anything else (EINVAL, EBADF, ...) fails at once.
 _RETRYABLE = frozenset({errno.EINTR, errno.EAGAIN, errno.EIO})
-# Reads in flight at once (RecordReader, Prefetcher, StreamingExpertProvider, --read-depth).
-DEFAULT_READ_DEPTH = 4  # TODO set from the bench_io sweep
+# Reads in flight at once (RecordReader, Prefetcher, StreamingExpertProvider, --read-depth): the
+# fastest of two bench_io depth sweeps (8 gave 0.9 of it, 32 no more; BENCHMARKS.md "bench_io").
+DEFAULT_READ_DEPTH = 16
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 
 
