@@ -118,17 +118,18 @@ def random_read_bps(art: Path, paths: list[Path], depths, sample_bytes: int,
                     seed: int = 0) -> dict[int, float]:
     """{depth: bytes/s} of cold random whole-record reads through RecordReader (O_DIRECT, or
     buffered where the file system has none, as the runtime's reader then is) with exactly
-    `depth` reads in flight, each depth over its own random `sample_bytes` of records
+    `depth` reads in flight, each depth over its own random `sample_bytes` of records, at least
+    4 x depth of them so the drain at the end (fewer than `depth` in flight) is a small part
     (bench_io.random_reads; the page cache evicted before each)."""
     m = load_manifest(art / MANIFEST_NAME)
     parts = [(p.file, p.size, p.data_start) for p in m.sidecar.parts]
     length = m.records[0].sidecar_length
     extents = [(r.part, parts[r.part][2] + r.sidecar_offset) for r in m.records
                if r.sidecar_length == length]  # one codec per slice: every record, in practice
-    n = max(1, min(len(extents), sample_bytes // length))
     rng = np.random.default_rng(seed)
     rates = {}
     for depth in depths:
+        n = min(len(extents), max(sample_bytes // length, 4 * depth))
         pick = [extents[i] for i in rng.permutation(len(extents))[:n]]
         evict(paths)
         rates[depth] = n * length / bench_io.random_reads(art, parts, pick, length, depth,
@@ -257,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--depths", type=bench_io.int_list, default=list(DEPTHS),
                     help="read depths of the random-read rate the I/O bound takes the best of")
     ap.add_argument("--sample-mib", type=int, default=256,
-                    help="MiB of random record reads per depth for that rate")
+                    help="MiB of random record reads per depth for that rate (at least 4 x "
+                         "depth records)")
     ap.add_argument("--kernels", default=None, help="expert kernel backend (default: auto)")
     ap.add_argument("--dir", type=Path, default=None,
                     help="where the slice and artifact go (default: a temp dir under /work)")
