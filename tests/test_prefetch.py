@@ -302,6 +302,23 @@ def test_demand_and_lookahead_reads_share_the_read_depth():
                    for k in guesses + misses)
 
 
+def test_a_guess_demanded_in_flight_gives_its_speculative_place_back():
+    reader, cache = HeldReader(), SpyCache()
+    with Prefetcher(reader, locate, cache, read_depth=4, speculative_fraction=0.5,
+                    max_inflight_bytes=64 * REC) as pf:
+        guesses = keys(3, 4)
+        assert pf.speculate(guesses) == guesses and pf.spec_depth == 2
+        assert reader.wait_inflight(lambda ks: len(ks) == 2) == guesses[:2]
+        futs = pf.demand([guesses[0]])  # now a demand read: a guess may take its place
+        assert reader.wait_inflight(lambda ks: len(ks) == 3) == guesses[:3]
+        assert pf.inflight()["inflight_spec_reads"] == 2 and pf.inflight()["queued_spec"] == 1
+        for key in guesses:
+            reader.wait_inflight(lambda ks, key=key: key in ks)
+            reader.land(key)
+        assert pf.wait(futs, timeout=T_OUT).keys() == {guesses[0]}
+        assert reader.peak_by_layer[3] == 3 and pf.stats.spec_used == 1
+
+
 def test_inflight_bytes_never_exceed_budget(make):
     budget = 3 * REC
     pf, reader, cache = make(reader=FakeReader(gated=True), max_inflight_bytes=budget,
