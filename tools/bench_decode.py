@@ -1,7 +1,8 @@
 """Streamed decode of a K3-geometry slice from a cold disk, against its I/O and compute bounds.
 
     make_k3_slice (real 3584/3072 t158 experts, small trunk) -> build_artifact (keep)
-      -> raw O_DIRECT sequential read of a bank part (disk rate, cold)
+      -> raw O_DIRECT sequential read of a bank part (disk rate, cold), then cold random
+         whole-record reads at each --depths read depth (bench_io.random_reads)
       -> one expert at T=1 through the chosen kernel backend on its record bytes (compute rate)
       -> per lookahead in (0, 1) and read-time verification off / on: evict page cache,
          mtplx_runtime.load with --slots-per-layer cache slots per MoE layer, prefill, decode
@@ -12,12 +13,14 @@ check on a fresh receipt directory, so every record's first read is checked agai
 SHA-256; verify=xxh64: the same again after that run, so the records it read are checked with
 their learned XXH64, the steady state of a long-running user): decode tok/s, compute-tier hit
 rate, SSD bytes per decoded token (demand + speculative reads), stall share (time forwards
-blocked on reads / decode time), the I/O bound (raw disk rate / bytes per token), the compute
-bound (1 / (MoE layers x top-k x time per expert)), tok/s as a ratio of the smaller bound, the
-check share (seconds the reader threads spent hashing in decode, summed over threads, / decode
-time: the cost if none of it overlapped anything) and the record checks passed by XXH64 alone /
-by SHA-256. Before each measurement the bank is written back (sync) and dropped from the page
-cache (posix_fadvise DONTNEED), and mincore checks it really left (the run stops otherwise). A
+blocked on reads / decode time), the I/O bound (the best random-read rate over the depths /
+bytes per token), the compute bound (1 / (MoE layers x top-k x time per expert)), tok/s as a
+ratio of the smaller bound, the check share (seconds the reader threads spent hashing in decode,
+summed over threads, / decode time: the cost if none of it overlapped anything), the record
+checks passed by XXH64 alone / by SHA-256, and the bytes actually read per second of decode
+(`read_gbps`) next to the raw sequential and best random-read rates of the same round. Before
+each measurement the bank is written back (sync) and dropped from the page cache
+(posix_fadvise DONTNEED), and mincore checks it really left (the run stops otherwise). A
 configuration whose decode beats its own I/O bound is marked INVALID=ratio_above_1 and the run
 exits 1: a bound the run beats was measured wrong, it is not a result.
 
@@ -29,6 +32,7 @@ trace layer j mod L. Lookahead is 0 only: the slice's routers cannot guess a rep
 
     python tools/bench_decode.py [--layers 2] [--experts 896] [--tokens 8]
                                  [--slots-per-layer 32] [--kernels auto|reference|cpu|cuda]
+                                 [--read-depth N] [--depths 1,2,4,8,16,32] [--sample-mib 256]
                                  [--repeats 1] [--dir DIR] [--keep] [--config NAME|PATH]
                                  [--routes TRACE]
 """
@@ -36,8 +40,7 @@ trace layer j mod L. Lookahead is 0 only: the slice's routers cannot guess a rep
 from __future__ import annotations
 
 import argparse
-import ctypes
-import mmap
+import importlib.util
 import os
 import platform
 import shutil
@@ -62,63 +65,31 @@ from mtplx_runtime.fixtures.k3_slice import make_k3_slice
 from mtplx_runtime.kernels import name_of, select_backend
 from mtplx_runtime.offload.buffers import aligned_buffer
 from mtplx_runtime.offload.provider import StreamingExpertProvider
+from mtplx_runtime.offload.reader import DEFAULT_READ_DEPTH
+
+
+def _bench_io():
+    """tools/bench_io.py as a module (tools/ is no package; tests load this file by path)."""
+    spec = importlib.util.spec_from_file_location("bench_io", Path(__file__).with_name(
+        "bench_io.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench_io = _bench_io()
+evict = bench_io.evict  # drop the bank from the page cache, checked empty with mincore
 
 PROMPT = [3, 17]
 SLICE_TOP_K = 16  # make_k3_slice keeps K3's top-k
 CHUNK = 8 * 2**20
 RAW_READ_BYTES = 2 * 2**30
+DEPTHS = (1, 2, 4, 8, 16, 32)
 
 
 def part_paths(art: Path) -> list[Path]:
     m = load_manifest(art / MANIFEST_NAME)
     return [art / p.file for p in m.sidecar.parts]
-
-
-def resident_bytes(path: Path) -> int:
-    """Bytes of `path` in the page cache: mincore over a read-only shared mapping of it."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    size, page = path.stat().st_size, mmap.PAGESIZE
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), f"mmap({path})")
-        try:
-            vec = (ctypes.c_ubyte * (-(-size // page)))()
-            if libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore({path})")
-        finally:
-            libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-    return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * page
-
-
-def evict(paths: list[Path], tries: int = 5) -> None:
-    """Write back, then drop every bank part from the page cache, and check with mincore that
-    nothing stayed: pages still being written back cannot be dropped, and reads served from
-    memory would let decode "beat" the disk (a run right after a build did: ratio 1.83)."""
-    os.sync()
-    for attempt in range(tries):
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        left = sum(resident_bytes(p) for p in paths)
-        if left <= 64 * 2**20:  # a few records' worth may come back from a concurrent reader
-            return
-        time.sleep(1.0 + attempt)  # writeback in progress: give it time
-    raise SystemExit(f"bench_decode: {left / 2**20:.0f} MiB of the bank is still in the page "
-                     "cache after dropping it; cold-cache numbers would be wrong (is another "
-                     "process reading it, or writeback stuck?)")
 
 
 def raw_disk_bps(paths: list[Path]) -> float:
@@ -141,6 +112,42 @@ def raw_disk_bps(paths: list[Path]) -> float:
         return done / (time.perf_counter() - t0)
     finally:
         os.close(fd)
+
+
+def random_read_bps(art: Path, paths: list[Path], depths, sample_bytes: int,
+                    seed: int = 0) -> dict[int, float]:
+    """{depth: bytes/s} of cold random whole-record reads through RecordReader (O_DIRECT, or
+    buffered where the file system has none, as the runtime's reader then is) with exactly
+    `depth` reads in flight, each depth over its own random `sample_bytes` of records, at least
+    4 x depth of them so the drain at the end (fewer than `depth` in flight) is a small part
+    (bench_io.random_reads; the page cache evicted before each)."""
+    m = load_manifest(art / MANIFEST_NAME)
+    parts = [(p.file, p.size, p.data_start) for p in m.sidecar.parts]
+    length = m.records[0].sidecar_length
+    extents = [(r.part, parts[r.part][2] + r.sidecar_offset) for r in m.records
+               if r.sidecar_length == length]  # one codec per slice: every record, in practice
+    rng = np.random.default_rng(seed)
+    rates = {}
+    for depth in depths:
+        n = min(len(extents), max(sample_bytes // length, 4 * depth))
+        pick = [extents[i] for i in rng.permutation(len(extents))[:n]]
+        evict(paths)
+        rates[depth] = n * length / bench_io.random_reads(art, parts, pick, length, depth,
+                                                          direct="auto")
+    return rates
+
+
+def disk_rates(art: Path, paths: list[Path], depths, sample_bytes: int
+               ) -> tuple[float, dict[int, float]]:
+    """The raw sequential rate, then the random-read rate at each depth, in this run."""
+    return raw_disk_bps(paths), random_read_bps(art, paths, depths, sample_bytes)
+
+
+def rates_fields(rates: dict[int, float]) -> str:
+    best = max(rates, key=rates.get)
+    by_depth = ",".join(f"{d}:{v / 1e9:.3f}" for d, v in rates.items())
+    return (f"random_read_gbps_by_depth={by_depth} random_read_gbps={rates[best] / 1e9:.3f} "
+            f"random_read_best_depth={best}")
 
 
 def expert_seconds(art: Path, model, kernels, repeats: int = 5) -> float:
@@ -198,10 +205,12 @@ def replay_step(model, state, routes: list[torch.Tensor], tok: int) -> torch.Ten
 
 
 def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens: int,
-               kernels, verify: bool, routes: list | None = None) -> dict:
+               kernels, verify: bool, routes: list | None = None,
+               read_depth: int = DEFAULT_READ_DEPTH) -> dict:
     evict(paths)
     with load(art, dtype="bfloat16", kernels=kernels, lookahead=lookahead,
-              cache_slots=(slots, 0), tokenizer=False, verify=verify) as rt:
+              cache_slots=(slots, 0), tokenizer=False, verify=verify,
+              read_depth=read_depth) as rt:
         stats, before = GenerationStats(), None
         if routes is None:
             for _ in generate_step(rt.model, PROMPT, max_tokens=tokens + 1, stats=stats):
@@ -224,6 +233,7 @@ def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens:
             "tok_s": n / stats.decode_s,
             "hit_rate": d["hits"] / d["lookups"] if d["lookups"] else 0.0,
             "bytes_per_token": d["bytes"] / n,
+            "read_bps": d["bytes"] / stats.decode_s,
             "stall_share": d["stall_ms"] / 1e3 / stats.decode_s,
             "check_share": d["check_s"] / stats.decode_s,
             "checks": "/".join(str(checks.get(k, 0)) for k in ("xxh64", "sha256"))}
@@ -243,6 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--experts", type=int, default=896, help="routed experts per layer")
     ap.add_argument("--tokens", type=int, default=8, help="decode steps timed per config")
     ap.add_argument("--slots-per-layer", type=int, default=32, help="compute-tier cache slots")
+    ap.add_argument("--read-depth", type=int, default=DEFAULT_READ_DEPTH,
+                    help="expert reads in flight in decode (mtplx_runtime.load read_depth)")
+    ap.add_argument("--depths", type=bench_io.int_list, default=list(DEPTHS),
+                    help="read depths of the random-read rate the I/O bound takes the best of")
+    ap.add_argument("--sample-mib", type=int, default=256,
+                    help="MiB of random record reads per depth for that rate (at least 4 x "
+                         "depth records)")
     ap.add_argument("--kernels", default=None, help="expert kernel backend (default: auto)")
     ap.add_argument("--dir", type=Path, default=None,
                     help="where the slice and artifact go (default: a temp dir under /work)")
@@ -263,6 +280,8 @@ def main(argv=None) -> int:
     except PresetError as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
+    if a.read_depth < 1 or a.sample_mib < 1:
+        ap.error("--read-depth and --sample-mib must be >= 1")
     kernels = select_backend(a.kernels)
     if kernels.DEVICE != "cpu":
         ap.error("bench_decode runs the model on the CPU: use --kernels cpu or reference")
@@ -291,22 +310,24 @@ def main(argv=None) -> int:
               f"threads={torch.get_num_threads()} layers={a.layers} experts={a.experts} top_k=16 "
               f"bank_bytes={bank} slots_per_layer={a.slots_per_layer} tokens={a.tokens} "
               f"prompt={len(PROMPT)} dtype=bfloat16 build_s={build_s:.0f} "
-              f"kernels={name_of(kernels)}"
+              f"kernels={name_of(kernels)} read_depth={a.read_depth}"
               + ("" if routes is None else f" routes={a.routes.name}:{len(routes)}"), flush=True)
-        disk = raw_disk_bps(paths)
+        disk, rates = disk_rates(art, paths, a.depths, a.sample_mib << 20)
         model = load_model(art, dtype="bfloat16")
         t_exp = expert_seconds(art, model, kernels)
         k = model.cfg.num_experts_per_token
         del model
         compute_bound = 1.0 / (a.layers * k * t_exp)
-        print(f"# raw_odirect_seq_gbps={disk / 1e9:.3f} expert_ms={t_exp * 1e3:.1f} "
-              f"(one t158 expert, T=1, bf16 model) compute_bound_tok_s={compute_bound:.3f}",
-              flush=True)
+        print(f"# raw_odirect_seq_gbps={disk / 1e9:.3f} {rates_fields(rates)} "
+              f"expert_ms={t_exp * 1e3:.1f} (one t158 expert, T=1, bf16 model) "
+              f"compute_bound_tok_s={compute_bound:.3f}", flush=True)
         beaten = 0
         for rep in range(a.repeats):
             if rep:  # the disk's rate drifts: measure it again before every round
-                disk = raw_disk_bps(paths)
-                print(f"# round={rep} raw_odirect_seq_gbps={disk / 1e9:.3f}", flush=True)
+                disk, rates = disk_rates(art, paths, a.depths, a.sample_mib << 20)
+                print(f"# round={rep} raw_odirect_seq_gbps={disk / 1e9:.3f} "
+                      f"{rates_fields(rates)}", flush=True)
+            best = max(rates.values())
             for la in (0, 1) if routes is None else (0,):
                 # A fresh receipt directory per round and lookahead: "sha256" learns, "xxh64"
                 # reuses; odd rounds move "off" last so no configuration always runs first.
@@ -314,8 +335,10 @@ def main(argv=None) -> int:
                 order = ("off", "sha256", "xxh64") if rep % 2 == 0 else ("sha256", "xxh64", "off")
                 for verify in order:
                     r = run_config(art, paths, la, a.slots_per_layer, a.tokens, kernels,
-                                   verify != "off", routes)
-                    io_bound = (disk / r["bytes_per_token"] if r["bytes_per_token"]
+                                   verify != "off", routes, a.read_depth)
+                    # The drive's best random-read rate at the record size, not its sequential
+                    # rate: decode reads whole records in random order.
+                    io_bound = (best / r["bytes_per_token"] if r["bytes_per_token"]
                                 else float("inf"))
                     ratio = r["tok_s"] / min(io_bound, compute_bound)
                     beaten += ratio > 1.0
@@ -325,7 +348,10 @@ def main(argv=None) -> int:
                           f"stall_share={r['stall_share']:.3f} io_bound_tok_s={io_bound:.3f} "
                           f"compute_bound_tok_s={compute_bound:.3f} ratio={ratio:.2f} "
                           f"check_share={r['check_share']:.3f} "
-                          f"checks_xxh64/sha256={r['checks']}"
+                          f"checks_xxh64/sha256={r['checks']} "
+                          f"read_gbps={r['read_bps'] / 1e9:.3f} "
+                          f"raw_odirect_seq_gbps={disk / 1e9:.3f} "
+                          f"random_read_gbps={best / 1e9:.3f}"
                           + (" INVALID=ratio_above_1" if ratio > 1.0 else ""), flush=True)
     finally:
         if not a.keep:

@@ -29,6 +29,7 @@ from ..model.kimi_k3 import KimiK3
 from ..model.load import load_residents, model_dtype
 from ..model.moe import ResidentExpertProvider
 from ..offload.provider import StreamingExpertProvider
+from ..offload.reader import DEFAULT_READ_DEPTH
 from .plan import (
     DEFAULT_CONTEXT,
     MemoryPlan,
@@ -83,7 +84,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
          host_budget=0, kernels: str | ModuleType | None = None, lookahead: int = 1,
          cache_policy: str = "lru", context: int | None = None, prefill_chunk: int = 64,
          cache_slots: tuple[int, int] | None = None, tokenizer: bool = True,
-         verify: bool = True, device: str | None = None) -> Runtime:
+         verify: bool = True, device: str | None = None,
+         read_depth: int = DEFAULT_READ_DEPTH) -> Runtime:
     """Load the model at `path` (a streaming artifact or any checkpoint the reader accepts).
 
     Experts stream from the bank when `path` is a streaming artifact or `memory_budget` is given
@@ -99,7 +101,9 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     `verify` (streamed experts): every record read is checked (its manifest SHA-256 the first
     time, then its learned XXH64: `offload.digests`) and every resident shard before use
     (`artifact.integrity.admit_shards`: hashed once, then trusted while the file is unchanged);
-    False skips both.
+    False skips both. `read_depth` (streamed experts): reads in flight at once, a window's misses
+    and the lookahead's guesses together (`offload.reader.DEFAULT_READ_DEPTH`: BENCHMARKS.md
+    "bench_io").
     Raises CheckpointError / PlanError / ValueError / RuntimeError with a one-line reason.
     """
     # The model directory is checked before the tokenizer is read, so a wrong --model is
@@ -148,7 +152,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
         provider = StreamingExpertProvider(
             bank, cfg, torch_dtype, compute_bytes=compute_bytes, host_bytes=host_bytes,
             policy=cache_policy, lookahead=lookahead, verify_sha256=verify,
-            kernels=backend)
+            kernels=backend, read_depth=read_depth)
         try:
             model = _build(ckpt, torch_dtype, dev, provider)
         except BaseException:

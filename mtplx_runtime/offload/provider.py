@@ -35,7 +35,7 @@ from .device_io import DeviceReader, SlotGuard
 from .digests import RecordCheck, RecordDigests
 from .lookahead import LookaheadScore, predicted_keys
 from .prefetch import Prefetcher
-from .reader import from_manifest
+from .reader import DEFAULT_READ_DEPTH, from_manifest
 
 __all__ = ["StreamingExpertProvider"]
 
@@ -55,9 +55,11 @@ class StreamingExpertProvider:
     max(top_k, 4) records; 0 disables transient slots and prefill then uses the compute tier).
     policy, scope: ExpertCache replacement ('lru' | 'freq', 'layer' | 'global').
     lookahead: how many later MoE layers the model guesses for in decode (`hint`; 0: off).
-    threads, max_inflight_bytes, direct: reader and prefetcher settings. verify_sha256 (default
-    on): every record read is checked before a kernel sees it, against its manifest SHA-256 the
-    first time and its learned XXH64 after (offload/digests.py; `self.digests`).
+    read_depth: reads in flight at once, demand and lookahead together (reader and prefetcher;
+    default offload.reader.DEFAULT_READ_DEPTH). max_inflight_bytes, direct: prefetcher and reader
+    settings. verify_sha256 (default on): every record read is checked before a kernel sees it,
+    against its manifest SHA-256 the first time and its learned XXH64 after (offload/digests.py;
+    `self.digests`).
     timeout_s: longest a forward waits for one batch of reads before TimeoutError.
     kernels: the expert kernel backend `run_experts` computes with: a name ('reference' | 'cpu'
     | 'cuda'), a backend module, or None ($MTPLX_KERNELS, else the best available;
@@ -67,7 +69,8 @@ class StreamingExpertProvider:
     def __init__(self, bank: BankExpertLayout | str | os.PathLike, cfg,
                  dtype: torch.dtype = torch.float32, *, compute_bytes: int, host_bytes: int = 0,
                  transient_bytes: int | None = None, policy: str = "lru", scope: str = "layer",
-                 lookahead: int = 1, threads: int = 4, max_inflight_bytes: int | None = None,
+                 lookahead: int = 1, read_depth: int = DEFAULT_READ_DEPTH,
+                 max_inflight_bytes: int | None = None,
                  direct: bool | str = "auto", verify_sha256: bool = True, device: str = "cpu",
                  timeout_s: float = 120.0, kernels: str | ModuleType | None = None):
         if lookahead < 0:
@@ -109,19 +112,20 @@ class StreamingExpertProvider:
                         "buffered (O_DIRECT needs both)", bank.root, unaligned)
             direct = False
         # Every part may be open at once: each is opened once, on its first read.
-        self.reader = from_manifest(bank.root, self.manifest, direct=direct, threads=threads,
-                                    verify_sha256=verify_sha256,
+        self.reader = from_manifest(bank.root, self.manifest, direct=direct,
+                                    read_depth=read_depth, verify_sha256=verify_sha256,
                                     max_open_files=max(64, len(self.manifest.sidecar.parts)))
         self.guard = SlotGuard()  # CUDA events of the kernels reading each compute slot
         if self.on_gpu:
             self.reader = DeviceReader(self.reader, staging_bytes=self.stride_bytes,
-                                       guard=self.guard, threads=threads)
+                                       guard=self.guard, threads=read_depth)
         if max_inflight_bytes is None:
-            span = max(threads, 2 * cfg.num_experts_per_token * max(1, self.lookahead))
+            # Room for the whole read depth, and for a window's misses beside the guesses.
+            span = max(read_depth, 2 * cfg.num_experts_per_token * max(1, self.lookahead))
             max_inflight_bytes = span * self.stride_bytes
         self.prefetcher = Prefetcher(self.reader, self.locate, self.cache,
                                      max_inflight_bytes=max_inflight_bytes,
-                                     speculative_fraction=0.5, threads=threads)
+                                     speculative_fraction=0.5, read_depth=read_depth)
         self.score = LookaheadScore()
         self._first_layer = min(layers) if layers else 0
         # layer -> {depth: ids [T, K]}: this forward's guesses, for the route trace.
