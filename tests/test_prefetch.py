@@ -390,9 +390,11 @@ def test_running_speculation_finishes_then_is_settled(make):
     until(lambda: len(cache.records) == 2)
     assert cache.ready((5, 0)) and cache.ready((5, 1)) and not cache.aborted
     assert sorted(r[0] for r in cache.records) == [(5, 0), (5, 1)]  # guesses recorded on landing
+    time.sleep(0.05)  # both landed before their record: (5, 0) is used at least 50 ms later
     assert pf.note_used([(5, 0), (9, 9)]) == 1
     pf.cancel_stale(set())
-    assert (pf.stats.spec_used, pf.stats.spec_wasted) == (1, 1)
+    assert (pf.stats.spec_used, pf.stats.spec_wasted, pf.stats.spec_late) == (1, 1, 0)
+    assert pf.stats.spec_lead_ms >= 50.0
 
 
 def test_inflight_speculation_is_promoted_not_duplicated(make):
@@ -410,6 +412,8 @@ def test_inflight_speculation_is_promoted_not_duplicated(make):
     assert reader.starts == [(6, 0), (6, 2), (6, 3), (6, 1)]
     assert max(reader.reads.values()) == 1
     assert pf.stats.spec_used == 2 and pf.stats.demand_reads == 1
+    # Both were demanded before landing: late, no lead time.
+    assert pf.stats.spec_late == 2 and pf.stats.spec_lead_ms == 0.0
     assert sorted(r[0] for r in cache.records) == [(6, 0), (6, 1), (6, 2), (6, 3)]
 
 

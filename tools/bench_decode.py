@@ -24,17 +24,33 @@ each measurement the bank is written back (sync) and dropped from the page cache
 configuration whose decode beats its own I/O bound is marked INVALID=ratio_above_1 and the run
 exits 1: a bound the run beats was measured wrong, it is not a result.
 
-`--routes TRACE` replays a recorded route trace (FORMAT.md "Route traces"; the trained model's
-is tests/data/kjv-routes.jsonl) instead of the slice's random routers, whose picks are nearly
-uniform: decode step i of every MoE layer uses the trace's route of line i, each trace expert
-standing for 16 / top-k slice experts (a bundle read and evicted together), slice layer j taking
-trace layer j mod L. Lookahead is 0 only: the slice's routers cannot guess a replayed route.
+`--routes TRACE` takes the decode routes from a route trace instead of the slice's random
+routers, whose picks are nearly uniform: anything `mtplx profile` reads (FORMAT.md "Route traces"
+JSONL, e.g. the trained model's tests/data/kjv-routes.jsonl; plain route lists; an integer .npy;
+a `synth:` spec such as `synth:k3`, calibrated to K3's published hit rate). Decode step i of
+every MoE layer uses the route of the trace's i-th decode line, each trace expert standing for
+16 / top-k slice experts (a bundle read and evicted together), slice layer j taking trace layer
+j mod L. The slice's routers cannot guess a replayed route, so at lookahead 1 the guesses come
+from the trace's own `predicted` ids (depth 1, where the trace's layers line up), or, for a
+trace without them or with `--guess-recall P`, from a synthetic guesser: each expert of the
+true next-layer route is kept with probability P, the others replaced by popular experts of
+that layer not in the route.
+
+Every line ends with the routes' name (`routes=random` or the trace's), the hit rates the
+profiler's replay gives on the same decode routes and slots (`lru_replay`: the runtime's LRU
+decisions, prefill included, equal to `hit_rate` at lookahead 0; `belady`: Belady's MIN over
+the decode routes from a cold cache, the bound for any policy there), and the prefetch counters
+of the decode: `guesses` (router, trace, synth:P or none), `guess_recall` (share of the guessed
+layers' experts the guesses named), `prefetch_recall` (speculative reads used / (used + demand
+reads)), `spec_reads` issued, `wasted_reads` (landed, never used before being settled or
+evicted), `late_reads` (used, but still reading when demanded) and `lead_ms` (mean ms from a
+used guess landing to its first use).
 
     python tools/bench_decode.py [--layers 2] [--experts 896] [--tokens 8]
                                  [--slots-per-layer 32] [--kernels auto|reference|cpu|cuda]
                                  [--read-depth N] [--depths 1,2,4,8,16,32] [--sample-mib 256]
                                  [--repeats 1] [--dir DIR] [--keep] [--config NAME|PATH]
-                                 [--routes TRACE]
+                                 [--routes TRACE] [--guess-recall P]
 """
 
 from __future__ import annotations
@@ -60,12 +76,13 @@ from mtplx_runtime.artifact.integrity import RECEIPTS_ENV
 from mtplx_runtime.artifact.manifest import MANIFEST_NAME, load_manifest
 from mtplx_runtime.engine.generate import GenerationStats, generate_step
 from mtplx_runtime.engine.presets import PresetError, add_config_arg, parse_args
-from mtplx_runtime.engine.trace import read_trace
 from mtplx_runtime.fixtures.k3_slice import make_k3_slice
 from mtplx_runtime.kernels import name_of, select_backend
 from mtplx_runtime.offload.buffers import aligned_buffer
 from mtplx_runtime.offload.provider import StreamingExpertProvider
 from mtplx_runtime.offload.reader import DEFAULT_READ_DEPTH
+from mtplx_runtime.profile import Trace, profile, replay_runtime
+from mtplx_runtime.profile import load as load_trace
 
 
 def _bench_io():
@@ -85,6 +102,9 @@ SLICE_TOP_K = 16  # make_k3_slice keeps K3's top-k
 CHUNK = 8 * 2**20
 RAW_READ_BYTES = 2 * 2**30
 DEPTHS = (1, 2, 4, 8, 16, 32)
+# Synthetic guesser's default recall: between the trained tiny K3's depth-1 recall (65 %,
+# BENCHMARKS.md "Routes of the trained tiny K3") and the 74 % of ARCHITECTURE.md "I/O bound".
+GUESS_RECALL = 0.7
 
 
 def part_paths(art: Path) -> list[Path]:
@@ -172,64 +192,193 @@ def expert_seconds(art: Path, model, kernels, repeats: int = 5) -> float:
     return statistics.median(times[1:])
 
 
+PREFETCH = ("demand_reads", "spec_issued", "spec_used", "spec_wasted", "spec_late",
+            "spec_lead_ms")
+
+
 def snapshot(provider) -> dict:
     st = provider.stats()
     dev, pf = st["totals"]["compute"], st["prefetch"]
     return {"hits": dev["hits"], "lookups": dev["lookups"], "stall_ms": st["stall_ms"],
             "bytes": pf["demand_bytes"] + pf["spec_bytes"],
-            "check_s": (st["checks"] or {}).get("seconds", 0.0)}
+            "check_s": (st["checks"] or {}).get("seconds", 0.0),
+            **{k: pf[k] for k in PREFETCH}}
 
 
-def trace_routes(path: Path, layers: int, experts: int,
-                 top_k: int = SLICE_TOP_K) -> list[list[torch.Tensor]]:
-    """The decode routes of a trace mapped onto the slice: per decode line, per slice MoE layer
-    j, ids [1, top_k] (ascending) of trace layer j mod L, trace expert e standing for slice
-    experts e * (experts // E) + 0 .. top_k / K - 1."""
-    header, lines = read_trace(path)
-    E, k = header["experts"], header["top_k"]
+def routes_name(trace: Trace | None) -> str:
+    """What a line calls its routes: 'random' (the slice's routers), a file's name or a spec."""
+    return "random" if trace is None else Path(trace.name).name.replace(" ", "_")
+
+
+def slice_map(trace: Trace, experts: int, top_k: int = SLICE_TOP_K) -> tuple[int, int]:
+    """(bundle, stride): trace expert e stands for slice experts e * stride + 0 .. bundle - 1."""
+    E, k = trace.experts, trace.top_k
     if top_k % k or (experts // E) < top_k // k:
-        raise ValueError(f"{path}: top-{k} of {E} experts does not map onto top-{top_k} of "
-                         f"{experts}")
-    bundle, stride = top_k // k, experts // E
-    src = [str(header["layers"][j % len(header["layers"])]) for j in range(layers)]
-    return [[torch.tensor([sorted(e * stride + i for e in line["routes"][la]
-                                  for i in range(bundle))]) for la in src]
-            for line in lines if line["phase"] == "decode"]
+        raise ValueError(f"{trace.name}: top-{k} of {E} experts does not map onto top-{top_k} "
+                         f"of {experts}")
+    return top_k // k, experts // E
 
 
-def replay_step(model, state, routes: list[torch.Tensor], tok: int) -> torch.Tensor:
-    """One decode forward with every MoE layer's experts forced to `routes`."""
+def to_slice(ids, bundle: int, stride: int) -> list[int]:
+    """Trace expert ids -> their slice experts, ascending."""
+    return sorted(int(e) * stride + i for e in ids if e >= 0 for i in range(bundle))
+
+
+def slice_routes(trace: Trace, layers: int, experts: int,
+                 top_k: int = SLICE_TOP_K) -> np.ndarray:
+    """The trace's decode routes on the slice: int64 [N, layers, top_k], ascending ids; slice
+    MoE layer j takes trace layer j mod L."""
+    bundle, stride = slice_map(trace, experts, top_k)
+    rows = trace.routes[trace.decode]  # [N, L, K]
+    if not len(rows):
+        raise ValueError(f"{trace.name}: no decode lines")
+    if (rows < 0).any():
+        raise ValueError(f"{trace.name}: rows shorter than top-{trace.top_k} do not map onto "
+                         "the slice's fixed top-16")
+    src = rows[:, [j % rows.shape[1] for j in range(layers)]]  # [N, layers, K]
+    out = np.repeat(src.astype(np.int64) * stride, bundle, axis=2)  # [N, layers, top_k]
+    out += np.tile(np.arange(bundle), src.shape[2])
+    return np.sort(out, axis=2)
+
+
+def trace_guesses(trace: Trace, layers: int, experts: int, tokens: int,
+                  recall: float | None, seed: int = 0,
+                  top_k: int = SLICE_TOP_K) -> tuple[dict, str]:
+    """Depth-1 lookahead guesses for the first `tokens` decode steps on the slice:
+    ({(step, target slice layer j): slice ids}, how they were made).
+
+    recall None and a trace with `predicted` ids: the trace's own depth-1 guesses, where trace
+    layer j mod L and its predecessor j - 1 line up (no wrap). Otherwise synthetic: each expert
+    of the true route of layer j (j >= 1) is kept with probability `recall`, each other pick is
+    a popular expert of that trace layer (drawn by decode-line frequency) not in the route."""
+    bundle, stride = slice_map(trace, experts, top_k)
+    nl, decode_lines = len(trace.layers), np.flatnonzero(trace.decode)[:tokens]
+    out = {}
+    if recall is None and trace.predicted:
+        step_of = {int(line): i for i, line in enumerate(decode_lines)}
+        for j in range(1, layers):
+            if j % nl == 0:  # the trace's first layer has no guess from the layer before it
+                continue
+            idx, ids = trace.predicted.get((trace.layers[j % nl], 1), ((), ()))
+            for line, got in zip(idx, ids):
+                if int(line) in step_of:
+                    out[step_of[int(line)], j] = to_slice(got, bundle, stride)
+        return out, "trace"
+    recall = GUESS_RECALL if recall is None else recall
+    rng = np.random.default_rng(seed)
+    rows = trace.routes[decode_lines]  # [n, L, K]
+    counts = np.stack([np.bincount(trace.routes[trace.decode, la].ravel(),
+                                   minlength=trace.experts)[:trace.experts]
+                       for la in range(nl)]).astype(np.float64) + 1.0  # [L, E], +1: every id
+    for i in range(len(rows)):
+        for j in range(1, layers):
+            true = rows[i, j % nl]  # [K]
+            keep = true[rng.random(len(true)) < recall]
+            p = counts[j % nl].copy()
+            p[true] = 0.0  # a replacement is a wrong guess
+            miss = min(len(true) - len(keep), int((p > 0).sum()))
+            wrong = rng.choice(trace.experts, miss, replace=False, p=p / p.sum()) if miss else []
+            out[i, j] = to_slice(np.concatenate([keep, wrong]), bundle, stride)
+    return out, f"synth:{recall:g}"
+
+
+class GuessHook:
+    """Hands the provider the trace's lookahead guesses in place of the slice routers' (which
+    cannot guess a replayed route): wraps `provider.hint`, depth 1, for decode step `step`."""
+
+    def __init__(self, provider, moe_layers: list[int], guesses: dict):
+        self.real, self.layers, self.guesses, self.step = provider.hint, moe_layers, guesses, 0
+        self.index = {layer: j for j, layer in enumerate(moe_layers)}
+        provider.hint = self.hint
+
+    def hint(self, layer: int, actual: torch.Tensor, predicted):
+        j = self.index[layer] + 1
+        ids = self.guesses.get((self.step, j)) if predicted and j < len(self.layers) else None
+        mine = {} if ids is None else {self.layers[j]: torch.tensor([ids])}  # [1, K']
+        return self.real(layer, actual, mine)
+
+
+def replay_step(model, state, routes: np.ndarray, tok: int) -> torch.Tensor:
+    """One decode forward with every MoE layer's experts forced to `routes` [layers, top_k]."""
     for moe, ids in zip(model.moe_blocks(), routes):
-        moe.forced_ids = ids
+        moe.forced_ids = torch.from_numpy(ids).unsqueeze(0)  # [1, top_k]
     return model.decode(tok, state)
 
 
+def replay_hit_rates(prefill: np.ndarray, routes: np.ndarray, experts: int,
+                     slots: int) -> tuple[float, float]:
+    """Decode hit rates of the profiler's replays of one run's routes, prefill [P, L, K] then
+    decode [N, L, K], with `slots` compute slots per layer: (LRU, Belady's MIN).
+
+    LRU: `replay_runtime`, the runtime cache's own call sequence at lookahead 0, prefill into
+    transient slots included, so it equals the run's hit rate at lookahead 0. MIN: `profile`'s
+    offline optimum over the decode routes from a cold cache (the prompt's experts, left in
+    transient slots, are not modelled: worth a few hits in a short run over few experts)."""
+    p, n, nl = len(prefill), len(routes), routes.shape[1]
+    lines = np.concatenate([prefill, routes]).astype(np.int32)  # [P + N, L, K]
+    layers = list(range(1, nl + 1))  # any distinct ids: both replays split slots per layer
+
+    def decode_counts(upto: int) -> tuple[int, int]:
+        tr = Trace(layers, experts, lines.shape[2], lines[:upto], np.arange(upto) >= p,
+                   np.arange(upto, dtype=np.int64))
+        c = replay_runtime(tr, policy="lru", compute_slots=slots * nl).totals()["compute"]
+        return c["hits"], c["lookups"]
+
+    # The replay counts prefill lookups too: the prefill-only replay's counters are its share.
+    (h0, n0), (h1, n1) = decode_counts(p), decode_counts(p + n)
+    decode = Trace(layers, experts, routes.shape[2], routes.astype(np.int32), np.ones(n, bool),
+                   np.arange(n, dtype=np.int64))
+    (_, belady), _ = profile(decode, ["lru"], [slots * nl], workers=1)
+    return (h1 - h0) / (n1 - n0), belady.hit_rate
+
+
 def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens: int,
-               kernels, verify: bool, routes: list | None = None,
-               read_depth: int = DEFAULT_READ_DEPTH) -> dict:
+               kernels, verify: bool, routes: np.ndarray | None = None,
+               guesses: dict | None = None, read_depth: int = DEFAULT_READ_DEPTH) -> dict:
+    """One configuration; `routes` [N, layers, 16] replaces the routers, `guesses` (with
+    routes) their lookahead. The result's "routes" are the decode routes taken [n, layers, 16]
+    (the routers' are read back after each step), "prefill_routes" the prompt's [P, layers,
+    16]."""
     evict(paths)
     with load(art, dtype="bfloat16", kernels=kernels, lookahead=lookahead,
               cache_slots=(slots, 0), tokenizer=False, verify=verify,
               read_depth=read_depth) as rt:
-        stats, before = GenerationStats(), None
+        stats, before, taken = GenerationStats(), None, []
+        moes = rt.model.moe_blocks()
         if routes is None:
             for _ in generate_step(rt.model, PROMPT, max_tokens=tokens + 1, stats=stats):
                 if before is None:  # prefill done, no decode forward yet
                     before = snapshot(rt.provider)
+                    prefill = np.stack([m.last_ids.numpy() for m in moes], axis=1)  # [P, L, K]
+                else:  # a decode forward ran since the last yield: keep its routes
+                    taken.append([m.last_ids[0].numpy() for m in moes])
         else:
+            hook = GuessHook(rt.provider, [m.layer for m in moes], guesses or {})
             state = rt.model.new_state()
             logits = rt.model.prefill(PROMPT, state)[-1]
             before = snapshot(rt.provider)
-            for step in routes[:tokens]:
+            prefill = np.stack([m.last_ids.numpy() for m in moes], axis=1)  # [P, L, K]
+            for i, step in enumerate(routes[:tokens]):
+                hook.step = i
                 t0 = time.perf_counter()
                 logits = replay_step(rt.model, state, step, int(logits.argmax()))
                 stats.decode_s += time.perf_counter() - t0
                 stats.decode_forwards += 1
+            taken = routes[:tokens]
         after = snapshot(rt.provider)
         checks = rt.provider.stats()["checks"] or {}
+        depth1 = rt.provider.stats()["lookahead"].get(1)
     d = {k: after[k] - before[k] for k in after}
     n = stats.decode_forwards
-    return {"tokens": n, "decode_s": stats.decode_s,
+    needed = d["spec_used"] + d["demand_reads"]
+    landed_used = d["spec_used"] - d["spec_late"]
+    return {"routes": np.asarray(taken, np.int64), "prefill_routes": prefill,
+            "guess_recall": depth1["recall"] if depth1 else 0.0,
+            "prefetch_recall": d["spec_used"] / needed if needed else 0.0,
+            "spec_reads": d["spec_issued"], "wasted_reads": d["spec_wasted"],
+            "late_reads": d["spec_late"],
+            "lead_ms": d["spec_lead_ms"] / landed_used if landed_used else None,
+            "tokens": n, "decode_s": stats.decode_s,
             "tok_s": n / stats.decode_s,
             "hit_rate": d["hits"] / d["lookups"] if d["lookups"] else 0.0,
             "bytes_per_token": d["bytes"] / n,
@@ -237,6 +386,17 @@ def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens:
             "stall_share": d["stall_ms"] / 1e3 / stats.decode_s,
             "check_share": d["check_s"] / stats.decode_s,
             "checks": "/".join(str(checks.get(k, 0)) for k in ("xxh64", "sha256"))}
+
+
+def route_fields(r: dict, trace: Trace | None, lookahead: int, how: str, slots: int,
+                 experts: int) -> str:
+    """The line's routes, the profiler's hit rates on them, the decode's prefetch counters."""
+    lru, belady = replay_hit_rates(r["prefill_routes"], r["routes"], experts, slots)
+    lead = "-" if r["lead_ms"] is None else f"{r['lead_ms']:.1f}"
+    return (f"routes={routes_name(trace)} lru_replay={lru:.3f} belady={belady:.3f} "
+            f"guesses={how if lookahead else 'none'} guess_recall={r['guess_recall']:.3f} "
+            f"prefetch_recall={r['prefetch_recall']:.3f} spec_reads={r['spec_reads']} "
+            f"wasted_reads={r['wasted_reads']} late_reads={r['late_reads']} lead_ms={lead}")
 
 
 def commit() -> str:
@@ -267,8 +427,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rounds over every configuration (the disk's rate drifts between runs)")
     ap.add_argument("--keep", action="store_true",
                     help="keep the slice in --dir and reuse an artifact already built there")
-    ap.add_argument("--routes", type=Path, default=None,
-                    help="replay this route trace's decode routes (lookahead 0 only)")
+    ap.add_argument("--routes", default=None, metavar="TRACE",
+                    help="decode routes from a route trace (mtplx JSONL, plain lists, .npy "
+                         "[N,L,K]) or a synth: spec, e.g. synth:k3 (default: the slice's random "
+                         "routers)")
+    ap.add_argument("--guess-recall", type=float, default=None, metavar="P",
+                    help="with --routes: synthetic lookahead guesses keeping each true expert "
+                         "with probability P (default: the trace's own guesses, else "
+                         f"{GUESS_RECALL})")
     add_config_arg(ap)  # of a preset's keys only `kernels` is a flag here
     return ap
 
@@ -285,8 +451,15 @@ def main(argv=None) -> int:
     kernels = select_backend(a.kernels)
     if kernels.DEVICE != "cpu":
         ap.error("bench_decode runs the model on the CPU: use --kernels cpu or reference")
+    if a.guess_recall is not None and not (a.routes and 0.0 <= a.guess_recall <= 1.0):
+        ap.error("--guess-recall needs --routes and a probability in [0, 1]")
+    trace = routes = None
+    guesses, how = {}, "router"
     try:
-        routes = None if a.routes is None else trace_routes(a.routes, a.layers, a.experts)
+        if a.routes is not None:
+            trace = load_trace(a.routes)
+            routes = slice_routes(trace, a.layers, a.experts)
+            guesses, how = trace_guesses(trace, a.layers, a.experts, a.tokens, a.guess_recall)
     except (OSError, ValueError) as e:  # TraceError is a ValueError
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
@@ -311,7 +484,8 @@ def main(argv=None) -> int:
               f"bank_bytes={bank} slots_per_layer={a.slots_per_layer} tokens={a.tokens} "
               f"prompt={len(PROMPT)} dtype=bfloat16 build_s={build_s:.0f} "
               f"kernels={name_of(kernels)} read_depth={a.read_depth}"
-              + ("" if routes is None else f" routes={a.routes.name}:{len(routes)}"), flush=True)
+              + ("" if routes is None else f" routes={routes_name(trace)}:{len(routes)}"),
+              flush=True)
         disk, rates = disk_rates(art, paths, a.depths, a.sample_mib << 20)
         model = load_model(art, dtype="bfloat16")
         t_exp = expert_seconds(art, model, kernels)
@@ -328,14 +502,14 @@ def main(argv=None) -> int:
                 print(f"# round={rep} raw_odirect_seq_gbps={disk / 1e9:.3f} "
                       f"{rates_fields(rates)}", flush=True)
             best = max(rates.values())
-            for la in (0, 1) if routes is None else (0,):
+            for la in (0, 1):
                 # A fresh receipt directory per round and lookahead: "sha256" learns, "xxh64"
                 # reuses; odd rounds move "off" last so no configuration always runs first.
                 os.environ[RECEIPTS_ENV] = tempfile.mkdtemp(prefix="receipts_", dir=base)
                 order = ("off", "sha256", "xxh64") if rep % 2 == 0 else ("sha256", "xxh64", "off")
                 for verify in order:
                     r = run_config(art, paths, la, a.slots_per_layer, a.tokens, kernels,
-                                   verify != "off", routes, a.read_depth)
+                                   verify != "off", routes, guesses, a.read_depth)
                     # The drive's best random-read rate at the record size, not its sequential
                     # rate: decode reads whole records in random order.
                     io_bound = (best / r["bytes_per_token"] if r["bytes_per_token"]
@@ -352,7 +526,9 @@ def main(argv=None) -> int:
                           f"read_gbps={r['read_bps'] / 1e9:.3f} "
                           f"raw_odirect_seq_gbps={disk / 1e9:.3f} "
                           f"random_read_gbps={best / 1e9:.3f}"
-                          + (" INVALID=ratio_above_1" if ratio > 1.0 else ""), flush=True)
+                          + (" INVALID=ratio_above_1" if ratio > 1.0 else "")
+                          + " " + route_fields(r, trace, la, how, a.slots_per_layer, a.experts),
+                          flush=True)
     finally:
         if not a.keep:
             shutil.rmtree(base, ignore_errors=True)

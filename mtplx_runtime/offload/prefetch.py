@@ -52,14 +52,19 @@ class NoSlotError(RuntimeError):
 @dataclass(slots=True)
 class PrefetchStats:
     """Counters since construction. `spec_used`: speculative reads later demanded (promoted in
-    flight) or reported through `note_used`; `spec_wasted`: speculative reads that landed and were
-    settled unused by `cancel_stale`; `spec_cancelled`: dropped before any byte was read."""
+    flight) or reported through `note_used`; `spec_late`: those of them still queued or reading
+    when demanded; `spec_lead_ms`: summed over the others, the time from a guess landing to its
+    first use (mean lead = spec_lead_ms / (spec_used - spec_late)); `spec_wasted`: speculative
+    reads that landed and were settled unused by `cancel_stale`; `spec_cancelled`: dropped before
+    any byte was read."""
 
     demand_reads: int = 0
     demand_bytes: int = 0
     spec_issued: int = 0
     spec_bytes: int = 0
     spec_used: int = 0
+    spec_late: int = 0
+    spec_lead_ms: float = 0.0
     spec_wasted: int = 0
     spec_cancelled: int = 0
     spec_skipped: int = 0      # speculate() keys refused: resident, in flight, no slot, cap
@@ -121,7 +126,8 @@ class Prefetcher:
         self._inflight_reads = 0
         self._spec_running = 0     # speculative reads handed to the reader (<= spec_depth)
         self._spec_bytes = 0       # speculative bytes queued or running (the cap counts both)
-        self._landed: set[ExpertKey] = set()  # speculative reads committed, not yet settled
+        # Speculative reads committed, not yet settled: key -> time.monotonic() at landing.
+        self._landed: dict[ExpertKey, float] = {}
         self._closed = False
         self._dispatcher = threading.Thread(target=self._dispatch_loop, daemon=True,
                                             name="mtplx-prefetch")
@@ -223,7 +229,7 @@ class Prefetcher:
             self._jobs[key] = job
             self._spec_q.append(job)
             self._spec_bytes += length
-            self._landed.discard(key)
+            self._landed.pop(key, None)
             self.stats.spec_issued += 1
             self.stats.spec_bytes += length
             issued.append(key)
@@ -246,9 +252,10 @@ class Prefetcher:
                     keys.append(job.key)
             self._spec_q = kept
             self.stats.spec_cancelled += len(keys)
-            stale = self._landed - keep
+            stale = self._landed.keys() - keep
             self.stats.spec_wasted += len(stale)
-            self._landed -= stale
+            for key in stale:
+                del self._landed[key]
             self._cond.notify_all()
         for f in cancelled:
             f.cancel()
@@ -257,9 +264,11 @@ class Prefetcher:
     def note_used(self, keys: Iterable[ExpertKey]) -> int:
         """Report experts the model consumed from the cache (hits); those that landed through
         speculation count as used. Returns how many did."""
+        now = time.monotonic()
         with self._cond:
-            used = self._landed & {(int(k[0]), int(k[1])) for k in keys}
-            self._landed -= used
+            used = self._landed.keys() & {(int(k[0]), int(k[1])) for k in keys}
+            for key in used:
+                self.stats.spec_lead_ms += (now - self._landed.pop(key)) * 1e3
             self.stats.spec_used += len(used)
         return len(used)
 
@@ -369,6 +378,7 @@ class Prefetcher:
         job.speculative = False
         self._spec_bytes -= job.length
         self.stats.spec_used += 1
+        self.stats.spec_late += 1
         if job.state == "queued":
             self._spec_q.remove(job)
             self._demand_q.append(job)
@@ -455,7 +465,7 @@ class Prefetcher:
                     error = e
             if error is None:
                 if job.speculative:
-                    self._landed.add(job.key)
+                    self._landed[job.key] = time.monotonic()
             else:
                 try:
                     self.cache.abort(job.key)
