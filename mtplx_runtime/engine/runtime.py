@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -29,6 +30,7 @@ from ..model.kimi_k3 import KimiK3
 from ..model.load import load_residents, model_dtype
 from ..model.moe import ResidentExpertProvider
 from ..offload.provider import StreamingExpertProvider
+from ..offload.warm import WarmStart, warm_path
 from .plan import (
     DEFAULT_CONTEXT,
     MemoryPlan,
@@ -83,7 +85,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
          host_budget=0, kernels: str | ModuleType | None = None, lookahead: int = 1,
          cache_policy: str = "lru", context: int | None = None, prefill_chunk: int = 64,
          cache_slots: tuple[int, int] | None = None, tokenizer: bool = True,
-         verify: bool = True, device: str | None = None) -> Runtime:
+         verify: bool = True, device: str | None = None, warm: str | os.PathLike = "off",
+         warm_progress: Callable[[str], None] | None = None) -> Runtime:
     """Load the model at `path` (a streaming artifact or any checkpoint the reader accepts).
 
     Experts stream from the bank when `path` is a streaming artifact or `memory_budget` is given
@@ -100,6 +103,10 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     time, then its learned XXH64: `offload.digests`) and every resident shard before use
     (`artifact.integrity.admit_shards`: hashed once, then trusted while the file is unchanged);
     False skips both.
+    `warm` (streamed experts): 'off', 'auto' (the file beside the integrity receipts) or a
+    warm-start file's path: the cache is filled from its expert use counts in the background
+    (`offload.warm`; `provider.warm.wait()` blocks until done, `warm_progress(line)` hears of a
+    long warm) and the counts of this run are merged into it at `close()`.
     Raises CheckpointError / PlanError / ValueError / RuntimeError with a one-line reason.
     """
     # The model directory is checked before the tokenizer is read, so a wrong --model is
@@ -151,6 +158,10 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
             kernels=backend)
         try:
             model = _build(ckpt, torch_dtype, dev, provider)
+            path = warm_path(root, bank.manifest, warm)
+            if path is not None:
+                provider.warm = WarmStart(provider, path, progress=warm_progress)
+                provider.warm.start()
         except BaseException:
             provider.close()
             raise
