@@ -4,13 +4,14 @@ expert cache at the next load (FORMAT.md "Warm-start file").
     run:   run_experts(layer, ids [T, K]) -> add: one count per (token, expert) pick
     close: previous counts * DECAY + this run's -> <key>.warm, tmp + rename
     load:  file valid for this artifact? -> per layer the hottest records up to the layer's cache
-           quota -> sorted by (part, offset) -> demand reads in windows on a background thread
+           quota -> sorted by (part, offset) -> demand reads from a background thread, a few
+           outstanding at a time
 
 The file is a hint, never a source of bytes: warm records are read by the prefetcher and reader
 like any miss, so the read-time checks apply, and a missing, stale or hostile file only means a
-cold start. Warming runs beside the first prompt: its reads go in windows of a few in-flight
-budgets, so a forward's own demand reads queue behind one window at most, and a forward that
-needs a record already being warmed shares that read.
+cold start. Warming runs beside the first prompt: it keeps twice the prefetcher's read threads
+of reads outstanding, so the reader stays busy and a forward's own demand reads queue behind a
+few warm reads at most; a forward that needs a record being warmed shares that read.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ VERSION = 1
 SUFFIX = ".warm"
 HEADER_BYTES = 8 + 4 + 4 + 32 + 8  # magic, version, reserved, artifact digest, record count
 DECAY = 0.5  # weight of the earlier runs' counts when a run's are merged in: old habits fade
-WINDOW_BUDGETS = 4  # a warm window is this many in-flight byte budgets of reads
 PROGRESS_EVERY_S = 2.0
 STOP_POLL_S = 0.2
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class WarmStart:
         return {**self._stats, "done": self._done.is_set()}
 
     def stop(self) -> None:
-        """Issue no further warm windows (reads already queued go on until cancelled)."""
+        """Issue no further warm reads (those already queued go on until cancelled)."""
         self._stop.set()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -220,22 +220,31 @@ class WarmStart:
     def _warm(self, keys: list[tuple[int, int]]) -> None:
         p = self.provider
         t0 = last = time.monotonic()
-        window = max(1, WINDOW_BUDGETS * p.prefetcher.max_inflight_bytes // p.stride_bytes)
+        # Twice the prefetcher's read threads outstanding: the reader never idles, and a
+        # forward's demand read queues behind at most one thread-count of warm reads.
+        limit = 2 * p.prefetcher.threads
+        todo = iter(keys)
+        pending: dict[concurrent.futures.Future, tuple[int, int]] = {}
+        issued = 0
         try:
-            for i in range(0, len(keys), window):
+            while True:
                 if self._stop.is_set():
                     return
-                batch = [k for k in keys[i:i + window] if k not in p.cache]
-                try:
-                    futures = p.prefetcher.demand(batch)
-                except RuntimeError:  # the prefetcher shut down between the check and here
-                    return
-                pending = set(futures.values())
-                while pending:  # woken now and then to see a stop (close) while reads run
-                    if self._stop.is_set():
+                while len(pending) < limit and (key := next(todo, None)) is not None:
+                    issued += 1
+                    if key in p.cache:  # a forward read it first
+                        continue
+                    try:
+                        pending[p.prefetcher.demand([key])[key]] = key
+                    except RuntimeError:  # the prefetcher shut down between checks
                         return
-                    _, pending = concurrent.futures.wait(pending, timeout=STOP_POLL_S)
-                for key, fut in futures.items():
+                if not pending:
+                    break
+                # woken now and then to see a stop (close) while reads run
+                done, _ = concurrent.futures.wait(pending, timeout=STOP_POLL_S,
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
+                for fut in done:
+                    key = pending.pop(fut)
                     if fut.cancelled():  # shutdown cancelled the queued reads
                         return
                     if fut.exception() is not None:
@@ -250,7 +259,7 @@ class WarmStart:
                 now = time.monotonic()
                 self._stats["seconds"] = now - t0
                 if self.progress is not None and now - last >= PROGRESS_EVERY_S:
-                    self.progress(self._line(min(i + window, len(keys)), len(keys)))
+                    self.progress(self._line(issued - len(pending), len(keys)))
                     last = now
             if self.progress is not None and time.monotonic() - t0 >= PROGRESS_EVERY_S:
                 self.progress(self._line(len(keys), len(keys)))
