@@ -160,10 +160,9 @@ class WarmStart:
         rows = self._rows.get(int(layer))
         if rows is None:
             return
-        e = ids[ids >= 0].to("cpu", torch.int64)
-        used = torch.bincount(e, minlength=len(rows)).numpy()[:len(rows)]  # [E]
-        have = rows >= 0
-        self._run[rows[have]] += used[have]
+        e = ids.numpy(force=True).ravel()  # [T * K]; numpy filtering is cheaper than torch's
+        rec = rows[e[(e >= 0) & (e < len(rows))]]
+        np.add.at(self._run, rec[rec >= 0], 1.0)  # add.at: an expert picked by several tokens
 
     def counts(self) -> np.ndarray:
         """What `close` writes: the earlier runs' counts * DECAY plus this run's."""
