@@ -74,14 +74,17 @@ def _counts_for(manifest, hot: dict[int, list[int]]) -> np.ndarray:
 
 
 def test_warm_start_fills_the_cache_with_the_hottest_records_in_file_order(art, manifest,
-                                                                           tmp_path):
+                                                                           tmp_path, monkeypatch):
     _, root = art
+    monkeypatch.setattr(warm_module, "PROGRESS_EVERY_S", 0.0)  # every warm is "long" here
+    lines: list[str] = []
     layers = sorted({r.layer for r in manifest.records})
     hot = {la: [(3 * la + 5) % 8, (la + 1) % 8 if (la + 1) % 8 != (3 * la + 5) % 8 else 0, 7]
            for la in layers}
     path = tmp_path / "hot.warm"
     assert write_counts(path, manifest, _counts_for(manifest, hot))
-    with _load(root, path) as rt:
+    with mtplx_runtime.load(root, dtype="float32", kernels="reference", cache_slots=(2, 0),
+                            warm=path, warm_progress=lines.append) as rt:
         w = rt.provider.warm
         plan = w.plan()
         locs = [rt.provider.bank.locate(*k)[:2] for k in plan]
@@ -96,6 +99,8 @@ def test_warm_start_fills_the_cache_with_the_hottest_records_in_file_order(art, 
         # Read like any miss: through the prefetcher and the reader's check.
         assert st["checks"]["sha256"] + st["checks"]["xxh64"] == 2 * len(layers)
         assert st["totals"]["compute"]["lookups"] == 0  # warming is not a cache lookup
+        n = len(plan)
+        assert lines and lines[-1].startswith(f"mtplx: warm start {n}/{n} records (")
 
 
 def test_output_is_identical_with_and_without_warm_and_warm_saves_misses(art, want, tmp_path):
