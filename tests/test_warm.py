@@ -264,3 +264,25 @@ def test_ctrl_c_still_writes_the_counts(cli, art, manifest, tmp_path, monkeypatc
     assert "interrupted" in capsys.readouterr().err
     counts = read_counts(path, manifest)
     assert counts is not None and counts.sum() > 0
+
+
+def test_a_record_in_a_transient_slot_is_not_counted_as_warm(art, manifest, tmp_path):
+    """A prefill's transient slot is no decode slot: the warm tries that record again after the
+    others and, when it is still transient, reports it skipped instead of warmed."""
+    from mtplx_runtime.offload.warm import WarmStart
+
+    _, root = art
+    layer = manifest.records[0].layer
+    path = tmp_path / "t.warm"
+    assert write_counts(path, manifest, _counts_for(manifest, {layer: [4, 6]}))
+    with _load(root, "off") as rt:
+        cache = rt.provider.cache
+        ref = cache.reserve((layer, 4), transient=True)  # as a prefill window would
+        cache.commit((layer, 4))
+        w = WarmStart(rt.provider, path)
+        w.start()
+        assert w.wait(60)
+        st = w.stats()
+        assert cache.where((layer, 4)) == ref  # left where the prefill put it
+        assert cache.where((layer, 6)).tier == "compute"
+        assert st["skipped"] == 1 and st["records"] == st["planned"] - 1

@@ -16,6 +16,7 @@ few warm reads at most; a forward that needs a record being warmed shares that r
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -151,7 +152,8 @@ class WarmStart:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._stats = {"file": str(self.path), "found": self._previous is not None,
-                       "planned": 0, "records": 0, "bytes": 0, "failed": 0, "seconds": 0.0}
+                       "planned": 0, "records": 0, "bytes": 0, "failed": 0, "skipped": 0,
+                       "seconds": 0.0}
 
     # ---- counting ------------------------------------------------------------------------
 
@@ -200,7 +202,7 @@ class WarmStart:
 
     def stats(self) -> dict:
         """file, found (a valid file was read), planned / records warmed / bytes / failed
-        reads / seconds, and done."""
+        reads / skipped (still in a prefill's transient slot at the end) / seconds, and done."""
         return {**self._stats, "done": self._done.is_set()}
 
     def stop(self) -> None:
@@ -222,22 +224,35 @@ class WarmStart:
         # Twice the prefetcher's read threads outstanding: the reader never idles, and a
         # forward's demand read queues behind at most one thread-count of warm reads.
         limit = 2 * p.prefetcher.threads
-        todo = iter(keys)
+        todo = collections.deque(keys)
+        # A record a prefill holds in a transient slot is tried again after the others: the
+        # transient pool reuses its slot soon, and a warm read must land in a decode slot.
+        later: list[tuple[int, int]] = []
+        retried = False
         pending: dict[concurrent.futures.Future, tuple[int, int]] = {}
-        issued = 0
         try:
             while True:
                 if self._stop.is_set():
                     return
-                while len(pending) < limit and (key := next(todo, None)) is not None:
-                    issued += 1
-                    if key in p.cache:  # a forward read it first
+                while len(pending) < limit and todo:
+                    key = todo.popleft()
+                    ref = p.cache.where(key)
+                    if ref is not None:  # a forward read it first
+                        if ref.transient:
+                            later.append(key)
                         continue
                     try:
                         pending[p.prefetcher.demand([key])[key]] = key
                     except RuntimeError:  # the prefetcher shut down between checks
                         return
                 if not pending:
+                    if todo:
+                        continue
+                    if later and not retried:
+                        todo.extend(later)
+                        later, retried = [], True
+                        continue
+                    self._stats["skipped"] = len(later)
                     break
                 # woken now and then to see a stop (close) while reads run
                 done, _ = concurrent.futures.wait(pending, timeout=STOP_POLL_S,
@@ -258,7 +273,7 @@ class WarmStart:
                 now = time.monotonic()
                 self._stats["seconds"] = now - t0
                 if self.progress is not None and now - last >= PROGRESS_EVERY_S:
-                    self.progress(self._line(issued - len(pending), len(keys)))
+                    self.progress(self._line(len(keys) - len(todo) - len(pending), len(keys)))
                     last = now
             if self.progress is not None and time.monotonic() - t0 >= PROGRESS_EVERY_S:
                 self.progress(self._line(len(keys), len(keys)))
