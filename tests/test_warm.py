@@ -99,6 +99,7 @@ def test_warm_start_fills_the_cache_with_the_hottest_records_in_file_order(art, 
         # Read like any miss: through the prefetcher and the reader's check.
         assert st["checks"]["sha256"] + st["checks"]["xxh64"] == 2 * len(layers)
         assert st["totals"]["compute"]["lookups"] == 0  # warming is not a cache lookup
+        assert st["totals"]["compute"]["bytes_read"] == st["warm"]["bytes"]  # counted once
         n = len(plan)
         assert lines and lines[-1].startswith(f"mtplx: warm start {n}/{n} records (")
 

@@ -266,8 +266,9 @@ class WarmStart:
                         self._stats["failed"] += 1
                         log.warning("warm start: %s", fut.exception())
                         continue
-                    # One cache.record_read per read: a warm read is bytes, not a stall.
-                    p.prefetcher._record(key, fut, 0.0)
+                    # The prefetcher's one cache.record_read per read; the future is done, so
+                    # nothing waits and no stall is counted.
+                    next(p.prefetcher.completed({key: fut}))
                     self._stats["records"] += 1
                     self._stats["bytes"] += p.bank.locate(*key).length
                 now = time.monotonic()
