@@ -71,6 +71,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verify", action="store_true",
                    help="skip the read-time integrity checks of a streaming artifact (each "
                         "record and resident shard against the manifest's SHA-256)")
+    p.add_argument("--warm", default="auto", metavar="auto|off|FILE",
+                   help="warm start (streaming): fill the expert cache at load with the experts "
+                        "earlier runs used most, and record this run's for the next; auto keeps "
+                        "the file in the user cache directory, FILE names one (default: auto)")
     p.add_argument("--trace-routes", default=None, metavar="FILE",
                    help="write the route of every token (mtplx-route-trace-v1 JSON lines)")
     from ..engine.presets import add_config_arg
@@ -158,7 +162,8 @@ def load_runtime(args):
                   host_budget=args.host_budget, kernels=args.kernels, lookahead=args.lookahead,
                   cache_policy=args.cache_policy, context=args.context,
                   prefill_chunk=args.prefill_chunk, verify=not args.no_verify,
-                  cache_slots=slots, read_depth=args.read_depth)
+                  cache_slots=slots, read_depth=args.read_depth, warm=args.warm,
+                  warm_progress=lambda line: print(line, file=sys.stderr, flush=True))
     except (PlanError, ValueError, RuntimeError) as e:  # budget, bank/kernel mismatch, kernels
         raise CliError(str(e)) from None
     if args.context is None:
@@ -296,6 +301,10 @@ def stats_line(rt, stats) -> str:
         rate = hit_rate(rt.provider)
         line += "; cache hit rate " + ("n/a" if rate is None else f"{100 * rate:.1f}%")
         line += f"; kernels {name_of(rt.provider.kernels)}"
+        warm = rt.provider.warm.stats() if rt.provider.warm is not None else None
+        if warm is not None and warm["planned"]:
+            line += (f"; warm {warm['records']}/{warm['planned']} records "
+                     f"({warm['bytes'] / 2**20:,.1f} MiB, {warm['seconds']:.2f} s)")
     if rt.trace is not None:
         line += f"; {rt.trace.lines} route lines -> {rt.trace.path}"
     return line

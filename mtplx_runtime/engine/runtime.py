@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -30,6 +31,7 @@ from ..model.load import load_residents, model_dtype
 from ..model.moe import ResidentExpertProvider
 from ..offload.provider import StreamingExpertProvider
 from ..offload.reader import DEFAULT_READ_DEPTH
+from ..offload.warm import WarmStart, warm_path
 from .plan import (
     DEFAULT_CONTEXT,
     MemoryPlan,
@@ -85,7 +87,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
          cache_policy: str = "lru", context: int | None = None, prefill_chunk: int = 64,
          cache_slots: tuple[int, int] | None = None, tokenizer: bool = True,
          verify: bool = True, device: str | None = None,
-         read_depth: int = DEFAULT_READ_DEPTH) -> Runtime:
+         read_depth: int = DEFAULT_READ_DEPTH, warm: str | os.PathLike = "off",
+         warm_progress: Callable[[str], None] | None = None) -> Runtime:
     """Load the model at `path` (a streaming artifact or any checkpoint the reader accepts).
 
     Experts stream from the bank when `path` is a streaming artifact or `memory_budget` is given
@@ -104,6 +107,10 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     False skips both. `read_depth` (streamed experts): reads in flight at once, a window's misses
     and the lookahead's guesses together (`offload.reader.DEFAULT_READ_DEPTH`: BENCHMARKS.md
     "bench_io").
+    `warm` (streamed experts): 'off', 'auto' (the file beside the integrity receipts) or a
+    warm-start file's path: the cache is filled from its expert use counts in the background
+    (`offload.warm`; `provider.warm.wait()` blocks until done, `warm_progress(line)` hears of a
+    long warm) and the counts of this run are merged into it at `close()`.
     Raises CheckpointError / PlanError / ValueError / RuntimeError with a one-line reason.
     """
     # The model directory is checked before the tokenizer is read, so a wrong --model is
@@ -155,6 +162,10 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
             kernels=backend, read_depth=read_depth)
         try:
             model = _build(ckpt, torch_dtype, dev, provider)
+            path = warm_path(root, bank.manifest, warm)
+            if path is not None:
+                provider.warm = WarmStart(provider, path, progress=warm_progress)
+                provider.warm.start()
         except BaseException:
             provider.close()
             raise

@@ -36,6 +36,7 @@ from .digests import RecordCheck, RecordDigests
 from .lookahead import LookaheadScore, predicted_keys
 from .prefetch import Prefetcher
 from .reader import DEFAULT_READ_DEPTH, from_manifest
+from .warm import WarmStart
 
 __all__ = ["StreamingExpertProvider"]
 
@@ -134,6 +135,7 @@ class StreamingExpertProvider:
         self.stall_ms = 0.0       # time forwards spent blocked on reads (this provider's view)
         self.prefill_uses = 0     # (token, expert) pairs in multi-token calls
         self.prefill_unique = 0   # distinct experts read for them
+        self.warm: WarmStart | None = None  # set by engine.runtime.load: counts uses, warms
         self._closed = False
 
     # ---- the ExpertProvider contract -----------------------------------------------------
@@ -177,6 +179,8 @@ class StreamingExpertProvider:
         if self._closed:
             raise RuntimeError("StreamingExpertProvider is closed")
         keys = [(int(layer), int(e)) for e in torch.unique(ids[ids >= 0]).tolist()]  # ascending
+        if self.warm is not None:
+            self.warm.add(layer, ids)
         if ids.shape[0] == 1:
             out = self._decode_sum(layer, x, ids, weights, keys)
             self._spec_keys.difference_update(keys)
@@ -320,7 +324,8 @@ class StreamingExpertProvider:
 
     def stats(self) -> dict:
         """Cache counters per layer and tier, totals, prefetch counters, lookahead scores per
-        depth, stall time and the prefill dedup factor (expert uses / unique experts)."""
+        depth, stall time, the prefill dedup factor (expert uses / unique experts) and the warm
+        start (`offload.warm.WarmStart.stats`; None without one)."""
         totals = self.cache.totals()
         dev = totals["compute"]
         return {
@@ -334,19 +339,25 @@ class StreamingExpertProvider:
                               "factor": (self.prefill_uses / self.prefill_unique
                                          if self.prefill_unique else 0.0)},
             "checks": self.digests.stats() if self.digests is not None else None,
+            "warm": self.warm.stats() if self.warm is not None else None,
         }
 
     def close(self) -> None:
-        """Cancel queued reads, join the prefetcher, close the reader. Idempotent."""
+        """Cancel queued reads, join the prefetcher, close the reader, write the warm-start
+        counts. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self.warm is not None:
+            self.warm.stop()  # no new warm reads; the shutdown cancels the queued ones
         try:
             self.prefetcher.shutdown(cancel_pending=True, timeout=self.timeout_s)
         finally:
             self.reader.close()
             if self.digests is not None:
                 self.digests.save()
+            if self.warm is not None:
+                self.warm.close()  # writes this run's expert use counts
 
     def __enter__(self) -> StreamingExpertProvider:
         return self
