@@ -8,11 +8,11 @@
 Every item is computed from the config, the record geometry and the kernel backend, never from
 this process, so `mtplx plan` and `load` agree and the same arithmetic checks the full-size K3
 on any machine (FORMAT.md "Decode state", "Bank parts"). The one measured figure is the runtime
-baseline (interpreter, torch, this package, threads: BENCHMARKS.md "Memory plan against
-measured RSS"). The budget must hold the minimum working set: the fixed items plus one layer's
-top-k records (a decode step); a prefill chunk needs no more, because the provider runs a
-layer's experts in windows that fit the slots there are. Below it `plan_for` raises `PlanError`
-naming the minimum, its parts and the flag that lowers each.
+baseline (interpreter, torch, this package, threads: BENCHMARKS.md "bench_memory"). The budget
+must hold the minimum working set: the fixed items plus one layer's top-k records (a decode
+step); a prefill chunk needs no more, because the provider runs a layer's experts in windows
+that fit the slots there are. Below it `plan_for` raises `PlanError` naming the minimum, its
+parts and the flag that lowers each.
 
 Conventions the runtime must keep for the plan to hold (the plan itself allocates nothing):
 * MLA caches are allocated with capacity = `context`, `grow=False` (the growing cache doubles);
@@ -33,18 +33,18 @@ from ..artifact.manifest import DTYPE_BYTES, MANIFEST_NAME, load_manifest
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.residents import resident_tensor_specs
 from ..formats.record import align_up, record_layout
+from ..kernels import BACKENDS
 from ..kernels.cpu import NATIVE_MODES
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2}
 ACT_BYTES = 4  # workspace activations are estimated in fp32 (the reference's fp32 islands)
-KERNELS = ("reference", "cpu", "cuda")
 # What a streamed run holds besides the plan's items: interpreter, torch, this package, the
 # native kernels, reader / prefetch / torch threads and their malloc arenas. Measured on Linux
-# x86-64 (torch 2.13 CPU, 2 cores): 234-262 MiB at four budgets of a K3-geometry slice, plus a
-# quarter for other machines' thread counts (BENCHMARKS.md "Memory plan against measured RSS";
-# tools/bench_memory.py re-measures it). A constant, not this process's RSS: a long-lived
-# process may hold other models, and `mtplx plan` must agree with `load`. A GPU run's CUDA
-# context is not measured yet (no GPU run of the plan): the same figure stands in for it.
+# x86-64 (torch 2.13 CPU, 2 cores): 279-289 MiB at four budgets of a K3-geometry slice after 32
+# tokens, rounded up by a tenth (BENCHMARKS.md "bench_memory"; tools/bench_memory.py
+# re-measures it; oneDNN's per-shape growth over long sequences is not in it). A constant, not
+# this process's RSS: a long-lived process may hold other models, and `mtplx plan` must agree
+# with `load`. A GPU run's CUDA context is not measured yet: the same figure stands in for it.
 RUNTIME_BASELINE_BYTES = 320 * 2**20
 # Of the torch-held items (residents, state, workspace), for allocator fragmentation. Expert
 # slots are one mmap per tier and fragment nothing, so the fraction never touches them.
@@ -74,7 +74,7 @@ LOWERED_BY = {
     "kda_state": "grows with --batch",
     "mla_cache": "grows with --context",
     "workspace": "grows with --prefill-chunk; the reference kernels add decoded experts",
-    "io_buffers": "GPU staging, one record per read in flight",
+    "io_buffers": "GPU staging: one record per read in flight (the read depth)",
     "prefill_pool": "the reference kernels' prefill window; --kernels cpu needs none",
     "reserve": "fixed: the measured runtime baseline + 5% of residents, state and workspace",
     "working_set": "one layer's top-k records; fixed by the bank's codec",
@@ -314,8 +314,8 @@ def plan_for(facts: ModelFacts, *, memory_budget: int | str, host_budget: int | 
     budget, host = parse_bytes(memory_budget), parse_bytes(host_budget)
     if dtype not in DTYPE_SIZES:
         raise PlanError(f"dtype must be one of {', '.join(DTYPE_SIZES)}, not {dtype!r}")
-    if kernels not in KERNELS:
-        raise PlanError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
+    if kernels not in BACKENDS:
+        raise PlanError(f"kernels must be one of {', '.join(BACKENDS)}, not {kernels!r}")
     if context < 1 or batch < 1 or read_depth < 1:
         raise PlanError(f"context, batch and read_depth must be >= 1, got {context}, {batch} "
                         f"and {read_depth}")
@@ -372,8 +372,8 @@ def _plan(facts, budget, host, context, dtype, batch, kernels, read_depth, frac,
         # Slots beyond one decode step's go first to a prefill pool (up to one window), so a
         # prompt does not evict the decode experts; none at the minimum (prefill then windows
         # through the compute tier), none when the compute tier holds the whole bank (prefill
-        # hits), and no more than the records the compute tier misses, so the slots stay
-        # continuous in the budget.
+        # hits), and no more than the records the compute tier misses, so more budget never
+        # gives fewer compute slots.
         pool = min(window, max(0, spare - k), total - spare)
         items["prefill_pool"] = pool * stride
         left -= pool * stride
