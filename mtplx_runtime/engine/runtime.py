@@ -25,7 +25,7 @@ import torch
 from ..artifact.integrity import admit_shards
 from ..artifact.open import is_artifact, open_artifact, open_source
 from ..formats.record import align_up
-from ..kernels import select_backend
+from ..kernels import name_of, select_backend
 from ..model.kimi_k3 import KimiK3
 from ..model.load import load_residents, model_dtype
 from ..model.moe import ResidentExpertProvider
@@ -144,22 +144,25 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
             admit_shards(root, bank.manifest)
         stride = align_up(bank.layout.logical_bytes)  # a slot: one record, 4 KiB-rounded
         plan = None
+        transient_bytes = None  # cache_slots: the provider's default prefill pool
         if cache_slots is not None:
             n = len(bank.layers)
             compute_bytes, host_bytes = cache_slots[0] * n * stride, cache_slots[1] * n * stride
         else:
             budget = memory_budget or mem_available_bytes()
             facts = facts_from_dir(root, bank.manifest)
-            kw = dict(host_budget=host_budget, dtype=dtype, prefill_chunk=prefill_chunk)
+            kw = dict(host_budget=host_budget, dtype=dtype, prefill_chunk=prefill_chunk,
+                      kernels=name_of(backend), read_depth=read_depth)
             if context is None:
                 context = afforded_context(facts, memory_budget=budget, **kw)
             plan = plan_for(facts, memory_budget=budget, context=context, **kw)
             compute_bytes = plan.compute_slots * plan.record_stride
             host_bytes = plan.host_slots * plan.record_stride
+            transient_bytes = plan.transient_slots * plan.record_stride
         provider = StreamingExpertProvider(
             bank, cfg, torch_dtype, compute_bytes=compute_bytes, host_bytes=host_bytes,
-            policy=cache_policy, lookahead=lookahead, verify_sha256=verify,
-            kernels=backend, read_depth=read_depth)
+            transient_bytes=transient_bytes, policy=cache_policy, lookahead=lookahead,
+            verify_sha256=verify, kernels=backend, read_depth=read_depth)
         try:
             model = _build(ckpt, torch_dtype, dev, provider)
             path = warm_path(root, bank.manifest, warm)
