@@ -260,7 +260,7 @@ def test_k3_160gib(k3):
     assert auto.prefill_chunk >= 1 and 4 * auto.compute_slots >= 3 * p.compute_slots
     assert auto.minimum_chunk == 1 and auto.minimum_budget == p.minimum_budget
     gpu = plan_for(k3, memory_budget="160GiB", prefill_chunk=1, kernels="cuda")
-    assert gpu.items["io_buffers"] == 4 * 7_741_440 and gpu.items["prefill_pool"] == 0
+    assert gpu.items["io_buffers"] == 16 * 7_741_440 and gpu.items["prefill_pool"] == 0
     text = format_plan(p)
     for needle in ("resident tensors", "KDA state", "MLA latent cache", "I/O buffers",
                    "prefill pool", "compute-tier slots", "host-tier slots: 8876",
