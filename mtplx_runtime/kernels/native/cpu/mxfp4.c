@@ -50,10 +50,11 @@ __attribute__((target("avx2,fma"))) static void decode_avx2(const mat_t *m, int 
  * (the low nibbles) and then the 16 odd ones (the high nibbles): a group's 16 bytes widen to 16
  * dwords, and vpermps, which reads index bits 3:0 only, looks up the low nibbles as they are and
  * the high ones after one shift, with no interleave. The inputs are put in the same order once
- * per call (split_inputs, into a per-thread buffer), so each (row, token) is still one fp32
- * accumulation chain over every column, only in another fixed order, and the few-token kernel
- * (direct_avx512) and the decode-then-tile path (rows_tpl_avx512 on split-order blocks) run the
- * same chains: 16 lanes, 16 columns a step in split order, then hsum512. */
+ * per call (split_inputs, into a per-thread buffer, SPLIT_TOKENS tokens at a time), so each
+ * (row, token) is still one fp32 accumulation chain over every column, only in another fixed
+ * order, and the few-token kernel (direct_avx512) and the decode-then-tile path
+ * (rows_tpl_avx512 on split-order blocks) run the same chains: 16 lanes, 16 columns a step in
+ * split order, then hsum512. */
 __attribute__((target(AVX512_TARGET))) static inline __m512 lut_avx512(uint8_t e) {
     return _mm512_mul_ps(_mm512_load_ps(E2M1), _mm512_set1_ps(e8m0(e)));
 }
@@ -142,22 +143,31 @@ __attribute__((target("avx2,fma"))) static void rows_avx2(const mat_t *m, const 
     rows_tpl_avx2(decode_avx2, m, X, ldx, n, Y, ldy, r0, r1, w);
 }
 
+/* Tokens per batch of reordered inputs: bounds the per-thread buffer (64 x cols floats, 900 KB
+ * at K3) for long prefills; a batch above 4 tokens still decodes each row block once. */
+#define SPLIT_TOKENS 64
+
 __attribute__((target(AVX512_TARGET))) static void rows_avx512(const mat_t *m, const float *X,
                                                                int ldx, int n, float *Y, int ldy,
                                                                int r0, int r1, float *w) {
-    float *xs = thread_floats(THREAD_BUF_MXFP4_INPUTS, (size_t)n * ldx);
+    int tc = n < SPLIT_TOKENS ? n : SPLIT_TOKENS;
+    float *xs = thread_floats(THREAD_BUF_MXFP4_INPUTS, (size_t)tc * ldx);
     if (!xs) { /* out of memory for the reordered inputs: correct, other summation order */
         rows_avx2(m, X, ldx, n, Y, ldy, r0, r1, w);
         return;
     }
-    split_inputs(X, ldx, n, m->cols, xs);
-    switch (n) {
-    case 1: few_avx512(m, xs, ldx, 1, Y, ldy, r0, r1); return;
-    case 2: few_avx512(m, xs, ldx, 2, Y, ldy, r0, r1); return;
-    case 3: few_avx512(m, xs, ldx, 3, Y, ldy, r0, r1); return;
-    case 4: few_avx512(m, xs, ldx, 4, Y, ldy, r0, r1); return;
+    for (int t0 = 0; t0 < n; t0 += tc) {
+        int nt = n - t0 < tc ? n - t0 : tc;
+        float *y = Y + (size_t)t0 * ldy;
+        split_inputs(X + (size_t)t0 * ldx, ldx, nt, m->cols, xs);
+        switch (nt) {
+        case 1: few_avx512(m, xs, ldx, 1, y, ldy, r0, r1); break;
+        case 2: few_avx512(m, xs, ldx, 2, y, ldy, r0, r1); break;
+        case 3: few_avx512(m, xs, ldx, 3, y, ldy, r0, r1); break;
+        case 4: few_avx512(m, xs, ldx, 4, y, ldy, r0, r1); break;
+        default: rows_tpl_avx512(decode_split_avx512, m, xs, ldx, nt, y, ldy, r0, r1, w);
+        }
     }
-    rows_tpl_avx512(decode_split_avx512, m, xs, ldx, n, Y, ldy, r0, r1, w);
 }
 
 int mxfp4_prepare(mat_t *m) {
