@@ -122,6 +122,9 @@ int main(int argc, char **argv) {
         for (int l = 0; l < nlib; l++) {
             for (int rep = 0; rep < 3; rep++) {
                 memset(acc, 0, (size_t)T * R * 4);
+                /* past the pool's spin window (200 us), so the previous library's workers have
+                 * gone to sleep and do not take a CPU from this one's */
+                nanosleep(&(struct timespec){0, 2000000}, NULL);
                 double t0 = now();
                 int rc = fn[l](codec, mats, E, off, idx, wt, R, I, bits, 0, X, T, acc, 4.0f,
                                25.0f, 0, threads);
