@@ -1,5 +1,5 @@
 /* Per-thread buffers that persist across calls (cpu_common.h thread_floats): a row kernel that
- * needs more than the driver's scratch (t158's input tables, mxfp4's reordered inputs) keeps
+ * needs more than the driver's scratch (t158's input tables, nib_split.h's reordered inputs) keeps
  * one per thread instead of allocating per call (per call, a large buffer would be an mmap plus
  * page faults). Freed at thread exit. */
 #include <pthread.h>
