@@ -7,7 +7,7 @@ Every codec configuration runs on every ISA path this CPU has:
   64-token pass boundary);
 * gemm vs float64 "codec decode, then matmul": |err| <= 1e-5 · Σ|w·x| per output (fp32
   accumulation over <= 192 terms is far inside it; one wrong weight is ~1/cols of the sum);
-* n tokens == n one-token calls, for any thread count, bit for bit.
+* n tokens == n one-token calls, for any thread count and n = 2..9 and 70, bit for bit.
 `cpu.expert_mlp` vs `reference.expert_mlp` on random banks: fp32 model to relative RMS 1e-5;
 bf16 model bit-identical except rare 1-ulp bf16 flips (fp32 summation order can move a value
 across a bf16 rounding boundary; at most 2% of outputs may differ and only by one ulp).
@@ -106,6 +106,18 @@ def test_tokens_and_threads_do_not_change_bits(codec, isa):
     want = np.stack([cpu_native.gemm(m, X[t:t + 1], threads=1)[0] for t in range(5)])
     for threads in (1, 2, 3, 64):
         np.testing.assert_array_equal(cpu_native.gemm(m, X, threads=threads), want)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_token_counts_equal_one_token_calls(codec, isa):
+    # Each n picks its own path (mxfp4 avx512: a register kernel for n <= 4, decoded tiles
+    # above, batches of 64 tokens); 70 rows leave a tail after every 4- and 16-row block.
+    rng = np.random.default_rng(11)
+    m, _ = CODECS[codec](rng, 70, 192)
+    X = rng.standard_normal((70, 192)).astype(np.float32)
+    one = np.stack([cpu_native.gemm(m, X[t:t + 1], threads=1)[0] for t in range(70)])
+    for n in (*range(2, 10), 70):
+        np.testing.assert_array_equal(cpu_native.gemm(m, X[:n], threads=2), one[:n])
 
 
 def _torch_expert(W, x, beta, beta_lin):

@@ -11,8 +11,11 @@ and scaled to 16 (its cost is the decode, so it barely depends on T); the line s
 it timed.
 
     python tools/bench_kernels.py [--quick] [--repeat 3] [--threads N] [--ref-experts 2]
+                                  [--tokens 1,8,64]
 
 --quick: a smoke run (smaller geometry, 2 experts, T = 1 and 8) that finishes in seconds.
+The records sit in `offload.buffers.aligned_buffer` memory, as the runtime's expert slots do
+(2 MiB pages where the kernel grants them).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from mtplx_runtime.formats.record import record_layout
 from mtplx_runtime.kernels import cpu, cpu_native, reference
+from mtplx_runtime.offload.buffers import aligned_buffer
 
 CODECS = (("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4))
 
@@ -34,7 +38,7 @@ CODECS = (("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4))
 def make_store(mode, bits, shapes, experts, rng):
     """(layout, uint8 [experts, record bytes]) of random codes with sane scales."""
     layout = record_layout(SimpleNamespace(expert_shapes=shapes), mode, bits)
-    store = np.zeros((experts, layout.logical_bytes), np.uint8)
+    store = aligned_buffer(experts * layout.logical_bytes).reshape(experts, -1)  # zeroed
     for s in layout.segments:
         if s.proj is None:
             continue
@@ -80,6 +84,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (0: all cores)")
     ap.add_argument("--ref-experts", type=int, default=2, help="experts the reference times")
+    ap.add_argument("--tokens", help="comma-separated token counts (default 1,8,64)")
     args = ap.parse_args(argv)
     why = cpu_native.unavailable_reason()
     if why:
@@ -88,6 +93,10 @@ def main(argv=None) -> None:
         R, I, experts, tokens, repeat, bw_bytes = 512, 384, 2, (1, 8), 1, 64 << 20
     else:
         R, I, experts, tokens, repeat, bw_bytes = 3584, 3072, 16, (1, 8, 64), args.repeat, 1 << 30
+    if args.tokens:
+        tokens = tuple(int(t) for t in args.tokens.split(","))
+        if min(tokens) < 1:
+            raise SystemExit(f"--tokens {args.tokens}: every count must be >= 1")
     ref_experts = min(args.ref_experts, experts)
     shapes = {"gate": (I, R), "up": (I, R), "down": (R, I)}
     if args.threads:

@@ -29,6 +29,22 @@ decode_rows(decode_fn dec, const mat_t *m, int r, int rb, float *w, int ldw) {
     }
 }
 
+/* The few-token kernels prefetch the next RB-row block of packed bytes (rows are contiguous,
+ * row_bytes apart) while they work on this one: at 64-column block b, the b-th of cols/64 equal
+ * slices of it (why: BENCHMARKS.md, "CPU kernel notes"). next: that block, or NULL when the
+ * call's rows end first. */
+static inline __attribute__((always_inline)) void prefetch_slice(const mat_t *m,
+                                                                 const uint8_t *next, int b) {
+    if (!next) return;
+    size_t per = RB * m->row_bytes / (size_t)(m->cols / BLOCK);
+    for (size_t o = b * per; o < (b + 1) * per; o += 64)
+        _mm_prefetch((const char *)next + o, _MM_HINT_T0);
+}
+
+static inline const uint8_t *next_block(const mat_t *m, int r, int r1) {
+    return r + 2 * RB <= r1 ? m->packed + (size_t)(r + RB) * m->row_bytes : NULL;
+}
+
 static inline __attribute__((always_inline)) void
 rows_tpl_scalar(decode_fn dec, const mat_t *m, const float *X, int ldx, int n, float *Y,
                 int ldy, int r0, int r1, float *w) {
@@ -71,12 +87,13 @@ tile_avx2(const float *w, int ldw, const float *X, int ldx, int TT, int cols, fl
  * The accumulation chains are those of tile_avx2 (same order over k), so results are too. */
 __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
 fused_avx2(decode_fn dec, const mat_t *m, const float *X, int ldx, int TT, float *Y, int ldy,
-           int r, int rb) {
+           int r, int rb, const uint8_t *next) {
     float wb[RB][BLOCK] __attribute__((aligned(64)));
     __m256 acc[RB][2];
     for (int i = 0; i < RB; i++)
         for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
     for (int b = 0; b < m->cols / BLOCK; b++) {
+        prefetch_slice(m, next, b);
         for (int i = 0; i < RB; i++) {
             if (i < rb) dec(m, r + i, b, wb[i]);
             else memset(wb[i], 0, sizeof wb[i]);
@@ -101,8 +118,9 @@ rows_tpl_avx2(decode_fn dec, const mat_t *m, const float *X, int ldx, int n, flo
     for (int r = r0; r < r1; r += RB) {
         int rb = r1 - r < RB ? r1 - r : RB;
         if (n <= 2) {
-            if (n == 2) fused_avx2(dec, m, X, ldx, 2, Y, ldy, r, rb);
-            else fused_avx2(dec, m, X, ldx, 1, Y, ldy, r, rb);
+            const uint8_t *next = next_block(m, r, r1);
+            if (n == 2) fused_avx2(dec, m, X, ldx, 2, Y, ldy, r, rb, next);
+            else fused_avx2(dec, m, X, ldx, 1, Y, ldy, r, rb, next);
             continue;
         }
         decode_rows(dec, m, r, rb, w, ldw);
@@ -137,12 +155,13 @@ tile_avx512(const float *w, int ldw, const float *X, int ldx, int TT, int cols, 
 /* fused_avx2 for AVX-512 (chains of tile_avx512). */
 __attribute__((target(AVX512_TARGET))) static inline __attribute__((always_inline)) void
 fused_avx512(decode_fn dec, const mat_t *m, const float *X, int ldx, int TT, float *Y, int ldy,
-             int r, int rb) {
+             int r, int rb, const uint8_t *next) {
     float wb[RB][BLOCK] __attribute__((aligned(64)));
     __m512 acc[RB][4];
     for (int i = 0; i < RB; i++)
         for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
     for (int b = 0; b < m->cols / BLOCK; b++) {
+        prefetch_slice(m, next, b);
         for (int i = 0; i < RB; i++) {
             if (i < rb) dec(m, r + i, b, wb[i]);
             else memset(wb[i], 0, sizeof wb[i]);
@@ -167,10 +186,10 @@ rows_tpl_avx512(decode_fn dec, const mat_t *m, const float *X, int ldx, int n, f
     for (int r = r0; r < r1; r += RB) {
         int rb = r1 - r < RB ? r1 - r : RB;
         switch (n) { /* few tokens: decode block by block in L1 (constant-width tiles) */
-        case 1: fused_avx512(dec, m, X, ldx, 1, Y, ldy, r, rb); continue;
-        case 2: fused_avx512(dec, m, X, ldx, 2, Y, ldy, r, rb); continue;
-        case 3: fused_avx512(dec, m, X, ldx, 3, Y, ldy, r, rb); continue;
-        case 4: fused_avx512(dec, m, X, ldx, 4, Y, ldy, r, rb); continue;
+        case 1: fused_avx512(dec, m, X, ldx, 1, Y, ldy, r, rb, next_block(m, r, r1)); continue;
+        case 2: fused_avx512(dec, m, X, ldx, 2, Y, ldy, r, rb, next_block(m, r, r1)); continue;
+        case 3: fused_avx512(dec, m, X, ldx, 3, Y, ldy, r, rb, next_block(m, r, r1)); continue;
+        case 4: fused_avx512(dec, m, X, ldx, 4, Y, ldy, r, rb, next_block(m, r, r1)); continue;
         }
         decode_rows(dec, m, r, rb, w, ldw);
         int t = 0;

@@ -43,6 +43,11 @@ rows_fn mxfp4_rows(const mat_t *m, int isa);
 int ctint_prepare(mat_t *m);
 rows_fn ctint_rows(const mat_t *m, int isa);
 
+/* This thread's buffer `slot` with room for `floats` (64-byte aligned, contents unspecified,
+ * kept across calls, freed at thread exit; thread_buf.c), or NULL when out of memory. */
+enum { THREAD_BUF_T158_TABLES, THREAD_BUF_SPLIT_INPUTS, THREAD_BUF_SLOTS };
+float *thread_floats(int slot, size_t floats);
+
 /* One decoded row block of the generic kernels: the stride cols + 16 keeps the RB rows off a
  * 4 KiB multiple so they do not alias in L1. */
 static inline int block_stride(int cols) { return cols + 16; }

@@ -12,11 +12,13 @@
  * Dequant, exactly formats/ctint.py `dequantize`: w = bf16_rne(fp32(q - zp) * fp32(scale)).
  * Per (row, group) the kernel builds that value for each of the 2^b codes and looks codes up in
  * it, so its weights equal the NumPy decode bit for bit. Paths: scalar; avx2 and avx512 decode
- * the dense layout with permutes; the legacy layout decodes with scalar code on every path
- * (checkpoint conversion only) but still multiplies with the path's SIMD dot.
+ * the dense layout with permutes (avx512 4-bit in split order: nib_split.h); the legacy layout
+ * decodes with scalar code on every path (checkpoint conversion only) but still multiplies with
+ * the path's SIMD dot.
  */
 #include "block_rows.h"
 #include "lut_decode.h"
+#include "nib_split.h"
 
 /* Code idx of a packed stream whose consecutive words are `stride` words apart (1 along a
  * weight row, G down a zero-point column). */
@@ -110,19 +112,28 @@ __attribute__((target("avx2,fma"))) static void decode_avx2(const mat_t *m, int 
     }
 }
 
-__attribute__((target(AVX512_TARGET))) static void decode_avx512(const mat_t *m, int r, int b,
-                                                                 float *w) {
+/* avx512, 3 bits (4 bits: decode_split_avx512). */
+__attribute__((target(AVX512_TARGET))) static void decode3_avx512(const mat_t *m, int r, int b,
+                                                                  float *w) {
     int zero;
     float s;
     group_params(m, r, b, &zero, &s);
-    const uint8_t *p = block_bytes(m, r, b);
-    __m512 t = lut16_avx512(zero, s); /* 3 bits: codes 0..7 only read lanes 0..7 */
-    if (m->bits == 4) {
-        nib32_avx512(p, t, w);
-        nib32_avx512(p + 16, t, w + 32);
-    } else {
-        bits3_avx512(p, t, w);
-    }
+    /* codes 0..7 only read lanes 0..7 */
+    bits3_avx512(block_bytes(m, r, b), lut16_avx512(zero, s), w);
+}
+
+/* avx512, 4 bits: split order (nib_split.h), one table per 64-column group for both halves. */
+__attribute__((target(AVX512_TARGET))) static inline void lut2_avx512(const mat_t *m, int r,
+                                                                      int b, __m512 *lut) {
+    int zero;
+    float s;
+    group_params(m, r, b, &zero, &s);
+    lut[0] = lut[1] = lut16_avx512(zero, s);
+}
+
+__attribute__((target(AVX512_TARGET))) static void decode_split_avx512(const mat_t *m, int r,
+                                                                       int b, float *w) {
+    split_decode(lut2_avx512, m, r, b, w);
 }
 
 static void rows_scalar(const mat_t *m, const float *X, int ldx, int n, float *Y, int ldy,
@@ -147,10 +158,16 @@ rows_legacy_avx2(const mat_t *m, const float *X, int ldx, int n, float *Y, int l
     rows_tpl_avx2(decode_legacy, m, X, ldx, n, Y, ldy, r0, r1, w);
 }
 
-__attribute__((target(AVX512_TARGET))) static void rows_avx512(const mat_t *m, const float *X,
-                                                               int ldx, int n, float *Y, int ldy,
-                                                               int r0, int r1, float *w) {
-    rows_tpl_avx512(decode_avx512, m, X, ldx, n, Y, ldy, r0, r1, w);
+__attribute__((target(AVX512_TARGET))) static void rows3_avx512(const mat_t *m, const float *X,
+                                                                int ldx, int n, float *Y, int ldy,
+                                                                int r0, int r1, float *w) {
+    rows_tpl_avx512(decode3_avx512, m, X, ldx, n, Y, ldy, r0, r1, w);
+}
+
+__attribute__((target(AVX512_TARGET))) static void rows4_avx512(const mat_t *m, const float *X,
+                                                                int ldx, int n, float *Y, int ldy,
+                                                                int r0, int r1, float *w) {
+    split_rows(lut2_avx512, decode_split_avx512, rows_avx2, m, X, ldx, n, Y, ldy, r0, r1, w);
 }
 
 __attribute__((target(AVX512_TARGET))) static void rows_legacy_avx512(const mat_t *m,
@@ -172,5 +189,6 @@ int ctint_prepare(mat_t *m) {
 rows_fn ctint_rows(const mat_t *m, int isa) {
     if (m->layout)
         return isa >= 2 ? rows_legacy_avx512 : isa == 1 ? rows_legacy_avx2 : rows_legacy_scalar;
-    return isa >= 2 ? rows_avx512 : isa == 1 ? rows_avx2 : rows_scalar;
+    if (isa >= 2) return m->bits == 4 ? rows4_avx512 : rows3_avx512;
+    return isa == 1 ? rows_avx2 : rows_scalar;
 }

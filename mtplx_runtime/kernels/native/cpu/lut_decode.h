@@ -3,7 +3,8 @@
  * decode step serves every code value and the result is the codec's value bit for bit.
  *
  * Nibble streams (mxfp4, ct-int 4-bit): byte j holds code 2j in its low and 2j+1 in its high
- * nibble (ct-int 4-bit words are 8 nibbles LSB-first, which is the same byte order).
+ * nibble (ct-int 4-bit words are 8 nibbles LSB-first, which is the same byte order); on
+ * AVX-512 they are decoded in split order instead (nib_split.h).
  * 3-bit streams (ct-int dense): code i at bits 3i..3i+2 of a little-endian bit stream; a
  * 64-code block is 24 bytes, read as three u64 so no code needs a straddle test.
  */
@@ -77,21 +78,6 @@ __attribute__((target("avx2,fma"))) static inline void bits3_avx2(const uint8_t 
             _mm256_store_ps(w + 16 * c + 8 * h, _mm256_permutevar8x32_ps(lut, idx));
         }
     }
-}
-
-/* AVX-512: a 16-entry table fits one register (permutexvar reads index bits 0..3). */
-__attribute__((target(AVX512_TARGET))) static inline void nib32_avx512(const uint8_t *p,
-                                                                        __m512 lut, float *w) {
-    const __m512i dup_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m512i dup_hi =
-        _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
-    const __m512i sh = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-    const __m512i m = _mm512_set1_epi32(15);
-    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    __m512i a = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(dup_lo, v), sh), m);
-    __m512i b = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(dup_hi, v), sh), m);
-    _mm512_store_ps(w, _mm512_permutexvar_ps(a, lut));
-    _mm512_store_ps(w + 16, _mm512_permutexvar_ps(b, lut));
 }
 
 /* 64 3-bit codes of p[0..24) through an 8-entry table (lanes 0..7 of lut): 16 codes per step,

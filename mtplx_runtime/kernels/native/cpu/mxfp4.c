@@ -6,11 +6,13 @@
  * (E8M0 e: 2^(e-127), e = 0 is the subnormal 2^-127, 0xFF is rejected with -3 as the NumPy
  * decoder rejects it). Per 32-column group the kernel builds the 16 decoded values
  * E2M1[nibble] * 2^(e-127) in fp32, exactly formats/mxfp4.py's `values * scale`, and looks the
- * nibbles up in it. Paths: scalar, avx2 (two 8-entry permutes), avx512 (one 16-entry permute).
+ * nibbles up in it. Paths: scalar, avx2 (two 8-entry permutes), avx512 (one 16-entry permute,
+ * columns in split order: nib_split.h).
  * Requires cols % 64 == 0 (the driver's block; K3's 3584 and 3072 are).
  */
 #include "block_rows.h"
 #include "lut_decode.h"
+#include "nib_split.h"
 
 static const float E2M1[16] __attribute__((aligned(64))) = {
     0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
@@ -45,12 +47,17 @@ __attribute__((target("avx2,fma"))) static void decode_avx2(const mat_t *m, int 
     }
 }
 
-__attribute__((target(AVX512_TARGET))) static void decode_avx512(const mat_t *m, int r, int b,
-                                                                 float *w) {
-    const uint8_t *p = block_bytes(m, r, b), *e = block_scales(m, r, b);
+/* avx512: split order (nib_split.h), one table per 32-column group. */
+__attribute__((target(AVX512_TARGET))) static inline void lut2_avx512(const mat_t *m, int r,
+                                                                      int b, __m512 *lut) {
+    const uint8_t *e = block_scales(m, r, b);
     for (int h = 0; h < 2; h++)
-        nib32_avx512(p + 16 * h, _mm512_mul_ps(_mm512_load_ps(E2M1), _mm512_set1_ps(e8m0(e[h]))),
-                     w + 32 * h);
+        lut[h] = _mm512_mul_ps(_mm512_load_ps(E2M1), _mm512_set1_ps(e8m0(e[h])));
+}
+
+__attribute__((target(AVX512_TARGET))) static void decode_split_avx512(const mat_t *m, int r,
+                                                                       int b, float *w) {
+    split_decode(lut2_avx512, m, r, b, w);
 }
 
 static void rows_scalar(const mat_t *m, const float *X, int ldx, int n, float *Y, int ldy,
@@ -67,7 +74,7 @@ __attribute__((target("avx2,fma"))) static void rows_avx2(const mat_t *m, const 
 __attribute__((target(AVX512_TARGET))) static void rows_avx512(const mat_t *m, const float *X,
                                                                int ldx, int n, float *Y, int ldy,
                                                                int r0, int r1, float *w) {
-    rows_tpl_avx512(decode_avx512, m, X, ldx, n, Y, ldy, r0, r1, w);
+    split_rows(lut2_avx512, decode_split_avx512, rows_avx2, m, X, ldx, n, Y, ldy, r0, r1, w);
 }
 
 int mxfp4_prepare(mat_t *m) {

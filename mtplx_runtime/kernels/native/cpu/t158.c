@@ -116,7 +116,7 @@ static void t158_rows_avx2(const mat_t *m, const float *X, int ldx, int n, float
 }
 
 /* avx512 (t16f). Each call builds the tables of its input vectors itself, per thread, into a
- * per-thread buffer that persists across calls (freed at thread exit): three tables per expert
+ * per-thread buffer that persists across calls (thread_floats): three tables per expert
  * per thread (gate and up each build x's, down builds h's), a small cost (BENCHMARKS.md, "CPU
  * kernel notes") that keeps the driver unchanged (no input stage before the parallel region, no
  * per-call allocation: per call, a buffer of n tables would be an mmap plus page faults). Tables are per token and a token's rows see only its own tables, so per token
@@ -128,37 +128,6 @@ static void t158_rows_avx2(const mat_t *m, const float *X, int ldx, int n, float
 #define T16F_TOKENS 8
 #define T16F_TILE 128 /* a multiple of 16 */
 
-static pthread_key_t t16f_key;
-typedef struct {
-    float *p;
-    size_t cap; /* floats */
-} t16f_buf;
-
-static void t16f_buf_free(void *v) {
-    t16f_buf *b = v;
-    free(b->p);
-    free(b);
-}
-
-/* This thread's table buffer with room for `floats` (64-byte aligned), or NULL (out of memory). */
-static float *t16f_tables_buf(size_t floats) {
-    t16f_buf *b = pthread_getspecific(t16f_key);
-    if (!b) {
-        if (!(b = calloc(1, sizeof *b))) return NULL;
-        if (pthread_setspecific(t16f_key, b)) {
-            free(b);
-            return NULL;
-        }
-    }
-    if (b->cap < floats) {
-        free(b->p);
-        b->cap = 0;
-        if (!(b->p = aligned_alloc(64, (floats * 4 + 63) / 64 * 64))) return NULL;
-        b->cap = floats;
-    }
-    return b->p;
-}
-
 static void t158_rows_avx512(const mat_t *m, const float *X, int ldx, int n, float *Y, int ldy,
                              int r0, int r1, float *scratch) {
     const uint8_t *pk = m->packed;
@@ -166,8 +135,8 @@ static void t158_rows_avx512(const mat_t *m, const float *X, int ldx, int n, flo
     int G = m->cols / GE;
     size_t tabf = T16F_TAB_FLOATS(G);
     int tc = n < T16F_TOKENS ? n : T16F_TOKENS;
-    float *tab = t16f_tables_buf(tc * tabf);
-    if (!tab && tc > 1) tab = t16f_tables_buf(tabf), tc = 1;
+    float *tab = thread_floats(THREAD_BUF_T158_TABLES, tc * tabf);
+    if (!tab && tc > 1) tab = thread_floats(THREAD_BUF_T158_TABLES, tabf), tc = 1;
     if (!tab) { /* out of memory for even one table (140 KB at K3): correct, other rounding */
         rows_tokens(rows_avx2, m, X, ldx, n, Y, ldy, r0, r1);
         return;
@@ -191,7 +160,6 @@ static void t158_rows_avx512(const mat_t *m, const float *X, int ldx, int n, flo
 static void init_once(void) {
     init_luts();
     t16f_init();
-    pthread_key_create(&t16f_key, t16f_buf_free);
 }
 
 int t158_prepare(mat_t *m) {

@@ -119,9 +119,11 @@ T16F_TGT static inline void t16f_scales(const uint16_t *sc, int G, float *st) {
     }
 }
 
-/* 16 rows x ng (1..4) groups from g0; FMA into 8 rotating accumulators (short chains). */
+/* 16 rows x ng (1..4) groups from g0; FMA into 8 rotating accumulators (short chains). pf:
+ * 13 lines (832 bytes) to prefetch into L1, one per byte column, or NULL. */
 T16F_TGT static inline void t16f_block16(const uint8_t *p, size_t stride, int g0, int ng,
-                                         const float *tab, const float *sc16, __m512 *acc) {
+                                         const float *tab, const float *sc16, __m512 *acc,
+                                         const char *pf) {
     int nc = 13 * ng;
     __mmask64 lm = ng == 4 ? 0x000FFFFFFFFFFFFFull : ((1ull << nc) - 1);
     __m512i X[16];
@@ -136,6 +138,7 @@ T16F_TGT static inline void t16f_block16(const uint8_t *p, size_t stride, int g0
     for (int m = 0; m < 13; m++) {
         if (4 * m >= nc) break;
         __m512i LO, HI;
+        if (pf) _mm_prefetch(pf + 64 * m, _MM_HINT_T0);
         t16f_split(X[T16F_DREG[m]], &LO, &HI);
 #pragma GCC unroll 4
         for (int t = 0; t < 4; t++) {
@@ -155,8 +158,10 @@ T16F_TGT static inline void t16f_block16(const uint8_t *p, size_t stride, int g0
 }
 
 /* The 16 rows at p (row stride 13G bytes; scales at sc, row stride G) -> one fp32 per lane.
- * next: the following 16-row block, prefetched into L1 evenly over this block's steps (it paid
- * off in the lab: BENCHMARKS.md, "CPU kernel notes"), or NULL. */
+ * next: the following 16-row block, prefetched into L1 in `per`-byte slices, one slice per
+ * 4-group step, each slice's lines spread over the step's byte columns rather than issued as a
+ * burst (both paid off: BENCHMARKS.md, "CPU kernel notes"), or NULL. per <= 832 = 13 lines:
+ * 16 * 13G bytes over ceil(G/4) steps. */
 T16F_TGT static inline __m512 t16f_rows16(const uint8_t *p, const uint16_t *sc, int G,
                                           const float *tab, float *st, const uint8_t *next) {
     size_t stride = (size_t)G * 13, steps = (size_t)(G + 3) / 4;
@@ -165,11 +170,9 @@ T16F_TGT static inline __m512 t16f_rows16(const uint8_t *p, const uint16_t *sc, 
     __m512 acc[8];
     for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
     for (int g0 = 0; g0 < G; g0 += 4) {
-        if (next) {
-            for (size_t o = 0; o < per; o += 64) _mm_prefetch((const char *)next + o, _MM_HINT_T0);
-            next += per;
-        }
-        t16f_block16(p, stride, g0, G - g0 < 4 ? G - g0 : 4, tab, st + 16 * g0, acc);
+        t16f_block16(p, stride, g0, G - g0 < 4 ? G - g0 : 4, tab, st + 16 * g0, acc,
+                     (const char *)next);
+        if (next) next += per;
     }
     return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])),
                          _mm512_add_ps(_mm512_add_ps(acc[4], acc[5]), _mm512_add_ps(acc[6], acc[7])));
