@@ -57,7 +57,7 @@ class StreamingExpertProvider:
     lookahead: how many later MoE layers the model guesses for in decode (`hint`; 0: off).
     threads, max_inflight_bytes, direct: reader and prefetcher settings. verify_sha256 (default
     on): every record read is checked before a kernel sees it, against its manifest SHA-256 the
-    first time and its learned XXH64 after (offload/digests.py; `self.digests`).
+    first time and its learned XXH3 after (offload/digests.py; `self.digests`).
     timeout_s: longest a forward waits for one batch of reads before TimeoutError.
     kernels: the expert kernel backend `run_experts` computes with: a name ('reference' | 'cpu'
     | 'cuda'), a backend module, or None ($MTPLX_KERNELS, else the best available;
