@@ -203,6 +203,20 @@ def test_a_wrong_learned_value_costs_a_rehash_never_a_verdict(built, tmp_path, c
     assert again.stats()["xxh3"] == 1
 
 
+def test_verify_records_seeds_every_record_so_reads_skip_sha256(art, tmp_path, monkeypatch,
+                                                                capsys):
+    monkeypatch.setenv(integrity.RECEIPTS_ENV, str(tmp_path / "receipts"))
+    assert cli_main(["verify", str(art), "--records"]) == 0
+    assert "stored the XXH3 of" in capsys.readouterr().out
+    with open_source(art) as a:
+        bank = a.expert_layout
+    d = RecordDigests(art, bank.manifest)
+    assert d.path.suffix == ".xxh3" and d.learned() == len(bank.manifest.records)
+    for key in [(bank.layers[0], 0), (bank.layers[-1], 5)]:
+        assert d.check(key).verify(memoryview(read_record(bank, art, key))) is None
+    assert counts(d) == {"xxh3": 2, "sha256": 0, "relearned": 0}
+
+
 @pytest.mark.parametrize("damage", ["short", "magic", "count", "fifo", "directory", "symlink"])
 def test_a_damaged_or_special_checksum_file_is_ignored(built, tmp_path, damage, caplog):
     with open_source(built) as a:
