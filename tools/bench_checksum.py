@@ -13,7 +13,7 @@ with O_DIRECT: read it whole then hash it, or read and hash --chunk-bytes at a t
 hashed on its own: the cost of a streaming hash, not its value), at random 4 KiB-aligned
 offsets, the two interleaved, medians over --rounds x 4 records each.
 
-    python tools/bench_checksum.py [--record-bytes 7733248] [--records 12] [--rounds 5]
+    python tools/bench_checksum.py [--record-bytes 7741440] [--records 12] [--rounds 5]
                                    [--chunk-bytes 262144] [--part FILE]
 """
 
@@ -97,7 +97,7 @@ def _part_lines(path: str, record_bytes: int, chunk: int, rounds: int) -> list[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--record-bytes", type=int, default=7733248)  # one K3 t158 record
+    ap.add_argument("--record-bytes", type=int, default=7741440)  # one K3 t158 record
     ap.add_argument("--records", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--chunk-bytes", type=int, default=256 << 10)
