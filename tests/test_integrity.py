@@ -1,7 +1,7 @@
 """Read-time integrity is on by default: a flipped byte in a bank record or a resident shard stops
 `load` / `mtplx generate` with a message naming the file (and the expert), `--no-verify` turns
 the checks off and says so, a verified shard is not re-hashed until the file changes, and a
-record whose SHA-256 passed once is checked with its learned XXH64 after that."""
+record whose SHA-256 passed once is checked with its learned XXH3 after that."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def test_an_unwritable_receipt_directory_only_costs_a_rehash(art, tmp_path, monk
     assert integrity.admit_shards(art, m).hashed  # no receipt could be kept: hashed again
 
 
-# ---- the fast record check: XXH64 learned from reads whose SHA-256 matched -------------------
+# ---- the fast record check: XXH3 learned from reads whose SHA-256 matched -------------------
 
 def counts(digests) -> dict:
     st = digests.stats()
@@ -134,19 +134,37 @@ def read_record(bank, art, key) -> bytearray:
         return bytearray(f.read(length))
 
 
-def test_native_xxh64_matches_the_xxhash_package():
+def _xxh3_lengths() -> list[int]:
+    """Every small and medium length, then both sides of each stripe (64 B) and block (1 KiB)
+    boundary of the long path, and a few MB (the record sizes) with ragged tails."""
+    edges = [k * 64 + d for k in range(4, 40) for d in (-1, 0, 1)]
+    edges += [k * 1024 + d for k in (1, 2, 3, 16, 1000) for d in (-65, -64, -63, -1, 0, 1, 63, 64)]
+    return sorted({*range(0, 301), *edges, 3 << 20, (7 << 20) + 4096, (7 << 20) + 4097})
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+def test_native_xxh3_matches_the_xxhash_package_on_every_path(isa):
     xxhash = pytest.importorskip("xxhash")
     from mtplx_runtime.kernels import cpu_native
-    rng = np.random.default_rng(7)
-    for n in [*range(0, 70), 4095, 4096, 65537, 1 << 20]:
-        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
-        for seed in (0, 1, 2**64 - 1):
-            assert cpu_native.xxh64(data, seed) == xxhash.xxh64_intdigest(data, seed), (n, seed)
-    view = memoryview(np.arange(64, dtype=np.uint32))  # a typed, multi-byte view hashes its bytes
-    assert cpu_native.xxh64(view) == xxhash.xxh64_intdigest(view.tobytes())
+    if cpu_native.unavailable_reason() is not None:
+        pytest.skip(cpu_native.unavailable_reason())
+    if cpu_native.ISAS.index(isa) > cpu_native.ISAS.index(cpu_native.best_isa()):
+        pytest.skip(f"this CPU has no {isa}")
+    data = np.random.default_rng(7).integers(0, 256, (7 << 20) + 4097, dtype=np.uint8).tobytes()
+    before = cpu_native.isa()
+    try:
+        assert cpu_native.set_isa(isa) == isa
+        bad = [n for n in _xxh3_lengths()
+               if cpu_native.xxh3(memoryview(data)[:n]) != xxhash.xxh3_64_intdigest(data[:n])]
+        # a typed, multi-byte view hashes its bytes
+        view = memoryview(np.arange(300, dtype=np.uint32))
+        assert cpu_native.xxh3(view) == xxhash.xxh3_64_intdigest(view.tobytes())
+    finally:
+        cpu_native.set_isa(before)
+    assert bad == []
 
 
-def test_first_read_hashes_sha256_then_xxh64_is_learned_and_kept(built, tmp_path):
+def test_first_read_hashes_sha256_then_xxh3_is_learned_and_kept(built, tmp_path):
     with open_source(built) as a:
         bank = a.expert_layout
     key = (bank.layers[0], 3)
@@ -155,13 +173,13 @@ def test_first_read_hashes_sha256_then_xxh64_is_learned_and_kept(built, tmp_path
     check = first.check(key)
     assert check.verify(memoryview(data)) is None
     assert check.verify(memoryview(data)) is None
-    assert counts(first) == {"xxh64": 1, "sha256": 1, "relearned": 0}
+    assert counts(first) == {"xxh3": 1, "sha256": 1, "relearned": 0}
     first.save()
     second = RecordDigests(built, bank.manifest, receipts=tmp_path)  # a later process
     assert second.learned() == 1
     assert second.check(key).verify(memoryview(data)) is None
-    assert counts(second) == {"xxh64": 1, "sha256": 0, "relearned": 0}
-    data[100] ^= 0x10  # damaged after learning: XXH64 differs, SHA-256 settles it
+    assert counts(second) == {"xxh3": 1, "sha256": 0, "relearned": 0}
+    data[100] ^= 0x10  # damaged after learning: XXH3 differs, SHA-256 settles it
     assert "do not match sha256" in second.check(key).verify(memoryview(data))
     assert second.stats()["sha256"] == 0  # a failed check counts as no pass
 
@@ -179,10 +197,24 @@ def test_a_wrong_learned_value_costs_a_rehash_never_a_verdict(built, tmp_path, c
     d.path.write_bytes(bytes(raw))
     again = RecordDigests(built, bank.manifest, receipts=tmp_path)
     assert again.check(key).verify(memoryview(good)) is None  # SHA-256 says the bytes are right
-    assert counts(again) == {"xxh64": 0, "sha256": 1, "relearned": 1}
+    assert counts(again) == {"xxh3": 0, "sha256": 1, "relearned": 1}
     assert "stale" in caplog.text
     assert again.check(key).verify(memoryview(good)) is None
-    assert again.stats()["xxh64"] == 1
+    assert again.stats()["xxh3"] == 1
+
+
+def test_verify_records_seeds_every_record_so_reads_skip_sha256(art, tmp_path, monkeypatch,
+                                                                capsys):
+    monkeypatch.setenv(integrity.RECEIPTS_ENV, str(tmp_path / "receipts"))
+    assert cli_main(["verify", str(art), "--records"]) == 0
+    assert "stored the XXH3 of" in capsys.readouterr().out
+    with open_source(art) as a:
+        bank = a.expert_layout
+    d = RecordDigests(art, bank.manifest)
+    assert d.path.suffix == ".xxh3" and d.learned() == len(bank.manifest.records)
+    for key in [(bank.layers[0], 0), (bank.layers[-1], 5)]:
+        assert d.check(key).verify(memoryview(read_record(bank, art, key))) is None
+    assert counts(d) == {"xxh3": 2, "sha256": 0, "relearned": 0}
 
 
 @pytest.mark.parametrize("damage", ["short", "magic", "count", "fifo", "directory", "symlink"])
@@ -221,14 +253,14 @@ def test_without_the_native_library_every_read_is_sha256_checked(built, tmp_path
     assert "SHA-256 only" in caplog.text and "no compiler (test)" in caplog.text
     for _ in range(2):
         assert d.check(key).verify(memoryview(data)) is None
-    assert counts(d) == {"xxh64": 0, "sha256": 2, "relearned": 0} and d.learned() == 0
+    assert counts(d) == {"xxh3": 0, "sha256": 2, "relearned": 0} and d.learned() == 0
     data[5] ^= 1
     assert "do not match sha256" in d.check(key).verify(memoryview(data))
 
 
-def test_a_record_damaged_after_its_xxh64_was_learned_stops_generate(art, capsys):
+def test_a_record_damaged_after_its_xxh3_was_learned_stops_generate(art, capsys):
     """The learned path end to end: a clean run learns every record it reads and saves them at
-    close; a byte flipped afterwards is caught by XXH64 and confirmed by SHA-256."""
+    close; a byte flipped afterwards is caught by XXH3 and confirmed by SHA-256."""
     assert generate_cli(art) == 0
     with open_source(art) as a:
         bank = a.expert_layout
@@ -236,7 +268,7 @@ def test_a_record_damaged_after_its_xxh64_was_learned_stops_generate(art, capsys
     learned = [r for r, v in zip(bank.manifest.records, values) if v]
     assert learned and len(learned) < len(values)
     capsys.readouterr()
-    for r in learned:  # only records read (and learned) before: the XXH64 path must catch them
+    for r in learned:  # only records read (and learned) before: the XXH3 path must catch them
         part, offset, _, _ = bank.locate(r.layer, r.expert)
         flip(art / bank.manifest.sidecar.parts[part].file, offset + 100)
     assert generate_cli(art) == 2

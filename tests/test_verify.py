@@ -116,6 +116,28 @@ def test_flipped_byte_named_by_record(tmp_path, capsys, where):
     assert "1 problem(s)" in out[-1]
 
 
+def test_records_matching_their_sha256_get_record_hash_of_the_bytes_the_reader_reads(tmp_path):
+    """`record_hash` sees each verified record's bytes exactly as the read-time check will (the
+    part's extent [sidecar_offset, + sidecar_length)), and a damaged record gets no value."""
+    m = build(tmp_path)
+    bad = m.records[13]
+    path = tmp_path / bad.segments[0].shard
+    with open(path, "r+b") as f:
+        f.seek(bad.sidecar_offset + 7)
+        b = f.read(1)
+        f.seek(bad.sidecar_offset + 7)
+        f.write(bytes([b[0] ^ 0x40]))
+    rep = verify.verify_artifact(tmp_path, records=True, record_hash=sha)
+    assert rep.manifest is not None and len(rep.problems) == 1
+    assert sorted(rep.record_hashes) == [i for i in range(len(m.records)) if i != 13]
+    for i, h in rep.record_hashes.items():
+        r = m.records[i]
+        with open(tmp_path / r.segments[0].shard, "rb") as f:
+            f.seek(r.sidecar_offset)
+            assert h == sha(f.read(r.sidecar_length)) == r.sha256
+    assert verify.verify_artifact(tmp_path, records=True).record_hashes == {}  # none asked for
+
+
 def test_damaged_files_reported(tmp_path, capsys):
     m = build(tmp_path)
     parts = [p.file for p in m.sidecar.parts]

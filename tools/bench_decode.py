@@ -10,14 +10,14 @@
 
 One line per configuration (verify=off: --no-verify; verify=sha256: the default read-time
 check on a fresh receipt directory, so every record's first read is checked against its manifest
-SHA-256; verify=xxh64: the same again after that run, so the records it read are checked with
-their learned XXH64, the steady state of a long-running user): decode tok/s, compute-tier hit
+SHA-256; verify=xxh3: the same again after that run, so the records it read are checked with
+their learned XXH3, the steady state of a long-running user): decode tok/s, compute-tier hit
 rate, SSD bytes per decoded token (demand + speculative reads), stall share (time forwards
 blocked on reads / decode time), the I/O bound (the best random-read rate over the depths /
 bytes per token), the compute bound (1 / (MoE layers x top-k x time per expert)), tok/s as a
 ratio of the smaller bound, the check share (seconds the reader threads spent hashing in decode,
 summed over threads, / decode time: the cost if none of it overlapped anything), the record
-checks passed by XXH64 alone / by SHA-256, and the bytes actually read per second of decode
+checks passed by XXH3 alone / by SHA-256, and the bytes actually read per second of decode
 (`read_gbps`) next to the raw sequential and best random-read rates of the same round. Before
 each measurement the bank is written back (sync) and dropped from the page cache
 (posix_fadvise DONTNEED), and mincore checks it really left (the run stops otherwise). A
@@ -385,7 +385,7 @@ def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens:
             "read_bps": d["bytes"] / stats.decode_s,
             "stall_share": d["stall_ms"] / 1e3 / stats.decode_s,
             "check_share": d["check_s"] / stats.decode_s,
-            "checks": "/".join(str(checks.get(k, 0)) for k in ("xxh64", "sha256"))}
+            "checks": "/".join(str(checks.get(k, 0)) for k in ("xxh3", "sha256"))}
 
 
 def route_fields(r: dict, trace: Trace | None, lookahead: int, how: str, slots: int,
@@ -503,10 +503,10 @@ def main(argv=None) -> int:
                       f"{rates_fields(rates)}", flush=True)
             best = max(rates.values())
             for la in (0, 1):
-                # A fresh receipt directory per round and lookahead: "sha256" learns, "xxh64"
+                # A fresh receipt directory per round and lookahead: "sha256" learns, "xxh3"
                 # reuses; odd rounds move "off" last so no configuration always runs first.
                 os.environ[RECEIPTS_ENV] = tempfile.mkdtemp(prefix="receipts_", dir=base)
-                order = ("off", "sha256", "xxh64") if rep % 2 == 0 else ("sha256", "xxh64", "off")
+                order = ("off", "sha256", "xxh3") if rep % 2 == 0 else ("sha256", "xxh3", "off")
                 for verify in order:
                     r = run_config(art, paths, la, a.slots_per_layer, a.tokens, kernels,
                                    verify != "off", routes, guesses, a.read_depth)
@@ -522,7 +522,7 @@ def main(argv=None) -> int:
                           f"stall_share={r['stall_share']:.3f} io_bound_tok_s={io_bound:.3f} "
                           f"compute_bound_tok_s={compute_bound:.3f} ratio={ratio:.2f} "
                           f"check_share={r['check_share']:.3f} "
-                          f"checks_xxh64/sha256={r['checks']} "
+                          f"checks_xxh3/sha256={r['checks']} "
                           f"read_gbps={r['read_bps'] / 1e9:.3f} "
                           f"raw_odirect_seq_gbps={disk / 1e9:.3f} "
                           f"random_read_gbps={best / 1e9:.3f}"

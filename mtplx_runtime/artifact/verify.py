@@ -6,6 +6,9 @@ reading") and the `mtplx verify ARTIFACT [--records] [--shard-hashes]` subcomman
 
 Every problem is collected (not raised) and names the file and, for records, the layer/expert,
 so one run lists everything that is wrong. `--shard-hashes` also covers the bank parts.
+With `--records` the command also seeds the read-time checks (offload/digests.py) with the XXH3
+of every record whose SHA-256 matched; that hash lives in kernels/, which artifact/ ranks below,
+so the caller passes it in (`record_hash`) and stores what comes back (`record_hashes`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +36,8 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     shards_checked: int = 0
     records_checked: int = 0
+    manifest: Manifest | None = None  # None when it did not load
+    record_hashes: dict[int, int] = field(default_factory=dict)  # record index -> record_hash
 
     @property
     def ok(self) -> bool:
@@ -186,17 +192,19 @@ def _check_index(m: Manifest, root: Path, rep: VerifyReport, tensors: dict,
                                 "vision_tower./mm_projector. tensor")
 
 
-def _check_records(m: Manifest, root: Path, rep: VerifyReport) -> None:
-    """Step 4: re-read every record (segment by segment) and compare its SHA-256."""
+def _check_records(m: Manifest, root: Path, rep: VerifyReport,
+                   record_hash: Callable[[bytes], int] | None) -> None:
+    """Step 4: re-read every record (segment by segment) and compare its SHA-256; a record that
+    matches gets `record_hash` of its bytes in rep.record_hashes."""
     fds: dict[str, int | None] = {}
     try:
-        for r in m.records:
+        for i, r in enumerate(m.records):
             part = r.segments[0].shard
             if r.sha256 is None:
                 rep.problems.append(f"{part}: record layer {r.layer} expert {r.expert} has no "
                                     "sha256 to check")
                 continue
-            h, bad = hashlib.sha256(), None
+            h, bad, chunks = hashlib.sha256(), None, []
             for s in r.segments:
                 if s.shard not in fds:
                     p = _member(root, s.shard, rep)
@@ -211,12 +219,16 @@ def _check_records(m: Manifest, root: Path, rep: VerifyReport) -> None:
                     bad = f"unreadable or truncated ({s.component} at {s.offset})"
                     break
                 h.update(data)
+                chunks.append(data)
             rep.records_checked += 1
             if bad is None and h.hexdigest() != r.sha256:
                 start = r.segments[0].offset
                 bad = f"sha256 mismatch (bytes [{start}, {start + r.logical_bytes}))"
             if bad is not None:
                 rep.problems.append(f"{part}: record layer {r.layer} expert {r.expert}: {bad}")
+            elif record_hash is not None:  # the record's bytes as the reader sees them, in order
+                rep.record_hashes[i] = record_hash(chunks[0] if len(chunks) == 1
+                                                   else b"".join(chunks))
     finally:
         for fd in fds.values():
             if fd is not None:
@@ -224,10 +236,12 @@ def _check_records(m: Manifest, root: Path, rep: VerifyReport) -> None:
 
 
 def verify_artifact(root: str | os.PathLike, *, records: bool = False,
-                    shard_hashes: bool = False) -> VerifyReport:
+                    shard_hashes: bool = False,
+                    record_hash: Callable[[bytes], int] | None = None) -> VerifyReport:
     """Check the directory `root` against its `expert-manifest.json`. Never raises for a
     bad artifact: every problem is a line in the report. Blocks on file reads (whole files with
-    `shard_hashes`, every record with `records`)."""
+    `shard_hashes`, every record with `records`). `record_hash` (with `records`): a function of
+    a record's bytes, applied to every record whose SHA-256 matches (report.record_hashes)."""
     root = Path(root)
     rep = VerifyReport(root)
     try:
@@ -235,6 +249,7 @@ def verify_artifact(root: str | os.PathLike, *, records: bool = False,
     except CheckpointError as e:
         rep.problems.append(str(e))
         return rep
+    rep.manifest = m
     desc = None
     if m.authoritative:
         desc = _descriptor(m, root, rep)
@@ -247,5 +262,5 @@ def verify_artifact(root: str | os.PathLike, *, records: bool = False,
     if m.authoritative:
         _check_index(m, root, rep, tensors, desc)
     if records:
-        _check_records(m, root, rep)
+        _check_records(m, root, rep, record_hash)
     return rep

@@ -102,7 +102,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     resident (tiny models, tests).
     `dtype`: "bfloat16" | "float32". `tokenizer=False` skips the tokenizer (logits-only use).
     `verify` (streamed experts): every record read is checked (its manifest SHA-256 the first
-    time, then its learned XXH64: `offload.digests`) and every resident shard before use
+    time, then its learned XXH3: `offload.digests`) and every resident shard before use
     (`artifact.integrity.admit_shards`: hashed once, then trusted while the file is unchanged);
     False skips both. `read_depth` (streamed experts): reads in flight at once, a window's misses
     and the lookahead's guesses together (`offload.reader.DEFAULT_READ_DEPTH`: BENCHMARKS.md

@@ -5,7 +5,7 @@
     Y = gemm(m, X)                              # Y[n, rows] = X[n, cols] · Wᵀ
     out = expert(gate, up, down, X, beta, beta_lin, round_model=False)   # [n, R]
     layer(layout, records, offsets, index, weight, X, acc, beta, beta_lin)  # acc[T, R] +=
-    h = xxh64(view)                             # the fast record checksum (offload/digests.py)
+    h = xxh3(view)                              # the fast record checksum (offload/digests.py)
 
 One library serves every codec (C ABI: native/cpu/mtplx_cpu.h): each entry point takes the
 codec's index in CODECS, the library's codec table, as its first argument; it has one thread
@@ -68,8 +68,8 @@ def _load() -> ctypes.CDLL:
         lib.mtplx_cpu_layer.argtypes = [_i, _vp, _i, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _i,
                                         _vp, _f, _f, _i, _i]
         lib.mtplx_cpu_set_isa.argtypes = [_i]
-        lib.mtplx_cpu_xxh64.argtypes = [_vp, ctypes.c_size_t, ctypes.c_uint64]
-        lib.mtplx_cpu_xxh64.restype = ctypes.c_uint64
+        lib.mtplx_cpu_xxh3_64.argtypes = [_vp, ctypes.c_size_t]
+        lib.mtplx_cpu_xxh3_64.restype = ctypes.c_uint64
         lib.mtplx_cpu_set_isa(_forced_isa())
         _lib.append(lib)
         return lib
@@ -100,15 +100,16 @@ def set_isa(name: str | None) -> str:
     return ISAS[_load().mtplx_cpu_set_isa(-1 if name is None else ISAS.index(name))]
 
 
-def xxh64(data, seed: int = 0) -> int:
-    """XXH64 of the bytes of `data` (bytes-like, C-contiguous; read in place, no copy) as an
-    unsigned 64-bit int. The call releases the GIL (ctypes), so reader threads hash at once."""
+def xxh3(data) -> int:
+    """XXH3-64 (seed 0, default secret) of the bytes of `data` (bytes-like, C-contiguous; read in
+    place, no copy) as an unsigned 64-bit int, on the `isa()` path. The call releases the GIL
+    (ctypes), so reader threads hash at once."""
     view = memoryview(data)
     if not view.c_contiguous:
-        raise ValueError("xxh64: data must be C-contiguous")
+        raise ValueError("xxh3: data must be C-contiguous")
     arr = np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view,
                         dtype=np.uint8)
-    return _load().mtplx_cpu_xxh64(arr.ctypes.data if arr.size else None, arr.size, seed)
+    return _load().mtplx_cpu_xxh3_64(arr.ctypes.data if arr.size else None, arr.size)
 
 
 def default_threads() -> int:

@@ -1,18 +1,19 @@
 """Read-time record checks (FORMAT.md "Verifying and reading"): SHA-256 against the manifest
-until a record's XXH64 is known, XXH64 from then on.
+until a record's XXH3 is known, XXH3 from then on.
 
-    a record read for the first time:  SHA-256 == manifest's?  -> pass, learn XXH64 of the bytes
-    a record whose XXH64 is known:     XXH64 == learned?       -> pass
+    a record read for the first time:  SHA-256 == manifest's?  -> pass, learn XXH3 of the bytes
+    a record whose XXH3 is known:      XXH3 == learned?        -> pass
                                        else SHA-256 == manifest's? -> pass, relearn (stale value)
                                        else                    -> damaged (RecordHashError)
 
-XXH64 (kernels/native/cpu/checksum.c) hashes about 10 GB/s on one core where SHA-256 manages
-about 2, so a record re-read from disk costs a fifth of the hashing; the first read of each record
-still pays SHA-256. A learned value only ever comes from bytes whose SHA-256 matched, and a
-mismatch is settled by SHA-256, so a wrong learned value costs one re-hash and never fails or
-passes a read by itself. Learned values persist beside the integrity receipts
-(artifact/integrity.py): one file per artifact directory and manifest digest, `MAGIC`, the record
-count (u64), then one u64 per manifest record in manifest order (0 = not learned).
+XXH3-64 (seed 0; kernels/native/cpu/checksum.c) hashes a record from memory at about 20 GB/s on
+one core where SHA-256 manages about 2, so a record re-read from disk costs a tenth of the
+hashing; the first read of a record pays SHA-256 unless `mtplx verify --records` already learned
+it (`learn`). A learned value only ever comes from bytes whose SHA-256 matched, and a mismatch
+is settled by SHA-256, so a wrong learned value costs one re-hash and never fails or passes a
+read by itself. Learned values persist beside the integrity receipts (artifact/integrity.py):
+one file per artifact directory and manifest digest, `MAGIC`, the record count (u64), then one
+u64 per manifest record in manifest order (0 = not learned).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,12 +34,19 @@ from ..artifact.manifest import Manifest
 from ..checkpoint.safetensors_io import CheckpointError, read_regular
 from ..kernels import cpu_native
 
-__all__ = ["RecordCheck", "RecordDigests"]
+__all__ = ["RecordCheck", "RecordDigests", "fast_hash"]
 
-MAGIC = b"MTPLXX64"
-SUFFIX = ".xxh64"
+MAGIC = b"MTPLXXH3"
+SUFFIX = ".xxh3"  # files of the earlier XXH64 checks (.xxh64) are not read
 SAVE_EVERY = 1024  # newly learned values between saves, so a killed process keeps most of them
 log = logging.getLogger(__name__)
+
+
+def fast_hash() -> Callable[[object], int] | None:
+    """The hash the learned values are of (native XXH3-64 of a bytes-like), None without the
+    native library. `mtplx verify --records` hands it to artifact/verify, which may not import
+    kernels/ itself."""
+    return cpu_native.xxh3 if cpu_native.unavailable_reason() is None else None
 
 
 class RecordCheck:
@@ -54,9 +63,10 @@ class RecordCheck:
 
 
 class RecordDigests:
-    """The digests of every record of one artifact: its manifest SHA-256s and the XXH64 values
-    learned so far. `check(key)` -> RecordCheck (KeyError for a key without a record); `save()`
-    writes the learned values (best effort); `stats()` counts the checks by kind. Without the
+    """The digests of every record of one artifact: its manifest SHA-256s and the XXH3 values
+    learned so far. `check(key)` -> RecordCheck (KeyError for a key without a record); `learn`
+    takes values hashed by a caller that checked the SHA-256 itself; `save()` writes the learned
+    values (best effort); `stats()` counts the checks by kind. Without the
     native library every read is SHA-256-checked (`fast_unavailable` says why)."""
 
     def __init__(self, root: str | os.PathLike, manifest: Manifest, *,
@@ -67,7 +77,7 @@ class RecordDigests:
         self._path = receipt_path(root, manifest, SUFFIX, receipts)
         self._values = np.zeros(len(self._sha), dtype=np.uint64)
         self._lock = threading.Lock()
-        self._counts = {"xxh64": 0, "sha256": 0, "relearned": 0, "seconds": 0.0}
+        self._counts = {"xxh3": 0, "sha256": 0, "relearned": 0, "seconds": 0.0}
         self._unsaved = 0
         self.fast_unavailable = cpu_native.unavailable_reason()
         if self.fast_unavailable is None:
@@ -88,8 +98,18 @@ class RecordDigests:
     def learned(self) -> int:
         return int(np.count_nonzero(self._values))
 
+    def learn(self, values: dict[int, int]) -> None:
+        """Take {manifest record index: XXH3 of its bytes} for records whose bytes the caller
+        found to match their manifest SHA-256 (`mtplx verify --records`); `save()` keeps them."""
+        if self.fast_unavailable is not None:
+            return
+        with self._lock:
+            for i, v in values.items():
+                self._values[i] = v
+            self._unsaved += len(values)
+
     def stats(self) -> dict[str, float]:
-        """Checks passed by XXH64 alone, checks that hashed SHA-256, learned values corrected,
+        """Checks passed by XXH3 alone, checks that hashed SHA-256, learned values corrected,
         and the seconds of hashing (summed over reader threads)."""
         with self._lock:
             return dict(self._counts)
@@ -135,10 +155,10 @@ class RecordDigests:
     def _verify(self, i: int, view) -> str | None:
         t0 = time.perf_counter()
         known = int(self._values[i])
-        fast = cpu_native.xxh64(view) if self.fast_unavailable is None else 0
+        fast = cpu_native.xxh3(view) if self.fast_unavailable is None else 0
         if known and fast == known:
             with self._lock:
-                self._counts["xxh64"] += 1
+                self._counts["xxh3"] += 1
                 self._counts["seconds"] += time.perf_counter() - t0
             return None
         sha = self._sha[i]
@@ -155,7 +175,7 @@ class RecordDigests:
                 self._unsaved += 1
             due = self._unsaved >= SAVE_EVERY
         if known:
-            log.warning("record (layer %d, expert %d): its learned XXH64 was stale (the SHA-256 "
+            log.warning("record (layer %d, expert %d): its learned XXH3 was stale (the SHA-256 "
                         "matches); relearned", *self._keys[i])
         if due:
             self.save()

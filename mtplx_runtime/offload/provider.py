@@ -59,7 +59,7 @@ class StreamingExpertProvider:
     read_depth: reads in flight at once, demand and lookahead together (reader and prefetcher;
     default offload.reader.DEFAULT_READ_DEPTH). max_inflight_bytes, direct: prefetcher and reader
     settings. verify_sha256 (default on): every record read is checked before a kernel sees it,
-    against its manifest SHA-256 the first time and its learned XXH64 after (offload/digests.py;
+    against its manifest SHA-256 the first time and its learned XXH3 after (offload/digests.py;
     `self.digests`).
     timeout_s: longest a forward waits for one batch of reads before TimeoutError.
     kernels: the expert kernel backend `run_experts` computes with: a name ('reference' | 'cpu'

@@ -21,9 +21,10 @@
  *   int mtplx_cpu_best_isa(void), mtplx_cpu_get_isa(void), mtplx_cpu_set_isa(int want)
  *       0 scalar, 1 avx2, 2 avx512 (the best the CPU supports unless lowered); one choice for
  *       every codec.
- *   uint64_t mtplx_cpu_xxh64(const void *data, size_t n, uint64_t seed)
- *       XXH64 of n bytes (the published xxHash64 algorithm; checksum.c): the fast per-record
- *       check of read-time integrity (offload/digests.py).
+ *   uint64_t mtplx_cpu_xxh3_64(const void *data, size_t n)
+ *       XXH3-64 of n bytes, seed 0 and the default secret (the published xxHash algorithm;
+ *       checksum.c, on the ISA switch's path): the fast per-record check of read-time
+ *       integrity (offload/digests.py).
  * Return codes: 0 ok, -1 bad shape, parameter or codec, -2 out of memory, -3 invalid scale byte.
  * bits and layout are read by ct-int only (bits 3 or 4; layout 0 dense, 1 legacy 3-bit).
  *
@@ -60,6 +61,6 @@ MTPLX_API const char *mtplx_cpu_codec_name(int codec);
 MTPLX_API int mtplx_cpu_best_isa(void);
 MTPLX_API int mtplx_cpu_set_isa(int want);
 MTPLX_API int mtplx_cpu_get_isa(void);
-MTPLX_API uint64_t mtplx_cpu_xxh64(const void *data, size_t n, uint64_t seed);
+MTPLX_API uint64_t mtplx_cpu_xxh3_64(const void *data, size_t n);
 
 #endif
