@@ -97,7 +97,7 @@ def test_warm_start_fills_the_cache_with_the_hottest_records_in_file_order(art, 
         assert st["warm"]["bytes"] == sum(rt.provider.bank.locate(*k).length for k in plan)
         assert st["warm"]["failed"] == 0 and st["warm"]["found"]
         # Read like any miss: through the prefetcher and the reader's check.
-        assert st["checks"]["sha256"] + st["checks"]["xxh64"] == 2 * len(layers)
+        assert st["checks"]["sha256"] + st["checks"]["xxh3"] == 2 * len(layers)
         assert st["totals"]["compute"]["lookups"] == 0  # warming is not a cache lookup
         assert st["totals"]["compute"]["bytes_read"] == st["warm"]["bytes"]  # counted once
         n = len(plan)
