@@ -334,6 +334,8 @@ def test_cli_bad_streaming_requests_are_one_line_errors(cli, tiny, capsys):
         assert cli(["generate", "--model", str(tiny), "--prompt", "x", "--temperature", bad]) == 2
         assert "--temperature must be >= 0" in capsys.readouterr().err
     capsys.readouterr()
+    assert cli(["generate", "--model", str(tiny), "--prompt", "x", "--read-depth", "0"]) == 2
+    assert "--read-depth must be >= 1, got 0" in capsys.readouterr().err
     rc = cli(["generate", "--model", str(tiny), "--prompt", "x", "--kernels", "cpu"])
     assert rc == 2 and "--kernels cpu runs on streamed experts" in capsys.readouterr().err
 
@@ -378,7 +380,7 @@ def test_cli_streamed_generation_matches_resident(cli, tiny, model, tok, tmp_pat
     build_artifact(tiny, art, codec="keep", progress=False)
     assert cli(["generate", "--model", str(art), "--prompt", PROMPT, "--dtype", "float32",
                 "--max-tokens", "6", "--memory-budget", "2GiB", "--lookahead", "1",
-                "--kernels", "reference"]) == 0
+                "--kernels", "reference", "--read-depth", "1"]) == 0
     out, err = capsys.readouterr()
     assert out == tok.decode(_manual_greedy(model, tok.encode(PROMPT), 6)) + "\n"
     assert "cache hit rate" in err and "kernels reference" in err

@@ -1,5 +1,7 @@
-"""Memory plan: the items add up to the budget, refusal below the minimum, full-size K3
-arithmetic against FORMAT.md "Decode state", "Geometry" and "Bank parts", byte sizes, the CLI."""
+"""Memory plan: the items add up to the budget, refusal below the minimum, items sized by the
+kernel backend, a prefill chunk that leaves the minimum alone, a budget holding the bank caching
+all of it, full-size K3 arithmetic against FORMAT.md "Decode state", "Geometry" and "Bank
+parts", byte sizes, the CLI."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from mtplx_runtime.checkpoint import ModelConfig
 from mtplx_runtime.cli import plan as plan_cli
 from mtplx_runtime.engine.plan import (
     ITEMS,
-    RUNTIME_FLOOR_BYTES,
+    RESERVE_FRACTION,
+    RUNTIME_BASELINE_BYTES,
     PlanError,
     facts_from_config,
     facts_from_dir,
@@ -26,7 +29,9 @@ from mtplx_runtime.engine.plan import (
     parse_bytes,
     plan_for,
     resident_bytes,
+    workspace_bytes,
 )
+from mtplx_runtime.fixtures.k3_slice import k3_slice_config
 from mtplx_runtime.fixtures.tiny import make_tiny
 
 GiB = 2**30
@@ -53,7 +58,13 @@ def adds_up(p) -> None:
     assert p.host_slots * p.record_stride + p.host_slack_bytes == p.host_budget
     assert p.slack_bytes >= 0 and p.host_slack_bytes >= 0
     assert p.record_stride % 4096 == 0 and p.record_stride >= p.record_bytes
-    assert p.compute_slots >= p.working_set_records
+    assert p.compute_slots >= p.working_set_records == p.top_k
+    assert p.items["prefill_pool"] == p.transient_slots * p.record_stride
+    assert p.planned_peak_bytes == sum(p.items.values()) + p.compute_slots * p.record_stride
+
+
+def torch_held(p) -> int:
+    return sum(p.items[n] for n in ("residents", "kda_state", "mla_cache", "workspace"))
 
 
 def test_tiny_artifact_adds_up(tiny):
@@ -74,20 +85,27 @@ def test_tiny_artifact_adds_up(tiny):
     assert p.items["residents"] == sum(b for _, _, b in facts.residents)
     assert resident_bytes(facts, "float32") == sum(2 * b if d == "BF16" else b
                                                    for _, d, b in facts.residents)
-    assert p.items["reserve"] == RUNTIME_FLOOR_BYTES + int(GiB * 0.05)
-    assert p.items["io_buffers"] == p.top_k * p.record_stride
+    # The reserve is the measured baseline plus a fraction of what torch allocates, never of
+    # the budget: the slots are one mmap per tier and fragment nothing.
+    assert p.items["reserve"] == RUNTIME_BASELINE_BYTES + int(torch_held(p) * RESERVE_FRACTION)
+    assert p.items["io_buffers"] == 0  # host reads land in the slots
 
 
 def test_tiny_slots_scale_with_budget(tiny):
+    """Past the fixed items every record of budget is a slot: compute slots plus the prefill
+    pool the packed-byte kernels take from spare slots (at most one window, at most the records
+    the compute tier misses), the rest slack."""
     _, art = tiny
-    low = make_plan(art, memory_budget="1GiB", reserve_floor=0, reserve_fraction=0,
-                    prefill_chunk=1)
-    fixed = sum(low.items.values())
-    for extra in (2, 5, 17):
-        p = make_plan(art, memory_budget=fixed + extra * low.record_stride + 123,
-                      reserve_floor=0, reserve_fraction=0, prefill_chunk=1)
+    kw = dict(runtime_baseline=0, reserve_fraction=0, prefill_chunk=1)
+    low = make_plan(art, memory_budget="1GiB", **kw)
+    fixed = sum(low.items.values()) - low.items["prefill_pool"]
+    total, k = low.total_records, low.top_k
+    for extra in range(k, total + 2):
+        p = make_plan(art, memory_budget=fixed + extra * low.record_stride + 123, **kw)
         adds_up(p)
-        assert (p.compute_slots, p.slack_bytes) == (extra, 123)
+        assert p.compute_slots + p.transient_slots == min(extra, total)
+        assert p.transient_slots == min(4, extra - k, max(0, total - extra))
+        assert p.slack_bytes == 123 + max(0, extra - total) * p.record_stride
 
 
 def test_refusal_below_the_minimum(tiny):
@@ -97,12 +115,96 @@ def test_refusal_below_the_minimum(tiny):
     at_min = make_plan(art, memory_budget=minimum)
     adds_up(at_min)
     assert at_min.compute_slots == at_min.working_set_records == at_min.top_k
+    assert at_min.transient_slots == 0  # prefill windows through the decode slots
+    assert minimum == sum(at_min.minimum_parts.values())
     with pytest.raises(PlanError) as e:
         make_plan(art, memory_budget=minimum - 1)
-    assert f"{minimum:,} B" in str(e.value) and "dominate" in str(e.value)
-    # An explicit prefill chunk needs its whole working set resident at once.
-    with pytest.raises(PlanError, match="prefill chunk 4"):
-        make_plan(art, memory_budget=minimum, prefill_chunk=4)
+    msg = str(e.value)
+    assert f"{minimum:,} B" in msg and "largest first: runtime reserve" in msg
+    assert "--context" in msg and "--prefill-chunk" in msg
+
+
+def test_the_prefill_chunk_adds_only_its_activations(tiny):
+    """The provider runs a prefill chunk's experts in windows that fit the slots there are, so a
+    chunk needs no more records than a decode step: the minimum grows by activations alone."""
+    _, art = tiny
+    one = make_plan(art, memory_budget="1GiB", prefill_chunk=1)
+    for chunk in (4, 64, 256):
+        p = make_plan(art, memory_budget="1GiB", prefill_chunk=chunk)
+        grown = p.items["workspace"] - one.items["workspace"]
+        assert grown > 0 and p.working_set_records == one.working_set_records == p.top_k
+        assert p.minimum_budget - one.minimum_budget == grown + int(
+            torch_held(p) * RESERVE_FRACTION) - int(torch_held(one) * RESERVE_FRACTION)
+        make_plan(art, memory_budget=p.minimum_budget, prefill_chunk=chunk)
+
+
+def test_items_follow_the_kernel_backend(tiny):
+    """Only a decoding backend holds decoded experts (one prefill window of them) and always a
+    prefill pool; only the GPU reader stages reads, one record per read in flight."""
+    _, art = tiny
+    facts = facts_from_dir(art)
+    cfg = facts.cfg
+    kw = dict(memory_budget="1GiB", context=64, prefill_chunk=2)
+    cpu, ref, gpu = (plan_for(facts, kernels=k, **kw) for k in ("cpu", "reference", "cuda"))
+    window = max(cfg.num_experts_per_token, 4)
+    assert cpu.decoded_experts == gpu.decoded_experts == 0 and ref.decoded_experts == window
+    assert cpu.items["workspace"] == gpu.items["workspace"] == workspace_bytes(
+        cfg, "bfloat16", 2, 64, 0)
+    expert = 3 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size * 2  # bf16
+    assert ref.items["workspace"] - cpu.items["workspace"] == window * expert
+    assert ref.minimum_parts["prefill_pool"] == window * ref.record_stride
+    assert cpu.minimum_parts["prefill_pool"] == gpu.minimum_parts["prefill_pool"] == 0
+    assert gpu.items["io_buffers"] == gpu.read_depth * gpu.record_stride
+    assert plan_for(facts, kernels="cuda", read_depth=9, **kw).items["io_buffers"] \
+        == 9 * gpu.record_stride
+    assert cpu.items["io_buffers"] == ref.items["io_buffers"] == 0
+    # A bank mode without native cpu kernels goes through the reference decode there.
+    bf16 = facts_from_config(cfg, "bf16")
+    assert plan_for(bf16, kernels="cpu", **kw).decoded_experts == window
+    with pytest.raises(PlanError, match="kernels must be one of"):
+        plan_for(facts, kernels="metal", **kw)
+
+
+def test_k3_slice_minimum_and_a_budget_that_holds_the_bank():
+    """The issue's geometry: one MoE layer of 640 real-size MXFP4 experts. The minimum is what
+    a decode step holds (well under 1 GB, whatever the prefill chunk); 5 % of the experts' bytes
+    plans; the minimum less its working set plus every record caches every record, and a record
+    less still caches >= 99 % of them."""
+    facts = facts_from_config(k3_slice_config(moe_layers=1, experts=640, top_k=16), "mxfp4")
+    kw = dict(context=4096, prefill_chunk=64)
+    p = plan_for(facts, memory_budget="1TiB", **kw)
+    stride, total = p.record_stride, p.total_records
+    assert p.minimum_budget < 0.9e9
+    assert p.minimum_parts["working_set"] == 16 * stride
+    assert plan_for(facts, memory_budget="1TiB", context=4096, prefill_chunk=1).minimum_budget \
+        > p.minimum_budget - 2**26  # chunk 64 costs activations only (< 64 MiB)
+    five = plan_for(facts, memory_budget=int(0.05 * total * stride) + p.minimum_budget
+                    - 16 * stride, **kw)  # the decode slots and the prefill pool share them
+    assert five.compute_slots + five.transient_slots >= int(0.05 * total) - 1
+    whole = p.minimum_budget - 16 * stride + total * stride
+    full = plan_for(facts, memory_budget=whole, **kw)
+    assert full.compute_slots == total and full.transient_slots == 0 and full.cacheable_share == 1
+    assert plan_for(facts, memory_budget=whole - stride, **kw).compute_slots >= 0.99 * total
+    slots = [plan_for(facts, memory_budget=p.minimum_budget + n * stride, **kw).compute_slots
+             for n in range(0, total, 7)]
+    assert slots == sorted(slots)  # more budget never means fewer slots
+
+
+def test_load_gives_the_provider_the_planned_pool(tiny):
+    """`load` sizes every cache tier from the plan, the prefill pool included: none at the
+    minimum with packed-byte kernels, one window with the reference kernels."""
+    import mtplx_runtime
+
+    _, art = tiny
+    for kernels in ("cpu", "reference"):
+        floor = make_plan(art, memory_budget="1GiB", context=64, prefill_chunk=64,
+                          kernels=kernels).minimum_budget
+        with mtplx_runtime.load(art, dtype="bfloat16", kernels=kernels, memory_budget=floor,
+                                context=64, tokenizer=False) as rt:
+            p, cap = rt.plan, rt.provider.cache.capacity()
+            assert p.kernels == kernels and p.minimum_budget == floor
+            assert (cap["compute"], cap["transient"]) == (p.compute_slots, p.transient_slots)
+            assert p.transient_slots == (0 if kernels == "cpu" else 4)
 
 
 def test_plain_checkpoint_matches_artifact(tiny):
@@ -129,7 +231,7 @@ def test_k3_refuses_8gib(k3):
     with pytest.raises(PlanError) as e:
         plan_for(k3, memory_budget="8GiB")
     msg = str(e.value)
-    assert "8.00 GiB" in msg and "residents dominate" in msg
+    assert "8.00 GiB" in msg and "largest first: resident tensors 105.71 GiB" in msg
     minimum = int(msg.split("(")[1].split(" B)")[0].replace(",", ""))
     assert minimum > 113_509_540_864 + 449_372_160 + 16 * 7_741_440
     plan_for(k3, memory_budget=minimum)  # and the stated minimum plans
@@ -144,11 +246,12 @@ def test_k3_160gib(k3):
     assert p.items["residents"] == 113_509_540_864
     assert p.items["kda_state"] == 449_372_160
     assert p.items["mla_cache"] == 27_648 * 4096
-    assert p.items["io_buffers"] == 16 * 7_741_440
+    assert p.items["io_buffers"] == 0 and p.items["prefill_pool"] == 16 * 7_741_440
+    assert p.items["reserve"] == RUNTIME_BASELINE_BYTES + int(torch_held(p) * RESERVE_FRACTION)
     assert p.slack_bytes < p.record_stride
     assert p.compute_slots == (160 * GiB - sum(p.items.values())) // 7_741_440
     assert p.host_slots == 64 * GiB // 7_741_440 == 8876
-    assert p.compute_slots == 6124 and p.slots_per_layer == 66
+    assert p.compute_slots == 6660 and p.slots_per_layer == 72
     assert p.total_records == 82_432
     ctx = plan_for(k3, memory_budget="160GiB", context=1_048_576, prefill_chunk=1)
     assert ctx.items["mla_cache"] == 28_991_029_248  # ≈ 29.0 GB ("MLA")
@@ -156,10 +259,14 @@ def test_k3_160gib(k3):
     adds_up(auto)
     assert auto.prefill_chunk >= 1 and 4 * auto.compute_slots >= 3 * p.compute_slots
     assert auto.minimum_chunk == 1 and auto.minimum_budget == p.minimum_budget
+    gpu = plan_for(k3, memory_budget="160GiB", prefill_chunk=1, kernels="cuda")
+    assert gpu.items["io_buffers"] == 4 * 7_741_440 and gpu.items["prefill_pool"] == 0
     text = format_plan(p)
     for needle in ("resident tensors", "KDA state", "MLA latent cache", "I/O buffers",
-                   "compute-tier slots", "host-tier slots: 8876", "slots per layer: device 66",
-                   "minimum budget", "105.71 GiB"):
+                   "prefill pool", "compute-tier slots", "host-tier slots: 8876",
+                   "slots per layer: device 72", "105.71 GiB", "cpu kernels",
+                   "minimum budget: 111.98 GiB (120,240,326,912 B) at prefill chunk 1, largest "
+                   "part first:\n  resident tensors 105.71 GiB: fixed by the model"):
         assert needle in text
 
 
@@ -196,6 +303,10 @@ def test_cli(tiny, capsys):
                             "--host-budget", "1MiB", "--context", "128"], capsys)
     assert rc == 0 and err == ""
     assert "memory plan: t158" in out and "128 tokens" in out and "minimum budget" in out
+    assert "largest part first:\n  runtime reserve" in out and "grows with --context" in out
+    rc, out, _ = run_cli(["--model", str(art), "--memory-budget", "1GiB", "--kernels",
+                          "reference"], capsys)
+    assert rc == 0 and "reference kernels" in out and " decoded experts" in out
     rc, out, _ = run_cli(["--model", str(art), "--memory-budget", "1GiB", "--json"], capsys)
     d = json.loads(out)
     assert rc == 0 and d["memory_budget"] == GiB and set(d["items"]) == set(ITEMS)

@@ -5,6 +5,7 @@ hang; plus one run on a real artifact."""
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 from collections import Counter
@@ -201,11 +202,12 @@ def test_demand_reads_land_in_slots_and_are_recorded_once(make, monkeypatch):
     assert len(cache.records) == 5
 
 
-@pytest.mark.parametrize("limit", ["threads", "bytes"])
+@pytest.mark.parametrize("limit", ["read_depth", "bytes"])
 def test_demand_goes_before_queued_speculation(make, limit):
     # Either one read at a time, or a budget of two records filled by two demand reads.
-    kw = {"threads": 1} if limit == "threads" else {"max_inflight_bytes": 2 * REC, "threads": 8}
-    first = [(1, 0)] if limit == "threads" else [(1, 0), (1, 5)]
+    kw = ({"read_depth": 1} if limit == "read_depth"
+          else {"max_inflight_bytes": 2 * REC, "read_depth": 8})
+    first = [(1, 0)] if limit == "read_depth" else [(1, 0), (1, 5)]
     pf, reader, cache = make(reader=FakeReader(gated=True), speculative_fraction=1.0, **kw)
     a = pf.demand(first)
     until(lambda: sorted(reader.starts) == first)
@@ -218,10 +220,109 @@ def test_demand_goes_before_queued_speculation(make, limit):
     assert reader.starts[len(first):] == [(1, 1), (2, 0), (2, 1)]
 
 
+class HeldReader:
+    """Reads that land only on command: `read_into` returns a pending future and `land(key)`
+    fills the slot and resolves it on the calling thread. Counts reads in flight (and their peak)
+    under a condition, so tests wait for an exact count, never for time."""
+
+    parts = [("bank.bin", 1 << 40, 0)]
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.held: dict = {}  # key -> (buffer, future), in the order the reads started
+        self.peak = 0
+        self.peak_by_layer: Counter = Counter()  # most reads of each layer in flight at once
+
+    def read_into(self, part, offset, length, buf, digest=None):
+        fut: Future = Future()
+        key = key_of(offset)
+        with self.cond:
+            self.held[key] = (buf, fut)
+            self.peak = max(self.peak, len(self.held))
+            now = Counter(k[0] for k in self.held)
+            for layer, n in now.items():
+                self.peak_by_layer[layer] = max(self.peak_by_layer[layer], n)
+            self.cond.notify_all()
+        return fut
+
+    def inflight(self) -> list:
+        with self.cond:
+            return list(self.held)
+
+    def wait_inflight(self, pred) -> list:
+        """Block until `pred(keys in flight)` holds; returns those keys."""
+        with self.cond:
+            assert self.cond.wait_for(lambda: pred(list(self.held)), T_OUT), list(self.held)
+            return list(self.held)
+
+    def land(self, key) -> None:
+        with self.cond:
+            buf, fut = self.held.pop(key)
+        buf[:REC] = pattern(key)
+        fut.set_result(REC)
+
+
+def test_demand_and_lookahead_reads_share_the_read_depth():
+    """A layer's guesses for the next layer go first (the model hints before it computes), then
+    the layer's misses: both are in flight together, up to the read depth and no further, the
+    guesses held to their share so the misses start at once."""
+    depth = 8
+    reader, cache = HeldReader(), SpyCache()
+    with Prefetcher(reader, locate, cache, read_depth=depth, speculative_fraction=0.5,
+                    max_inflight_bytes=64 * REC) as pf:
+        assert pf.spec_depth == 4
+        guesses, misses = keys(2, 8), keys(1, 6)
+        assert pf.speculate(guesses) == guesses
+        on = reader.wait_inflight(lambda ks: len(ks) == 4)
+        assert set(on) <= set(guesses) and pf.inflight()["queued_spec"] == 4
+        futs = pf.demand(misses)
+        on = reader.wait_inflight(lambda ks: len(ks) == depth)
+        assert sorted(on) == sorted(guesses[:4] + misses[:4])
+        assert pf.inflight() == {"inflight_bytes": depth * REC, "inflight_reads": depth,
+                                 "inflight_spec_reads": 4, "queued_demand": 2, "queued_spec": 4,
+                                 "spec_bytes": 8 * REC}
+        # A guess lands: its place goes to the next miss, not to the next guess.
+        reader.land(guesses[0])
+        on = reader.wait_inflight(lambda ks: len(ks) == depth)
+        assert misses[4] in on and guesses[4] not in on
+        # The misses land: each freed place goes to a queued miss while one is left, then to the
+        # guesses, but only up to their share.
+        for key in misses:
+            reader.wait_inflight(lambda ks, key=key: key in ks)
+            reader.land(key)
+        assert pf.wait(futs, timeout=T_OUT).keys() == set(misses)
+        on = reader.wait_inflight(lambda ks: len(ks) == 4)
+        assert on == guesses[1:5] and pf.inflight()["queued_spec"] == 3
+        for key in guesses[1:]:
+            reader.wait_inflight(lambda ks, key=key: key in ks)
+            reader.land(key)  # commits and records on this thread, in the reader's callback
+        assert reader.peak == depth and pf.stats.peak_inflight_reads == depth
+        assert reader.peak_by_layer[2] == 4 and reader.peak_by_layer[1] == 5
+        assert all(cache.ready(k) and np.array_equal(cache.data(k), pattern(k))
+                   for k in guesses + misses)
+
+
+def test_a_guess_demanded_in_flight_gives_its_speculative_place_back():
+    reader, cache = HeldReader(), SpyCache()
+    with Prefetcher(reader, locate, cache, read_depth=4, speculative_fraction=0.5,
+                    max_inflight_bytes=64 * REC) as pf:
+        guesses = keys(3, 4)
+        assert pf.speculate(guesses) == guesses and pf.spec_depth == 2
+        assert reader.wait_inflight(lambda ks: len(ks) == 2) == guesses[:2]
+        futs = pf.demand([guesses[0]])  # now a demand read: a guess may take its place
+        assert reader.wait_inflight(lambda ks: len(ks) == 3) == guesses[:3]
+        assert pf.inflight()["inflight_spec_reads"] == 2 and pf.inflight()["queued_spec"] == 1
+        for key in guesses:
+            reader.wait_inflight(lambda ks, key=key: key in ks)
+            reader.land(key)
+        assert pf.wait(futs, timeout=T_OUT).keys() == {guesses[0]}
+        assert reader.peak_by_layer[3] == 3 and pf.stats.spec_used == 1
+
+
 def test_inflight_bytes_never_exceed_budget(make):
     budget = 3 * REC
     pf, reader, cache = make(reader=FakeReader(gated=True), max_inflight_bytes=budget,
-                             threads=16, speculative_fraction=0.5)
+                             read_depth=16, speculative_fraction=0.5)
     futs = {}
     for layer in range(1, 5):
         futs.update(pf.demand(keys(layer, 10)))
@@ -266,7 +367,7 @@ def test_speculate_skips_resident_inflight_and_refused(make):
 
 
 def test_cancel_stale_drops_queued_speculation_only(make):
-    pf, reader, cache = make(reader=FakeReader(gated=True), threads=1, speculative_fraction=1.0)
+    pf, reader, cache = make(reader=FakeReader(gated=True), read_depth=1, speculative_fraction=1.0)
     a = pf.demand([(1, 0)])
     until(lambda: len(reader.starts) == 1)
     pf.speculate([(2, 0), (2, 1), (2, 2)])
@@ -289,13 +390,15 @@ def test_running_speculation_finishes_then_is_settled(make):
     until(lambda: len(cache.records) == 2)
     assert cache.ready((5, 0)) and cache.ready((5, 1)) and not cache.aborted
     assert sorted(r[0] for r in cache.records) == [(5, 0), (5, 1)]  # guesses recorded on landing
+    time.sleep(0.05)  # both landed before their record: (5, 0) is used at least 50 ms later
     assert pf.note_used([(5, 0), (9, 9)]) == 1
     pf.cancel_stale(set())
-    assert (pf.stats.spec_used, pf.stats.spec_wasted) == (1, 1)
+    assert (pf.stats.spec_used, pf.stats.spec_wasted, pf.stats.spec_late) == (1, 1, 0)
+    assert pf.stats.spec_lead_ms >= 50.0
 
 
 def test_inflight_speculation_is_promoted_not_duplicated(make):
-    pf, reader, cache = make(reader=FakeReader(gated=True), threads=1, speculative_fraction=1.0)
+    pf, reader, cache = make(reader=FakeReader(gated=True), read_depth=1, speculative_fraction=1.0)
     pf.speculate([(6, 0), (6, 1), (6, 2)])
     until(lambda: reader.starts == [(6, 0)])
     futs = pf.demand([(6, 0), (6, 2), (6, 3)])
@@ -309,6 +412,8 @@ def test_inflight_speculation_is_promoted_not_duplicated(make):
     assert reader.starts == [(6, 0), (6, 2), (6, 3), (6, 1)]
     assert max(reader.reads.values()) == 1
     assert pf.stats.spec_used == 2 and pf.stats.demand_reads == 1
+    # Both were demanded before landing: late, no lead time.
+    assert pf.stats.spec_late == 2 and pf.stats.spec_lead_ms == 0.0
     assert sorted(r[0] for r in cache.records) == [(6, 0), (6, 1), (6, 2), (6, 3)]
 
 
@@ -412,7 +517,7 @@ def test_locate_bug_is_not_swallowed(make):
 
 
 def test_shutdown_mid_read_returns_promptly(make):
-    pf, reader, cache = make(reader=FakeReader(gated=True), threads=1)
+    pf, reader, cache = make(reader=FakeReader(gated=True), read_depth=1)
     futs = pf.demand(keys(1, 3))
     pf.speculate([(2, 0)])
     until(lambda: len(reader.starts) == 1)
@@ -434,7 +539,7 @@ def test_shutdown_mid_read_returns_promptly(make):
 
 
 def test_shutdown_without_cancel_drains_queue(make):
-    pf, reader, cache = make(reader=FakeReader(delay_s=0.005), threads=1)
+    pf, reader, cache = make(reader=FakeReader(delay_s=0.005), read_depth=1)
     futs = pf.demand(keys(1, 4))
     pf.shutdown(cancel_pending=False)
     assert all(f.done() and not f.cancelled() for f in futs.values())
@@ -442,7 +547,7 @@ def test_shutdown_without_cancel_drains_queue(make):
 
 
 def test_user_cancelled_demand_is_dropped(make):
-    pf, reader, cache = make(reader=FakeReader(gated=True), threads=1)
+    pf, reader, cache = make(reader=FakeReader(gated=True), read_depth=1)
     futs = pf.demand(keys(1, 2))
     until(lambda: len(reader.starts) == 1)
     assert futs[(1, 1)].cancel()
@@ -455,7 +560,7 @@ def test_user_cancelled_demand_is_dropped(make):
 
 
 def test_queued_cancelled_demand_is_replaced_by_a_new_demand(make):
-    pf, reader, cache = make(reader=FakeReader(gated=True), threads=1)
+    pf, reader, cache = make(reader=FakeReader(gated=True), read_depth=1)
     futs = pf.demand(keys(1, 2))
     until(lambda: len(reader.starts) == 1)
     assert futs[(1, 1)].cancel()
@@ -467,7 +572,7 @@ def test_queued_cancelled_demand_is_replaced_by_a_new_demand(make):
 
 
 def test_many_concurrent_demands_complete(make):
-    pf, reader, cache = make(reader=FakeReader(gated=True, delay_s=0.001), threads=8,
+    pf, reader, cache = make(reader=FakeReader(gated=True, delay_s=0.001), read_depth=8,
                              max_inflight_bytes=6 * REC)
     shared = keys(9, 10)
     results: dict = {}
@@ -497,10 +602,13 @@ def test_many_concurrent_demands_complete(make):
     assert reader.max_bytes <= 6 * REC
 
 
-def test_real_reader_reads_record_bytes_into_slots(tmp_path):
+def test_real_reader_reads_record_bytes_into_slots(tmp_path, monkeypatch):
+    """Record bytes land straight in their slots: every preadv destination is a slot, with no
+    staging buffer and copy between."""
     from mtplx_runtime.artifact.build import build_artifact
     from mtplx_runtime.artifact.manifest import load_manifest
     from mtplx_runtime.fixtures.tiny import make_tiny
+    from mtplx_runtime.offload.buffers import buffer_address
     from mtplx_runtime.offload.reader import from_manifest
 
     make_tiny(tmp_path / "src", "t158")
@@ -516,8 +624,15 @@ def test_real_reader_reads_record_bytes_into_slots(tmp_path):
 
     record_bytes = max(r.sidecar_length for r in recs.values())
     cache = SpyCache(slots=len(recs), record_bytes=record_bytes)
-    with from_manifest(root, man, direct="auto", threads=4) as reader:
-        pf = Prefetcher(reader, real_locate, cache, max_inflight_bytes=256 << 10, threads=4,
+    real_preadv, landed = os.preadv, []
+
+    def spy(fd, buffers, offset, *a):
+        landed.extend(buffer_address(b) for b in buffers)
+        return real_preadv(fd, buffers, offset, *a)
+
+    monkeypatch.setattr(os, "preadv", spy)
+    with from_manifest(root, man, direct="auto", read_depth=4) as reader:
+        pf = Prefetcher(reader, real_locate, cache, max_inflight_bytes=256 << 10, read_depth=4,
                         speculative_fraction=0.5)
         try:
             half = sorted(recs)[: len(recs) // 2]
@@ -536,5 +651,10 @@ def test_real_reader_reads_record_bytes_into_slots(tmp_path):
             want = f.read(r.sidecar_length)
         assert cache.data(key).tobytes()[: r.sidecar_length] == want
     assert not cache.aborted
+    # Each record's slot was a preadv destination; besides them at most the one page the
+    # reader's O_DIRECT probe reads into its own buffer.
+    slots = {buffer_address(cache.data(k)) for k in half + issued}
+    assert len(slots) == len(half) + len(issued) and slots <= set(landed)
+    assert len(landed) - len(slots) in (0, 1)
     assert sorted((k, n) for k, n, _ in cache.records) == sorted(
         (k, recs[k].sidecar_length) for k in half + issued)

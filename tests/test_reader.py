@@ -116,7 +116,7 @@ def test_coalesced_reads_equal_individual_with_fewer_syscalls(bank, monkeypatch)
     # Three runs: pages 2-5 of part 0 (given out of order), pages 10-11 of part 0, 0-2 of part 1.
     reqs = [(0, 4 * PAGE, PAGE), (0, 2 * PAGE, PAGE), (0, 3 * PAGE, PAGE), (0, 5 * PAGE, 2 * PAGE),
             (1, 0, PAGE), (0, 10 * PAGE, PAGE), (1, PAGE, 2 * PAGE), (0, 11 * PAGE, PAGE)]
-    with RecordReader(root, parts, direct="auto", threads=2) as r:
+    with RecordReader(root, parts, direct="auto", read_depth=2) as r:
         r.read_into(0, 0, PAGE, aligned_buffer(PAGE)).result()  # resolve "auto" before counting
         calls.clear()
         bufs = [aligned_buffer(n) for _, _, n in reqs]
@@ -288,7 +288,7 @@ def test_open_file_bound_with_more_parts_than_max_open_files(tmp_path, monkeypat
     monkeypatch.setattr(os, "open", spy_open)
     monkeypatch.setattr(os, "close", spy_close)
     rng = np.random.default_rng(2)
-    with RecordReader(tmp_path, parts, direct="auto", threads=4, max_open_files=3) as r:
+    with RecordReader(tmp_path, parts, direct="auto", read_depth=4, max_open_files=3) as r:
         reqs = [(int(rng.integers(0, 12)), int(rng.integers(0, 4)) * PAGE) for _ in range(200)]
         bufs = [aligned_buffer(PAGE) for _ in reqs]
         futs = [r.read_into(p, o, PAGE, b) for (p, o), b in zip(reqs, bufs)]
@@ -325,7 +325,7 @@ def test_odirect_unsupported_falls_back_with_one_log_record(bank, monkeypatch, c
 def test_concurrent_reads_from_many_threads(tmp_path):
     parts, data = make_parts(tmp_path, n=4, pages=32)
     errors: list = []
-    with RecordReader(tmp_path, parts, direct="auto", threads=4, max_open_files=2) as r:
+    with RecordReader(tmp_path, parts, direct="auto", read_depth=4, max_open_files=2) as r:
         def worker(seed):
             rng = np.random.default_rng(seed)
             try:
@@ -345,6 +345,44 @@ def test_concurrent_reads_from_many_threads(tmp_path):
     assert errors == []
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_read_depth_reads_are_in_flight_at_once_and_no_more(bank, monkeypatch, depth):
+    """preadv held until released: exactly `read_depth` reads wait inside it at once (the pool
+    never runs more), and each one released lets the next queued read in."""
+    root, parts, data = bank
+    cond, inside, peak, go = threading.Condition(), [], [0], set()
+
+    def held(fd, buffers, offset, *a):
+        with cond:
+            inside.append(offset)
+            peak[0] = max(peak[0], len(inside))
+            cond.notify_all()
+            assert cond.wait_for(lambda: offset in go, 10)
+            inside.remove(offset)
+        return REAL_PREADV(fd, buffers, offset, *a)
+
+    def wait_held(n):  # reads inside preadv not yet released
+        with cond:
+            assert cond.wait_for(lambda: len(set(inside) - go) == n, 10), (inside, go)
+            return [o for o in inside if o not in go]
+
+    monkeypatch.setattr(os, "preadv", held)
+    # Pages 0, 2, 4, ...: never adjacent, so no two requests coalesce into one preadv.
+    offsets = [i * 2 * PAGE for i in range(3 * depth)]
+    bufs = [aligned_buffer(PAGE) for _ in offsets]
+    with RecordReader(root, parts, direct=False, read_depth=depth) as r:
+        assert r.read_depth == depth
+        futs = r.read_many([(0, o, PAGE, b) for o, b in zip(offsets, bufs)])
+        for _ in offsets:
+            held_now = wait_held(min(depth, len(offsets) - len(go)))
+            with cond:
+                go.add(held_now[0])
+                cond.notify_all()
+        assert [f.result(10) for f in futs] == [PAGE] * len(offsets)
+    assert peak[0] == depth
+    assert all(b.tobytes() == data[0][o:o + PAGE] for o, b in zip(offsets, bufs))
+
+
 def test_close_fails_queued_reads_and_does_not_hang(bank, monkeypatch):
     root, parts, _ = bank
 
@@ -353,7 +391,7 @@ def test_close_fails_queued_reads_and_does_not_hang(bank, monkeypatch):
         return REAL_PREADV(fd, buffers, offset, *a)
 
     monkeypatch.setattr(os, "preadv", slow)
-    r = RecordReader(root, parts, direct=False, threads=1)
+    r = RecordReader(root, parts, direct=False, read_depth=1)
     futs = [r.read_into(0, i * PAGE, PAGE, aligned_buffer(PAGE)) for i in range(0, 60, 2)]
     r.close()
     r.close()

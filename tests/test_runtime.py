@@ -71,6 +71,20 @@ def test_streamed_load_equals_resident_under_reference_kernels(artifact):
     assert got == want
 
 
+@pytest.mark.parametrize("depth", [1, 16])
+def test_read_depth_reaches_reader_and_prefetcher_and_changes_no_token(artifact, depth):
+    src, art = artifact
+    want, _ = generate(mtplx_runtime.load_model(src, dtype="float32"), PROMPT, max_tokens=6)
+    with mtplx_runtime.load(art, dtype="float32", kernels="reference", cache_slots=(2, 0),
+                            read_depth=depth) as rt:
+        assert rt.provider.reader.read_depth == rt.provider.prefetcher.read_depth == depth
+        got, _ = generate(rt.model, PROMPT, max_tokens=6)
+        assert 1 <= rt.provider.stats()["prefetch"]["peak_inflight_reads"] <= depth
+    assert got == want
+    with pytest.raises(ValueError, match="read_depth"):
+        mtplx_runtime.load(art, kernels="reference", cache_slots=(2, 0), read_depth=0)
+
+
 def test_checkpoint_loads_resident_and_budget_plans(artifact):
     src, art = artifact
     rt = mtplx_runtime.load(src, dtype="float32")

@@ -234,19 +234,26 @@ def test_shipped_trace_is_the_trained_models_and_routes_skewed():
 
 def test_bench_decode_replays_the_trace_as_expert_bundles():
     from mtplx_runtime.engine.trace import read_trace
+    from mtplx_runtime.profile import load as load_trace
 
     bench = tool("bench_decode")
     header, lines = read_trace(ROUTES)
+    lines = list(lines)  # all decode lines
     decode = [line["routes"] for line in lines if line["phase"] == "decode"]
     layers, experts = len(header["layers"]) + 1, 896  # one more than the trace: wraps around
-    routes = bench.trace_routes(ROUTES, layers, experts)
-    assert len(routes) == len(decode)
+    trace = load_trace(str(ROUTES))
+    routes = bench.slice_routes(trace, layers, experts)
+    assert routes.shape == (len(decode), layers, 16)
     stride, bundle = experts // header["experts"], 16 // header["top_k"]
     for step, want in zip(routes[:50], decode):
-        assert len(step) == layers
-        for j, ids in enumerate(step):
-            row = ids[0].tolist()
-            assert ids.shape == (1, 16) and row == sorted(set(row))
+        for j, row in enumerate(step.tolist()):
+            assert row == sorted(set(row))
             assert all(i % stride < bundle for i in row)
             layer = str(header["layers"][j % len(header["layers"])])
             assert sorted({i // stride for i in row}) == want[layer]
+    # The trace's own depth-1 guesses, bundled the same way; none for the wrapped first layer.
+    guesses, how = bench.trace_guesses(trace, layers, experts, 50, None)
+    assert how == "trace" and {j for _, j in guesses} == set(range(1, layers - 1))
+    for (i, j), ids in guesses.items():
+        want = lines[i]["predicted"][str(header["layers"][j])]["1"]
+        assert ids == sorted(e * stride + b for e in want for b in range(bundle))

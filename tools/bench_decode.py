@@ -1,7 +1,8 @@
 """Streamed decode of a K3-geometry slice from a cold disk, against its I/O and compute bounds.
 
     make_k3_slice (real 3584/3072 t158 experts, small trunk) -> build_artifact (keep)
-      -> raw O_DIRECT sequential read of a bank part (disk rate, cold)
+      -> raw O_DIRECT sequential read of a bank part (disk rate, cold), then cold random
+         whole-record reads at each --depths read depth (bench_io.random_reads)
       -> one expert at T=1 through the chosen kernel backend on its record bytes (compute rate)
       -> per lookahead in (0, 1) and read-time verification off / on: evict page cache,
          mtplx_runtime.load with --slots-per-layer cache slots per MoE layer, prefill, decode
@@ -12,32 +13,50 @@ check on a fresh receipt directory, so every record's first read is checked agai
 SHA-256; verify=xxh64: the same again after that run, so the records it read are checked with
 their learned XXH64, the steady state of a long-running user): decode tok/s, compute-tier hit
 rate, SSD bytes per decoded token (demand + speculative reads), stall share (time forwards
-blocked on reads / decode time), the I/O bound (raw disk rate / bytes per token), the compute
-bound (1 / (MoE layers x top-k x time per expert)), tok/s as a ratio of the smaller bound, the
-check share (seconds the reader threads spent hashing in decode, summed over threads, / decode
-time: the cost if none of it overlapped anything) and the record checks passed by XXH64 alone /
-by SHA-256. Before each measurement the bank is written back (sync) and dropped from the page
-cache (posix_fadvise DONTNEED), and mincore checks it really left (the run stops otherwise). A
+blocked on reads / decode time), the I/O bound (the best random-read rate over the depths /
+bytes per token), the compute bound (1 / (MoE layers x top-k x time per expert)), tok/s as a
+ratio of the smaller bound, the check share (seconds the reader threads spent hashing in decode,
+summed over threads, / decode time: the cost if none of it overlapped anything), the record
+checks passed by XXH64 alone / by SHA-256, and the bytes actually read per second of decode
+(`read_gbps`) next to the raw sequential and best random-read rates of the same round. Before
+each measurement the bank is written back (sync) and dropped from the page cache
+(posix_fadvise DONTNEED), and mincore checks it really left (the run stops otherwise). A
 configuration whose decode beats its own I/O bound is marked INVALID=ratio_above_1 and the run
 exits 1: a bound the run beats was measured wrong, it is not a result.
 
-`--routes TRACE` replays a recorded route trace (FORMAT.md "Route traces"; the trained model's
-is tests/data/kjv-routes.jsonl) instead of the slice's random routers, whose picks are nearly
-uniform: decode step i of every MoE layer uses the trace's route of line i, each trace expert
-standing for 16 / top-k slice experts (a bundle read and evicted together), slice layer j taking
-trace layer j mod L. Lookahead is 0 only: the slice's routers cannot guess a replayed route.
+`--routes TRACE` takes the decode routes from a route trace instead of the slice's random
+routers, whose picks are nearly uniform: anything `mtplx profile` reads (FORMAT.md "Route traces"
+JSONL, e.g. the trained model's tests/data/kjv-routes.jsonl; plain route lists; an integer .npy;
+a `synth:` spec such as `synth:k3`, calibrated to K3's published hit rate). Decode step i of
+every MoE layer uses the route of the trace's i-th decode line, each trace expert standing for
+16 / top-k slice experts (a bundle read and evicted together), slice layer j taking trace layer
+j mod L. The slice's routers cannot guess a replayed route, so at lookahead 1 the guesses come
+from the trace's own `predicted` ids (depth 1, where the trace's layers line up), or, for a
+trace without them or with `--guess-recall P`, from a synthetic guesser: each expert of the
+true next-layer route is kept with probability P, the others replaced by popular experts of
+that layer not in the route.
+
+Every line ends with the routes' name (`routes=random` or the trace's), the hit rates the
+profiler's replay gives on the same decode routes and slots (`lru_replay`: the runtime's LRU
+decisions, prefill included, equal to `hit_rate` at lookahead 0; `belady`: Belady's MIN over
+the decode routes from a cold cache, the bound for any policy there), and the prefetch counters
+of the decode: `guesses` (router, trace, synth:P or none), `guess_recall` (share of the guessed
+layers' experts the guesses named), `prefetch_recall` (speculative reads used / (used + demand
+reads)), `spec_reads` issued, `wasted_reads` (landed, never used before being settled or
+evicted), `late_reads` (used, but still reading when demanded) and `lead_ms` (mean ms from a
+used guess landing to its first use).
 
     python tools/bench_decode.py [--layers 2] [--experts 896] [--tokens 8]
                                  [--slots-per-layer 32] [--kernels auto|reference|cpu|cuda]
+                                 [--read-depth N] [--depths 1,2,4,8,16,32] [--sample-mib 256]
                                  [--repeats 1] [--dir DIR] [--keep] [--config NAME|PATH]
-                                 [--routes TRACE]
+                                 [--routes TRACE] [--guess-recall P]
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import mmap
+import importlib.util
 import os
 import platform
 import shutil
@@ -57,68 +76,40 @@ from mtplx_runtime.artifact.integrity import RECEIPTS_ENV
 from mtplx_runtime.artifact.manifest import MANIFEST_NAME, load_manifest
 from mtplx_runtime.engine.generate import GenerationStats, generate_step
 from mtplx_runtime.engine.presets import PresetError, add_config_arg, parse_args
-from mtplx_runtime.engine.trace import read_trace
 from mtplx_runtime.fixtures.k3_slice import make_k3_slice
 from mtplx_runtime.kernels import name_of, select_backend
 from mtplx_runtime.offload.buffers import aligned_buffer
 from mtplx_runtime.offload.provider import StreamingExpertProvider
+from mtplx_runtime.offload.reader import DEFAULT_READ_DEPTH
+from mtplx_runtime.profile import Trace, profile, replay_runtime
+from mtplx_runtime.profile import load as load_trace
+
+
+def _bench_io():
+    """tools/bench_io.py as a module (tools/ is no package; tests load this file by path)."""
+    spec = importlib.util.spec_from_file_location("bench_io", Path(__file__).with_name(
+        "bench_io.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench_io = _bench_io()
+evict = bench_io.evict  # drop the bank from the page cache, checked empty with mincore
 
 PROMPT = [3, 17]
 SLICE_TOP_K = 16  # make_k3_slice keeps K3's top-k
 CHUNK = 8 * 2**20
 RAW_READ_BYTES = 2 * 2**30
+DEPTHS = (1, 2, 4, 8, 16, 32)
+# Synthetic guesser's default recall: between the trained tiny K3's depth-1 recall (65 %,
+# BENCHMARKS.md "Routes of the trained tiny K3") and the 74 % of ARCHITECTURE.md "I/O bound".
+GUESS_RECALL = 0.7
 
 
 def part_paths(art: Path) -> list[Path]:
     m = load_manifest(art / MANIFEST_NAME)
     return [art / p.file for p in m.sidecar.parts]
-
-
-def resident_bytes(path: Path) -> int:
-    """Bytes of `path` in the page cache: mincore over a read-only shared mapping of it."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    size, page = path.stat().st_size, mmap.PAGESIZE
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), f"mmap({path})")
-        try:
-            vec = (ctypes.c_ubyte * (-(-size // page)))()
-            if libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore({path})")
-        finally:
-            libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-    return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * page
-
-
-def evict(paths: list[Path], tries: int = 5) -> None:
-    """Write back, then drop every bank part from the page cache, and check with mincore that
-    nothing stayed: pages still being written back cannot be dropped, and reads served from
-    memory would let decode "beat" the disk (a run right after a build did: ratio 1.83)."""
-    os.sync()
-    for attempt in range(tries):
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        left = sum(resident_bytes(p) for p in paths)
-        if left <= 64 * 2**20:  # a few records' worth may come back from a concurrent reader
-            return
-        time.sleep(1.0 + attempt)  # writeback in progress: give it time
-    raise SystemExit(f"bench_decode: {left / 2**20:.0f} MiB of the bank is still in the page "
-                     "cache after dropping it; cold-cache numbers would be wrong (is another "
-                     "process reading it, or writeback stuck?)")
 
 
 def raw_disk_bps(paths: list[Path]) -> float:
@@ -143,6 +134,42 @@ def raw_disk_bps(paths: list[Path]) -> float:
         os.close(fd)
 
 
+def random_read_bps(art: Path, paths: list[Path], depths, sample_bytes: int,
+                    seed: int = 0) -> dict[int, float]:
+    """{depth: bytes/s} of cold random whole-record reads through RecordReader (O_DIRECT, or
+    buffered where the file system has none, as the runtime's reader then is) with exactly
+    `depth` reads in flight, each depth over its own random `sample_bytes` of records, at least
+    4 x depth of them so the drain at the end (fewer than `depth` in flight) is a small part
+    (bench_io.random_reads; the page cache evicted before each)."""
+    m = load_manifest(art / MANIFEST_NAME)
+    parts = [(p.file, p.size, p.data_start) for p in m.sidecar.parts]
+    length = m.records[0].sidecar_length
+    extents = [(r.part, parts[r.part][2] + r.sidecar_offset) for r in m.records
+               if r.sidecar_length == length]  # one codec per slice: every record, in practice
+    rng = np.random.default_rng(seed)
+    rates = {}
+    for depth in depths:
+        n = min(len(extents), max(sample_bytes // length, 4 * depth))
+        pick = [extents[i] for i in rng.permutation(len(extents))[:n]]
+        evict(paths)
+        rates[depth] = n * length / bench_io.random_reads(art, parts, pick, length, depth,
+                                                          direct="auto")
+    return rates
+
+
+def disk_rates(art: Path, paths: list[Path], depths, sample_bytes: int
+               ) -> tuple[float, dict[int, float]]:
+    """The raw sequential rate, then the random-read rate at each depth, in this run."""
+    return raw_disk_bps(paths), random_read_bps(art, paths, depths, sample_bytes)
+
+
+def rates_fields(rates: dict[int, float]) -> str:
+    best = max(rates, key=rates.get)
+    by_depth = ",".join(f"{d}:{v / 1e9:.3f}" for d, v in rates.items())
+    return (f"random_read_gbps_by_depth={by_depth} random_read_gbps={rates[best] / 1e9:.3f} "
+            f"random_read_best_depth={best}")
+
+
 def expert_seconds(art: Path, model, kernels, repeats: int = 5) -> float:
     """Median time of one expert at T=1 the way the runtime computes it: the kernel backend's
     expert_mlp on the record bytes as read into a slot (host slots: the cpu / reference path)."""
@@ -165,68 +192,211 @@ def expert_seconds(art: Path, model, kernels, repeats: int = 5) -> float:
     return statistics.median(times[1:])
 
 
+PREFETCH = ("demand_reads", "spec_issued", "spec_used", "spec_wasted", "spec_late",
+            "spec_lead_ms")
+
+
 def snapshot(provider) -> dict:
     st = provider.stats()
     dev, pf = st["totals"]["compute"], st["prefetch"]
     return {"hits": dev["hits"], "lookups": dev["lookups"], "stall_ms": st["stall_ms"],
             "bytes": pf["demand_bytes"] + pf["spec_bytes"],
-            "check_s": (st["checks"] or {}).get("seconds", 0.0)}
+            "check_s": (st["checks"] or {}).get("seconds", 0.0),
+            **{k: pf[k] for k in PREFETCH}}
 
 
-def trace_routes(path: Path, layers: int, experts: int,
-                 top_k: int = SLICE_TOP_K) -> list[list[torch.Tensor]]:
-    """The decode routes of a trace mapped onto the slice: per decode line, per slice MoE layer
-    j, ids [1, top_k] (ascending) of trace layer j mod L, trace expert e standing for slice
-    experts e * (experts // E) + 0 .. top_k / K - 1."""
-    header, lines = read_trace(path)
-    E, k = header["experts"], header["top_k"]
+def routes_name(trace: Trace | None) -> str:
+    """What a line calls its routes: 'random' (the slice's routers), a file's name or a spec."""
+    return "random" if trace is None else Path(trace.name).name.replace(" ", "_")
+
+
+def slice_map(trace: Trace, experts: int, top_k: int = SLICE_TOP_K) -> tuple[int, int]:
+    """(bundle, stride): trace expert e stands for slice experts e * stride + 0 .. bundle - 1."""
+    E, k = trace.experts, trace.top_k
     if top_k % k or (experts // E) < top_k // k:
-        raise ValueError(f"{path}: top-{k} of {E} experts does not map onto top-{top_k} of "
-                         f"{experts}")
-    bundle, stride = top_k // k, experts // E
-    src = [str(header["layers"][j % len(header["layers"])]) for j in range(layers)]
-    return [[torch.tensor([sorted(e * stride + i for e in line["routes"][la]
-                                  for i in range(bundle))]) for la in src]
-            for line in lines if line["phase"] == "decode"]
+        raise ValueError(f"{trace.name}: top-{k} of {E} experts does not map onto top-{top_k} "
+                         f"of {experts}")
+    return top_k // k, experts // E
 
 
-def replay_step(model, state, routes: list[torch.Tensor], tok: int) -> torch.Tensor:
-    """One decode forward with every MoE layer's experts forced to `routes`."""
+def to_slice(ids, bundle: int, stride: int) -> list[int]:
+    """Trace expert ids -> their slice experts, ascending."""
+    return sorted(int(e) * stride + i for e in ids if e >= 0 for i in range(bundle))
+
+
+def slice_routes(trace: Trace, layers: int, experts: int,
+                 top_k: int = SLICE_TOP_K) -> np.ndarray:
+    """The trace's decode routes on the slice: int64 [N, layers, top_k], ascending ids; slice
+    MoE layer j takes trace layer j mod L."""
+    bundle, stride = slice_map(trace, experts, top_k)
+    rows = trace.routes[trace.decode]  # [N, L, K]
+    if not len(rows):
+        raise ValueError(f"{trace.name}: no decode lines")
+    if (rows < 0).any():
+        raise ValueError(f"{trace.name}: rows shorter than top-{trace.top_k} do not map onto "
+                         "the slice's fixed top-16")
+    src = rows[:, [j % rows.shape[1] for j in range(layers)]]  # [N, layers, K]
+    out = np.repeat(src.astype(np.int64) * stride, bundle, axis=2)  # [N, layers, top_k]
+    out += np.tile(np.arange(bundle), src.shape[2])
+    return np.sort(out, axis=2)
+
+
+def trace_guesses(trace: Trace, layers: int, experts: int, tokens: int,
+                  recall: float | None, seed: int = 0,
+                  top_k: int = SLICE_TOP_K) -> tuple[dict, str]:
+    """Depth-1 lookahead guesses for the first `tokens` decode steps on the slice:
+    ({(step, target slice layer j): slice ids}, how they were made).
+
+    recall None and a trace with `predicted` ids: the trace's own depth-1 guesses, where trace
+    layer j mod L and its predecessor j - 1 line up (no wrap). Otherwise synthetic: each expert
+    of the true route of layer j (j >= 1) is kept with probability `recall`, each other pick is
+    a popular expert of that trace layer (drawn by decode-line frequency) not in the route."""
+    bundle, stride = slice_map(trace, experts, top_k)
+    nl, decode_lines = len(trace.layers), np.flatnonzero(trace.decode)[:tokens]
+    out = {}
+    if recall is None and trace.predicted:
+        step_of = {int(line): i for i, line in enumerate(decode_lines)}
+        for j in range(1, layers):
+            if j % nl == 0:  # the trace's first layer has no guess from the layer before it
+                continue
+            idx, ids = trace.predicted.get((trace.layers[j % nl], 1), ((), ()))
+            for line, got in zip(idx, ids):
+                if int(line) in step_of:
+                    out[step_of[int(line)], j] = to_slice(got, bundle, stride)
+        return out, "trace"
+    recall = GUESS_RECALL if recall is None else recall
+    rng = np.random.default_rng(seed)
+    rows = trace.routes[decode_lines]  # [n, L, K]
+    counts = np.stack([np.bincount(trace.routes[trace.decode, la].ravel(),
+                                   minlength=trace.experts)[:trace.experts]
+                       for la in range(nl)]).astype(np.float64) + 1.0  # [L, E], +1: every id
+    for i in range(len(rows)):
+        for j in range(1, layers):
+            true = rows[i, j % nl]  # [K]
+            keep = true[rng.random(len(true)) < recall]
+            p = counts[j % nl].copy()
+            p[true] = 0.0  # a replacement is a wrong guess
+            miss = min(len(true) - len(keep), int((p > 0).sum()))
+            wrong = rng.choice(trace.experts, miss, replace=False, p=p / p.sum()) if miss else []
+            out[i, j] = to_slice(np.concatenate([keep, wrong]), bundle, stride)
+    return out, f"synth:{recall:g}"
+
+
+class GuessHook:
+    """Hands the provider the trace's lookahead guesses in place of the slice routers' (which
+    cannot guess a replayed route): wraps `provider.hint`, depth 1, for decode step `step`."""
+
+    def __init__(self, provider, moe_layers: list[int], guesses: dict):
+        self.real, self.layers, self.guesses, self.step = provider.hint, moe_layers, guesses, 0
+        self.index = {layer: j for j, layer in enumerate(moe_layers)}
+        provider.hint = self.hint
+
+    def hint(self, layer: int, actual: torch.Tensor, predicted):
+        j = self.index[layer] + 1
+        ids = self.guesses.get((self.step, j)) if predicted and j < len(self.layers) else None
+        mine = {} if ids is None else {self.layers[j]: torch.tensor([ids])}  # [1, K']
+        return self.real(layer, actual, mine)
+
+
+def replay_step(model, state, routes: np.ndarray, tok: int) -> torch.Tensor:
+    """One decode forward with every MoE layer's experts forced to `routes` [layers, top_k]."""
     for moe, ids in zip(model.moe_blocks(), routes):
-        moe.forced_ids = ids
+        moe.forced_ids = torch.from_numpy(ids).unsqueeze(0)  # [1, top_k]
     return model.decode(tok, state)
 
 
+def replay_hit_rates(prefill: np.ndarray, routes: np.ndarray, experts: int,
+                     slots: int) -> tuple[float, float]:
+    """Decode hit rates of the profiler's replays of one run's routes, prefill [P, L, K] then
+    decode [N, L, K], with `slots` compute slots per layer: (LRU, Belady's MIN).
+
+    LRU: `replay_runtime`, the runtime cache's own call sequence at lookahead 0, prefill into
+    transient slots included, so it equals the run's hit rate at lookahead 0. MIN: `profile`'s
+    offline optimum over the decode routes from a cold cache (the prompt's experts, left in
+    transient slots, are not modelled: worth a few hits in a short run over few experts)."""
+    p, n, nl = len(prefill), len(routes), routes.shape[1]
+    lines = np.concatenate([prefill, routes]).astype(np.int32)  # [P + N, L, K]
+    layers = list(range(1, nl + 1))  # any distinct ids: both replays split slots per layer
+
+    def decode_counts(upto: int) -> tuple[int, int]:
+        tr = Trace(layers, experts, lines.shape[2], lines[:upto], np.arange(upto) >= p,
+                   np.arange(upto, dtype=np.int64))
+        c = replay_runtime(tr, policy="lru", compute_slots=slots * nl).totals()["compute"]
+        return c["hits"], c["lookups"]
+
+    # The replay counts prefill lookups too: the prefill-only replay's counters are its share.
+    (h0, n0), (h1, n1) = decode_counts(p), decode_counts(p + n)
+    decode = Trace(layers, experts, routes.shape[2], routes.astype(np.int32), np.ones(n, bool),
+                   np.arange(n, dtype=np.int64))
+    (_, belady), _ = profile(decode, ["lru"], [slots * nl], workers=1)
+    return (h1 - h0) / (n1 - n0), belady.hit_rate
+
+
 def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens: int,
-               kernels, verify: bool, routes: list | None = None) -> dict:
+               kernels, verify: bool, routes: np.ndarray | None = None,
+               guesses: dict | None = None, read_depth: int = DEFAULT_READ_DEPTH) -> dict:
+    """One configuration; `routes` [N, layers, 16] replaces the routers, `guesses` (with
+    routes) their lookahead. The result's "routes" are the decode routes taken [n, layers, 16]
+    (the routers' are read back after each step), "prefill_routes" the prompt's [P, layers,
+    16]."""
     evict(paths)
     with load(art, dtype="bfloat16", kernels=kernels, lookahead=lookahead,
-              cache_slots=(slots, 0), tokenizer=False, verify=verify) as rt:
-        stats, before = GenerationStats(), None
+              cache_slots=(slots, 0), tokenizer=False, verify=verify,
+              read_depth=read_depth) as rt:
+        stats, before, taken = GenerationStats(), None, []
+        moes = rt.model.moe_blocks()
         if routes is None:
             for _ in generate_step(rt.model, PROMPT, max_tokens=tokens + 1, stats=stats):
                 if before is None:  # prefill done, no decode forward yet
                     before = snapshot(rt.provider)
+                    prefill = np.stack([m.last_ids.numpy() for m in moes], axis=1)  # [P, L, K]
+                else:  # a decode forward ran since the last yield: keep its routes
+                    taken.append([m.last_ids[0].numpy() for m in moes])
         else:
+            hook = GuessHook(rt.provider, [m.layer for m in moes], guesses or {})
             state = rt.model.new_state()
             logits = rt.model.prefill(PROMPT, state)[-1]
             before = snapshot(rt.provider)
-            for step in routes[:tokens]:
+            prefill = np.stack([m.last_ids.numpy() for m in moes], axis=1)  # [P, L, K]
+            for i, step in enumerate(routes[:tokens]):
+                hook.step = i
                 t0 = time.perf_counter()
                 logits = replay_step(rt.model, state, step, int(logits.argmax()))
                 stats.decode_s += time.perf_counter() - t0
                 stats.decode_forwards += 1
+            taken = routes[:tokens]
         after = snapshot(rt.provider)
         checks = rt.provider.stats()["checks"] or {}
+        depth1 = rt.provider.stats()["lookahead"].get(1)
     d = {k: after[k] - before[k] for k in after}
     n = stats.decode_forwards
-    return {"tokens": n, "decode_s": stats.decode_s,
+    needed = d["spec_used"] + d["demand_reads"]
+    landed_used = d["spec_used"] - d["spec_late"]
+    return {"routes": np.asarray(taken, np.int64), "prefill_routes": prefill,
+            "guess_recall": depth1["recall"] if depth1 else 0.0,
+            "prefetch_recall": d["spec_used"] / needed if needed else 0.0,
+            "spec_reads": d["spec_issued"], "wasted_reads": d["spec_wasted"],
+            "late_reads": d["spec_late"],
+            "lead_ms": d["spec_lead_ms"] / landed_used if landed_used else None,
+            "tokens": n, "decode_s": stats.decode_s,
             "tok_s": n / stats.decode_s,
             "hit_rate": d["hits"] / d["lookups"] if d["lookups"] else 0.0,
             "bytes_per_token": d["bytes"] / n,
+            "read_bps": d["bytes"] / stats.decode_s,
             "stall_share": d["stall_ms"] / 1e3 / stats.decode_s,
             "check_share": d["check_s"] / stats.decode_s,
             "checks": "/".join(str(checks.get(k, 0)) for k in ("xxh64", "sha256"))}
+
+
+def route_fields(r: dict, trace: Trace | None, lookahead: int, how: str, slots: int,
+                 experts: int) -> str:
+    """The line's routes, the profiler's hit rates on them, the decode's prefetch counters."""
+    lru, belady = replay_hit_rates(r["prefill_routes"], r["routes"], experts, slots)
+    lead = "-" if r["lead_ms"] is None else f"{r['lead_ms']:.1f}"
+    return (f"routes={routes_name(trace)} lru_replay={lru:.3f} belady={belady:.3f} "
+            f"guesses={how if lookahead else 'none'} guess_recall={r['guess_recall']:.3f} "
+            f"prefetch_recall={r['prefetch_recall']:.3f} spec_reads={r['spec_reads']} "
+            f"wasted_reads={r['wasted_reads']} late_reads={r['late_reads']} lead_ms={lead}")
 
 
 def commit() -> str:
@@ -243,6 +413,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--experts", type=int, default=896, help="routed experts per layer")
     ap.add_argument("--tokens", type=int, default=8, help="decode steps timed per config")
     ap.add_argument("--slots-per-layer", type=int, default=32, help="compute-tier cache slots")
+    ap.add_argument("--read-depth", type=int, default=DEFAULT_READ_DEPTH,
+                    help="expert reads in flight in decode (mtplx_runtime.load read_depth)")
+    ap.add_argument("--depths", type=bench_io.int_list, default=list(DEPTHS),
+                    help="read depths of the random-read rate the I/O bound takes the best of")
+    ap.add_argument("--sample-mib", type=int, default=256,
+                    help="MiB of random record reads per depth for that rate (at least 4 x "
+                         "depth records)")
     ap.add_argument("--kernels", default=None, help="expert kernel backend (default: auto)")
     ap.add_argument("--dir", type=Path, default=None,
                     help="where the slice and artifact go (default: a temp dir under /work)")
@@ -250,8 +427,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rounds over every configuration (the disk's rate drifts between runs)")
     ap.add_argument("--keep", action="store_true",
                     help="keep the slice in --dir and reuse an artifact already built there")
-    ap.add_argument("--routes", type=Path, default=None,
-                    help="replay this route trace's decode routes (lookahead 0 only)")
+    ap.add_argument("--routes", default=None, metavar="TRACE",
+                    help="decode routes from a route trace (mtplx JSONL, plain lists, .npy "
+                         "[N,L,K]) or a synth: spec, e.g. synth:k3 (default: the slice's random "
+                         "routers)")
+    ap.add_argument("--guess-recall", type=float, default=None, metavar="P",
+                    help="with --routes: synthetic lookahead guesses keeping each true expert "
+                         "with probability P (default: the trace's own guesses, else "
+                         f"{GUESS_RECALL})")
     add_config_arg(ap)  # of a preset's keys only `kernels` is a flag here
     return ap
 
@@ -263,11 +446,20 @@ def main(argv=None) -> int:
     except PresetError as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
+    if a.read_depth < 1 or a.sample_mib < 1:
+        ap.error("--read-depth and --sample-mib must be >= 1")
     kernels = select_backend(a.kernels)
     if kernels.DEVICE != "cpu":
         ap.error("bench_decode runs the model on the CPU: use --kernels cpu or reference")
+    if a.guess_recall is not None and not (a.routes and 0.0 <= a.guess_recall <= 1.0):
+        ap.error("--guess-recall needs --routes and a probability in [0, 1]")
+    trace = routes = None
+    guesses, how = {}, "router"
     try:
-        routes = None if a.routes is None else trace_routes(a.routes, a.layers, a.experts)
+        if a.routes is not None:
+            trace = load_trace(a.routes)
+            routes = slice_routes(trace, a.layers, a.experts)
+            guesses, how = trace_guesses(trace, a.layers, a.experts, a.tokens, a.guess_recall)
     except (OSError, ValueError) as e:  # TraceError is a ValueError
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
@@ -291,31 +483,36 @@ def main(argv=None) -> int:
               f"threads={torch.get_num_threads()} layers={a.layers} experts={a.experts} top_k=16 "
               f"bank_bytes={bank} slots_per_layer={a.slots_per_layer} tokens={a.tokens} "
               f"prompt={len(PROMPT)} dtype=bfloat16 build_s={build_s:.0f} "
-              f"kernels={name_of(kernels)}"
-              + ("" if routes is None else f" routes={a.routes.name}:{len(routes)}"), flush=True)
-        disk = raw_disk_bps(paths)
+              f"kernels={name_of(kernels)} read_depth={a.read_depth}"
+              + ("" if routes is None else f" routes={routes_name(trace)}:{len(routes)}"),
+              flush=True)
+        disk, rates = disk_rates(art, paths, a.depths, a.sample_mib << 20)
         model = load_model(art, dtype="bfloat16")
         t_exp = expert_seconds(art, model, kernels)
         k = model.cfg.num_experts_per_token
         del model
         compute_bound = 1.0 / (a.layers * k * t_exp)
-        print(f"# raw_odirect_seq_gbps={disk / 1e9:.3f} expert_ms={t_exp * 1e3:.1f} "
-              f"(one t158 expert, T=1, bf16 model) compute_bound_tok_s={compute_bound:.3f}",
-              flush=True)
+        print(f"# raw_odirect_seq_gbps={disk / 1e9:.3f} {rates_fields(rates)} "
+              f"expert_ms={t_exp * 1e3:.1f} (one t158 expert, T=1, bf16 model) "
+              f"compute_bound_tok_s={compute_bound:.3f}", flush=True)
         beaten = 0
         for rep in range(a.repeats):
             if rep:  # the disk's rate drifts: measure it again before every round
-                disk = raw_disk_bps(paths)
-                print(f"# round={rep} raw_odirect_seq_gbps={disk / 1e9:.3f}", flush=True)
-            for la in (0, 1) if routes is None else (0,):
+                disk, rates = disk_rates(art, paths, a.depths, a.sample_mib << 20)
+                print(f"# round={rep} raw_odirect_seq_gbps={disk / 1e9:.3f} "
+                      f"{rates_fields(rates)}", flush=True)
+            best = max(rates.values())
+            for la in (0, 1):
                 # A fresh receipt directory per round and lookahead: "sha256" learns, "xxh64"
                 # reuses; odd rounds move "off" last so no configuration always runs first.
                 os.environ[RECEIPTS_ENV] = tempfile.mkdtemp(prefix="receipts_", dir=base)
                 order = ("off", "sha256", "xxh64") if rep % 2 == 0 else ("sha256", "xxh64", "off")
                 for verify in order:
                     r = run_config(art, paths, la, a.slots_per_layer, a.tokens, kernels,
-                                   verify != "off", routes)
-                    io_bound = (disk / r["bytes_per_token"] if r["bytes_per_token"]
+                                   verify != "off", routes, guesses, a.read_depth)
+                    # The drive's best random-read rate at the record size, not its sequential
+                    # rate: decode reads whole records in random order.
+                    io_bound = (best / r["bytes_per_token"] if r["bytes_per_token"]
                                 else float("inf"))
                     ratio = r["tok_s"] / min(io_bound, compute_bound)
                     beaten += ratio > 1.0
@@ -325,8 +522,13 @@ def main(argv=None) -> int:
                           f"stall_share={r['stall_share']:.3f} io_bound_tok_s={io_bound:.3f} "
                           f"compute_bound_tok_s={compute_bound:.3f} ratio={ratio:.2f} "
                           f"check_share={r['check_share']:.3f} "
-                          f"checks_xxh64/sha256={r['checks']}"
-                          + (" INVALID=ratio_above_1" if ratio > 1.0 else ""), flush=True)
+                          f"checks_xxh64/sha256={r['checks']} "
+                          f"read_gbps={r['read_bps'] / 1e9:.3f} "
+                          f"raw_odirect_seq_gbps={disk / 1e9:.3f} "
+                          f"random_read_gbps={best / 1e9:.3f}"
+                          + (" INVALID=ratio_above_1" if ratio > 1.0 else "")
+                          + " " + route_fields(r, trace, la, how, a.slots_per_layer, a.experts),
+                          flush=True)
     finally:
         if not a.keep:
             shutil.rmtree(base, ignore_errors=True)

@@ -1,53 +1,98 @@
-"""Cold random record reads through RecordReader against a raw O_DIRECT sequential read.
+"""Cold random record reads at each read depth against a raw O_DIRECT sequential read.
 
-Writes a bank file of `--size-gib` GiB (K3 t158 geometry: 7,741,440-byte records,
-FORMAT.md "Bank parts"), then, with the page cache evicted (posix_fadvise DONTNEED) before every
-run: a raw single-thread O_DIRECT sequential read of the whole file in 8 MiB chunks, and
-`--records` whole records in one random order through RecordReader, O_DIRECT and buffered, at
-each `--threads` count (2 x threads reads in flight). `--repeat` rounds run every configuration
-once, interleaved, with the raw read at both ends of each round; lines give the median GB/s, the
-range, and `ratio` = median over the raw median. Cold reads on a shared VM vary up to 2x run to
-run (BENCHMARKS.md "bench_io"). The file is deleted at the end.
+Writes a bank file of `--size-gib` GiB of `--record-bytes` records (default K3 t158: 7,741,440
+B, FORMAT.md "Bank parts"), then, with the page cache evicted (posix_fadvise DONTNEED, checked
+empty with mincore) before every run: a raw single-thread O_DIRECT sequential read of the whole
+file in 8 MiB chunks, and `--records` whole records in one random order through RecordReader,
+O_DIRECT (and buffered with `--buffered`), at each `--depths` read depth: exactly that many
+reads in flight, the next issued as one lands. `--repeat` rounds run every configuration once,
+interleaved, with the raw read at both ends of each round; lines give the median GB/s and
+records/s (iops), the range, and `ratio` = median over the raw median. Cold reads on a shared VM
+vary up to 2x run to run (BENCHMARKS.md "bench_io"). The file is deleted at the end.
+`random_reads` and `evict` are also bench_decode's (its I/O bound).
 
-Usage: python tools/bench_io.py [--size-gib 3] [--threads 1,2,4,8] [--records N] [--repeat 3]
-                                [--path DIR]
+Usage: python tools/bench_io.py [--size-gib 3] [--record-bytes 7741440]
+                                [--depths 1,2,4,8,16,32] [--buffered] [--records N]
+                                [--repeat 3] [--path DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import mmap
 import os
 import platform
+import queue
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
 
 import numpy as np
 
+from mtplx_runtime.offload.buffers import PAGE_BYTES
 from mtplx_runtime.offload.reader import RecordReader, aligned_buffer
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORD_BYTES = 7_741_440  # KIMI_K3_T158_RECORD_BYTES, 4096 x 1890
+RECORD_BYTES = 7_741_440  # KIMI_K3_T158_RECORD_BYTES, 4096 x 1890 (the --record-bytes default)
 CHUNK_BYTES = 8 << 20
 
 
-def evict(path: Path) -> None:
+def resident_bytes(path: Path) -> int:
+    """Bytes of `path` in the page cache: mincore over a read-only shared mapping of it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size, page = path.stat().st_size, mmap.PAGESIZE
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap({path})")
+        try:
+            vec = (ctypes.c_ubyte * (-(-size // page)))()
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore({path})")
+        finally:
+            libc.munmap(addr, size)
     finally:
         os.close(fd)
+    return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * page
 
 
-def write_bank(path: Path, n_records: int) -> None:
+def evict(paths: list[Path], tries: int = 5) -> None:
+    """Write back, then drop every file of `paths` from the page cache, and check with mincore
+    that nothing stayed: pages still being written back cannot be dropped, and reads served from
+    memory would let a run "beat" the disk (a bench_decode run right after a build did)."""
+    os.sync()
+    for attempt in range(tries):
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        left = sum(resident_bytes(p) for p in paths)
+        if left <= 64 * 2**20:  # a few records' worth may come back from a concurrent reader
+            return
+        time.sleep(1.0 + attempt)  # writeback in progress: give it time
+    raise SystemExit(f"{left / 2**20:.0f} MiB of {paths[0].name} ... is still in the page cache "
+                     "after dropping it; cold-cache numbers would be wrong (is another process "
+                     "reading it, or writeback stuck?)")
+
+
+def write_bank(path: Path, n_records: int, record_bytes: int) -> None:
     """Random bytes (one 64 MiB random block repeated: ext4 does not compress), fsynced."""
     block = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8).tobytes()
-    left = n_records * RECORD_BYTES
+    left = n_records * record_bytes
     with open(path, "wb") as f:
         while left:
             left -= f.write(block[:min(left, len(block))])
@@ -56,7 +101,7 @@ def write_bank(path: Path, n_records: int) -> None:
 
 
 def raw_sequential(path: Path) -> tuple[float, int]:
-    evict(path)
+    evict([path])
     buf = aligned_buffer(CHUNK_BYTES)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     total, t0 = 0, time.perf_counter()
@@ -68,26 +113,32 @@ def raw_sequential(path: Path) -> tuple[float, int]:
     return time.perf_counter() - t0, total
 
 
-def reader_random(path: Path, order: np.ndarray, direct: bool, threads: int) -> float:
-    evict(path)
-    size = path.stat().st_size
-    bufs = [aligned_buffer(RECORD_BYTES) for _ in range(2 * threads)]
-    with RecordReader(path.parent, [(path.name, size)], direct=direct, threads=threads) as r:
-        inflight: deque = deque()
+def random_reads(root: Path, parts: list[tuple], extents: list[tuple[int, int]],
+                 length: int, depth: int, direct: bool | str = True) -> float:
+    """Seconds to read `length` bytes at each (part, absolute offset) of `extents`, in that
+    order, through RecordReader over `parts` ([(file, size[, data_start])]) with exactly `depth`
+    reads in flight (a read is issued the moment one lands, so
+    the drive never sees fewer until the tail). The caller evicts the page cache first."""
+    bufs = [aligned_buffer(length) for _ in range(depth)]
+    for b in bufs:
+        b.fill(1)  # fault the pages in now: the runtime's slots are long-lived, not fresh
+    free: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(depth):
+        free.put(i)
+    futs = []
+    with RecordReader(root, parts, direct=direct, read_depth=depth) as r:
         t0 = time.perf_counter()
-        for i, rec in enumerate(order):
-            if len(inflight) == len(bufs):
-                inflight.popleft().result()
-            inflight.append(r.read_into(0, int(rec) * RECORD_BYTES, RECORD_BYTES,
-                                        bufs[i % len(bufs)]))
-        for f in inflight:
-            f.result()
-        dt = time.perf_counter() - t0
-        assert r.direct is direct
-    return dt
+        for part, offset in extents:
+            i = free.get()  # a buffer whose read has landed: one read fewer in flight
+            f = r.read_into(part, offset, length, bufs[i])
+            f.add_done_callback(lambda _f, i=i: free.put(i))
+            futs.append(f)
+        for f in futs:
+            f.result()  # raises a failed read's ReadError
+        return time.perf_counter() - t0
 
 
-def header(path: Path, size: int) -> str:
+def header(path: Path, size: int, record_bytes: int) -> str:
     fs = "?"
     best = ""
     for line in Path("/proc/mounts").read_text().splitlines():
@@ -101,49 +152,74 @@ def header(path: Path, size: int) -> str:
         commit = "?"
     return (f"# bench_io commit={commit} python={platform.python_version()} "
             f"numpy={np.__version__} kernel={platform.release()} machine={platform.machine()} "
-            f"cpus={os.cpu_count()} fs={fs} file_bytes={size} record_bytes={RECORD_BYTES}")
+            f"cpus={os.cpu_count()} fs={fs} file_bytes={size} record_bytes={record_bytes}")
+
+
+def int_list(text: str) -> list[int]:
+    vals = [int(v) for v in text.split(",")]
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4, got {text!r}")
+    return vals
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-gib", type=float, default=3.0)
-    p.add_argument("--threads", default="1,2,4,8")
+    p.add_argument("--record-bytes", type=int, default=RECORD_BYTES,
+                   help="bytes per record, a multiple of 4096 (default: K3 t158)")
+    p.add_argument("--depths", type=int_list, default=[1, 2, 4, 8, 16, 32],
+                   help="reads in flight to sweep (RecordReader read_depth)")
+    p.add_argument("--buffered", action="store_true",
+                   help="also run every depth buffered (page cache) instead of O_DIRECT")
     p.add_argument("--records", type=int, default=0, help="records per run (0: every record)")
     p.add_argument("--repeat", type=int, default=3, help="interleaved rounds; medians printed")
     p.add_argument("--path", type=Path, default=None,
                    help="directory for the bank file (default: a temp dir beside the repo)")
     args = p.parse_args(argv)
-    n_records = int(args.size_gib * (1 << 30)) // RECORD_BYTES
-    threads = [int(t) for t in args.threads.split(",")]
+    rec = args.record_bytes
+    if rec < 1 or rec % PAGE_BYTES:
+        p.error(f"--record-bytes must be a positive multiple of {PAGE_BYTES}, got {rec}")
+    n_records = int(args.size_gib * (1 << 30)) // rec
+    if n_records < 1:
+        p.error("--size-gib holds no whole record")
     tmp = Path(tempfile.mkdtemp(prefix="bench_io-", dir=args.path or ROOT.parent))
     path = tmp / "experts-t158-layer-001-of-001.bin"
     try:
         t0 = time.perf_counter()
-        write_bank(path, n_records)
+        write_bank(path, n_records, rec)
         size = path.stat().st_size
-        print(header(path, size))
+        print(header(path, size, rec))
         print(f"# wrote {size / 1e9:.2f} GB ({n_records} records) in "
-              f"{time.perf_counter() - t0:.1f} s; page cache evicted before every run", flush=True)
+              f"{time.perf_counter() - t0:.1f} s; page cache evicted and checked empty (mincore) "
+              "before every run", flush=True)
         order = np.random.default_rng(1).permutation(n_records)[:args.records or n_records]
-        configs = [(d, t) for d in (True, False) for t in threads]
+        extents = [(0, int(i) * rec) for i in order]
+        configs = [(d, n) for d in ((True, False) if args.buffered else (True,))
+                   for n in args.depths]
         raws: list[float] = []
         runs: dict[tuple[bool, int], list[float]] = {c: [] for c in configs}
         for _ in range(args.repeat):  # rounds interleave configurations: drift hits all alike
             dt, total = raw_sequential(path)
             raws.append(total / dt / 1e9)
-            for direct, t in configs:
-                dt = reader_random(path, order, direct, t)
-                runs[direct, t].append(len(order) * RECORD_BYTES / dt / 1e9)
+            for direct, depth in configs:
+                evict([path])
+                dt = random_reads(tmp, [(path.name, size)], extents, rec, depth, direct)
+                runs[direct, depth].append(len(order) * rec / dt / 1e9)
             dt, total = raw_sequential(path)  # raw at both ends of a round: no position bias
             raws.append(total / dt / 1e9)
         raw = statistics.median(raws)
         print(f"raw-odirect-seq  chunk=8MiB threads=1 bytes={size} gbps={raw:.3f} "
               f"range={min(raws):.3f}-{max(raws):.3f} ratio=1.00")
-        for (direct, t), v in runs.items():
+        for (direct, depth), v in runs.items():
             gbps = statistics.median(v)
-            print(f"reader-random {'direct' if direct else 'buffered':8s} threads={t} "
-                  f"records={len(order)} bytes={len(order) * RECORD_BYTES} gbps={gbps:.3f} "
+            # threads= kept for scripts that parse it: the reader runs one thread per read
+            print(f"reader-random {'direct' if direct else 'buffered':8s} depth={depth} "
+                  f"threads={depth} records={len(order)} bytes={len(order) * rec} "
+                  f"gbps={gbps:.3f} iops={gbps * 1e9 / rec:.1f} "
                   f"range={min(v):.3f}-{max(v):.3f} ratio={gbps / raw:.2f}")
+        best = max(runs, key=lambda c: statistics.median(runs[c]))
+        print(f"# best: {'direct' if best[0] else 'buffered'} depth={best[1]} "
+              f"gbps={statistics.median(runs[best]):.3f}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -70,12 +70,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="expert cache replacement policy (streaming)")
     p.add_argument("--lookahead", type=int, default=1,
                    help="prefetch experts this many layers ahead (streaming; 0 = off)")
+    from ..offload.reader import DEFAULT_READ_DEPTH
+
+    p.add_argument("--read-depth", type=int, default=DEFAULT_READ_DEPTH, metavar="N",
+                   help="expert reads in flight at once, a layer's misses and the lookahead's "
+                        "guesses together (streaming; default %(default)s)")
     p.add_argument("--kernels", default=None, choices=("auto", "reference", "cpu", "cuda"),
                    help="routed-expert kernels for streamed experts (default: $MTPLX_KERNELS, "
                         "else auto: cuda with a GPU, else the native cpu kernels)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the read-time integrity checks of a streaming artifact (each "
                         "record and resident shard against the manifest's SHA-256)")
+    p.add_argument("--warm", default="auto", metavar="auto|off|FILE",
+                   help="warm start (streaming): fill the expert cache at load with the experts "
+                        "earlier runs used most, and record this run's for the next; auto keeps "
+                        "the file in the user cache directory, FILE names one (default: auto)")
     p.add_argument("--trace-routes", default=None, metavar="FILE",
                    help="write the route of every token (mtplx-route-trace-v1 JSON lines)")
     from ..engine.presets import add_config_arg
@@ -139,7 +148,8 @@ def load_runtime(args):
     for flag, v, low in (("--max-tokens", args.max_tokens, 0), ("--top-k", args.top_k, 0),
                          ("--prefill-chunk", args.prefill_chunk, 1),
                          ("--lookahead", args.lookahead, 0), ("--context", args.context, 1),
-                         ("--host-slots", args.host_slots, 0)):
+                         ("--host-slots", args.host_slots, 0),
+                         ("--read-depth", args.read_depth, 1)):
         if v is not None and v < low:  # chat's --max-tokens defaults to None (rest of context)
             raise CliError(f"{flag} must be >= {low}, got {v}")
     slots = None
@@ -162,7 +172,9 @@ def load_runtime(args):
                   host_budget=args.host_budget, kernels=args.kernels, lookahead=args.lookahead,
                   cache_policy=args.cache_policy, context=args.context,
                   prefill_chunk=args.prefill_chunk, verify=not args.no_verify,
-                  cache_slots=slots, resident_dtype=args.resident_dtype)
+                  cache_slots=slots, read_depth=args.read_depth, warm=args.warm,
+                  warm_progress=lambda line: print(line, file=sys.stderr, flush=True),
+                  resident_dtype=args.resident_dtype)
     except (PlanError, ValueError, RuntimeError) as e:  # budget, bank/kernel mismatch, kernels
         raise CliError(str(e)) from None
     if args.context is None:
@@ -300,6 +312,10 @@ def stats_line(rt, stats) -> str:
         rate = hit_rate(rt.provider)
         line += "; cache hit rate " + ("n/a" if rate is None else f"{100 * rate:.1f}%")
         line += f"; kernels {name_of(rt.provider.kernels)}"
+        warm = rt.provider.warm.stats() if rt.provider.warm is not None else None
+        if warm is not None and warm["planned"]:
+            line += (f"; warm {warm['records']}/{warm['planned']} records "
+                     f"({warm['bytes'] / 2**20:,.1f} MiB, {warm['seconds']:.2f} s)")
     if rt.trace is not None:
         line += f"; {rt.trace.lines} route lines -> {rt.trace.path}"
     return line

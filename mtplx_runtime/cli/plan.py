@@ -1,11 +1,14 @@
-"""`mtplx plan --model DIR [--memory-budget 8GiB]`: print the memory plan, or refuse (exit 2) when
-the budget cannot hold the minimum working set. Without a budget: MemAvailable, as `generate`
-plans a streaming artifact. Plans only; reads the manifest and config."""
+"""`mtplx plan --model DIR [--memory-budget 8GiB]`: print the memory plan and what its minimum is
+made of (largest part first, with the flag that lowers each), or refuse (exit 2) when the budget
+cannot hold the minimum working set. Without a budget: MemAvailable; without --kernels: the
+backend `generate` would pick, as `generate` plans a streaming artifact. Plans only; reads the
+manifest and config."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..engine.presets import add_config_arg
@@ -26,18 +29,28 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1, metavar="N", help="sequences (default 1)")
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                         help="tokens per prefill step (default: the largest that fits)")
+    parser.add_argument("--kernels", default=None, choices=("auto", "reference", "cpu", "cuda"),
+                        help="expert kernels to plan for: the reference kernels decode experts, "
+                             "the packed-byte ones do not (default: $MTPLX_KERNELS, else what "
+                             "generate picks here)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_config_arg(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     from ..engine.plan import PlanError, format_plan, make_plan, mem_available_bytes
+    from ..kernels import ENV, name_of, select_backend
 
+    # A named backend is planned for as is (a GPU plan on a machine without one); auto is what
+    # generate would load here.
+    kernels = args.kernels or os.environ.get(ENV) or "auto"
     try:
+        if kernels == "auto":
+            kernels = name_of(select_backend("auto"))
         budget = args.memory_budget or mem_available_bytes()
         plan = make_plan(args.model, memory_budget=budget,
                          host_budget=args.host_budget, context=args.context, dtype=args.dtype,
-                         batch=args.batch, prefill_chunk=args.prefill_chunk)
+                         batch=args.batch, prefill_chunk=args.prefill_chunk, kernels=kernels)
     except PlanError as e:
         print(f"mtplx plan: error: {e}", file=sys.stderr)
         return 2

@@ -72,7 +72,7 @@ def _workers(text: str) -> int:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE",
                    help="route trace (mtplx JSONL, plain text lists, .npy [N,L,K]) or "
-                        "synth:uniform|zipf|temporal,tokens=N,layers=L,experts=E,top_k=K,"
+                        "synth:uniform|zipf|temporal|k3,tokens=N,layers=L,experts=E,top_k=K,"
                         "alpha=A,locality=P,seed=S")
     cap = p.add_mutually_exclusive_group()
     cap.add_argument("--capacity", type=_capacities,

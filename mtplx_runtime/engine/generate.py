@@ -123,9 +123,9 @@ def prefill(model, state, ids: Sequence[int], chunk: int = 64,
             on_forward: ForwardHook | None = None) -> torch.Tensor:
     """Run prompt `ids` through `model` in chunks of `chunk` tokens, continuing `state`.
 
-    Returns the logits [V] of the last prompt token. Chunking bounds the activations and the
-    experts one forward needs (min(E, chunk x K) per layer, `plan.plan_for`); the result equals
-    one whole-prompt forward up to float rounding. Blocks until done.
+    Returns the logits [V] of the last prompt token. Chunking bounds the activations
+    (`plan.plan_for`; a streaming provider runs a chunk's experts in windows that fit its
+    slots); the result equals one whole-prompt forward up to float rounding. Blocks until done.
     """
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {chunk}")

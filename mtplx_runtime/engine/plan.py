@@ -1,19 +1,26 @@
 """Memory plan: how a memory budget splits into fixed items and expert-cache slots.
 
-    model dir (manifest + config, or a plain checkpoint) -> ModelFacts
-        -> fixed items (residents, KDA state, MLA cache, workspace, I/O buffers, reserve)
-        -> what is left / record stride = compute-tier slots; host budget / stride = host slots
+    model dir (manifest + config, or a plain checkpoint) + kernel backend -> ModelFacts
+        -> fixed items (residents, KDA state, MLA cache, workspace, I/O buffers, prefill pool,
+           reserve) -> what is left / record stride = compute-tier slots; host budget / stride
+           = host slots
 
-Every item is computed from the config and the record geometry, never measured, so the same
-arithmetic checks the full-size K3 on any machine (FORMAT.md "Decode state", "Bank parts").
-The budget must hold the minimum working set: the fixed items plus the records one layer needs
-at once (top-k for a decode step, at most min(E, chunk x top-k) for a prefill chunk); below it
-`plan_for` raises `PlanError` naming the minimum and what dominates it.
+Every item is computed from the config, the record geometry and the kernel backend, never from
+this process, so `mtplx plan` and `load` agree and the same arithmetic checks the full-size K3
+on any machine (FORMAT.md "Decode state", "Bank parts"). The one measured figure is the runtime
+baseline (interpreter, torch, this package, threads: BENCHMARKS.md "bench_memory"). The budget
+must hold the minimum working set: the fixed items plus one layer's top-k records (a decode
+step); a prefill chunk needs no more, because the provider runs a layer's experts in windows
+that fit the slots there are. Below it `plan_for` raises `PlanError` naming the minimum, its
+parts and the flag that lowers each.
 
 Conventions the runtime must keep for the plan to hold (the plan itself allocates nothing):
 * MLA caches are allocated with capacity = `context`, `grow=False` (the growing cache doubles);
-* at most `decoded_experts` experts are decoded (model dtype) at once;
-* the prefetcher stages through at most `io_buffers` record-sized buffers.
+* the provider's transient pool is `transient_slots` records (prefill windows through it, or
+  through the compute tier when it is 0), and only decoding backends decode experts, at most
+  one window (`decoded_experts`) at a time;
+* reads land in the slots on the host; a GPU run stages each of `read_depth` reads in flight
+  through one record-sized host buffer (offload/device_io.py).
 """
 
 from __future__ import annotations
@@ -26,13 +33,23 @@ from ..artifact.manifest import DTYPE_BYTES, MANIFEST_NAME, load_manifest
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.residents import resident_tensor_specs
 from ..formats.record import align_up, record_layout
+from ..kernels import BACKENDS
+from ..kernels.cpu import NATIVE_MODES
+from ..offload.reader import DEFAULT_READ_DEPTH
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2}
 ACT_BYTES = 4  # workspace activations are estimated in fp32 (the reference's fp32 islands)
-# Python + torch + this package: 226 MiB RSS measured (torch 2.13 CPU, Linux x86-64), doubled
-# for allocator arenas, I/O thread stacks and the CUDA context of a GPU run.
-RUNTIME_FLOOR_BYTES = 512 * 2**20
-RESERVE_FRACTION = 0.05  # of the budget, for allocator fragmentation
+# What a streamed run holds besides the plan's items: interpreter, torch, this package, the
+# native kernels, reader / prefetch / torch threads and their malloc arenas. Measured on Linux
+# x86-64 (torch 2.13 CPU, 2 cores): 279-289 MiB at four budgets of a K3-geometry slice after 32
+# tokens, rounded up by a tenth (BENCHMARKS.md "bench_memory"; tools/bench_memory.py
+# re-measures it; oneDNN's per-shape growth over long sequences is not in it). A constant, not
+# this process's RSS: a long-lived process may hold other models, and `mtplx plan` must agree
+# with `load`. A GPU run's CUDA context is not measured yet: the same figure stands in for it.
+RUNTIME_BASELINE_BYTES = 320 * 2**20
+# Of the torch-held items (residents, state, workspace), for allocator fragmentation. Expert
+# slots are one mmap per tier and fragment nothing, so the fraction never touches them.
+RESERVE_FRACTION = 0.05
 DEFAULT_CONTEXT = 4096  # tokens, when nothing else decides
 # An afforded context (afforded_context) grows in powers of two up to here, and only while the
 # expert cache keeps this share of its slots: long contexts where memory has room, never bought
@@ -44,7 +61,23 @@ MAX_AUTO_CHUNK = 256
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9,
           "GB": 10**9, "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
           "TIB": 2**40}
-ITEMS = ("residents", "kda_state", "mla_cache", "workspace", "io_buffers", "reserve")
+ITEMS = ("residents", "kda_state", "mla_cache", "workspace", "io_buffers", "prefill_pool",
+         "reserve")
+LABELS = {"residents": "resident tensors", "kda_state": "KDA state",
+          "mla_cache": "MLA latent cache", "workspace": "workspace", "io_buffers": "I/O buffers",
+          "prefill_pool": "prefill pool", "reserve": "runtime reserve",
+          "working_set": "expert working set"}
+# What lowers each part of the minimum, in the user's terms (`mtplx plan`, the PlanError).
+LOWERED_BY = {
+    "residents": "fixed by the model; --dtype float32 doubles the BF16 ones",
+    "kda_state": "grows with --batch",
+    "mla_cache": "grows with --context",
+    "workspace": "grows with --prefill-chunk; the reference kernels add decoded experts",
+    "io_buffers": "GPU staging: one record per read in flight (the read depth)",
+    "prefill_pool": "the reference kernels' prefill window; --kernels cpu needs none",
+    "reserve": "fixed: the measured runtime baseline + 5% of residents, state and workspace",
+    "working_set": "one layer's top-k records; fixed by the bank's codec",
+}
 
 
 class PlanError(ValueError):
@@ -154,13 +187,16 @@ class MemoryPlan:
     prefill_chunk: int
     mode: str
     source: str
+    kernels: str  # the expert kernel backend planned for: reference | cpu | cuda
     record_bytes: int
     record_stride: int  # record_bytes rounded up to 4 KiB: one slot
     routed_layers: int
     experts_per_layer: int
     top_k: int
-    working_set_records: int  # records one layer needs at once: min(E, chunk x top-k)
-    decoded_experts: int
+    working_set_records: int  # records a decode step needs at once: one layer's top-k
+    decoded_experts: int  # experts decoded (model dtype) at once: 0 for packed-byte kernels
+    read_depth: int  # reads in flight at once
+    transient_slots: int = 0  # the provider's prefill pool, records (`items["prefill_pool"]`)
     items: dict[str, int] = field(default_factory=dict)  # ITEMS order
     compute_slots: int = 0
     host_slots: int = 0
@@ -168,12 +204,22 @@ class MemoryPlan:
     host_slack_bytes: int = 0
     minimum_budget: int = 0  # smallest memory_budget that plans at prefill chunk minimum_chunk
     minimum_chunk: int = 1
-    minimum_dominant: str = ""  # the largest item at the minimum
-    reserve_floor: int = RUNTIME_FLOOR_BYTES  # the runtime floor inside `items["reserve"]`
+    minimum_parts: dict[str, int] = field(default_factory=dict)  # the minimum, part by part
+    runtime_baseline: int = RUNTIME_BASELINE_BYTES  # inside `items["reserve"]`
+
+    @property
+    def minimum_dominant(self) -> str:
+        """The largest part of the minimum budget."""
+        return max(self.minimum_parts, key=self.minimum_parts.get) if self.minimum_parts else ""
 
     @property
     def fixed_bytes(self) -> int:
         return sum(self.items.values())
+
+    @property
+    def planned_peak_bytes(self) -> int:
+        """What the process holds once every planned slot is in use: the budget less slack."""
+        return self.memory_budget - self.slack_bytes
 
     @property
     def slots_per_layer(self) -> int:
@@ -195,7 +241,9 @@ class MemoryPlan:
         d = asdict(self)
         d.update(fixed_bytes=self.fixed_bytes, slots_per_layer=self.slots_per_layer,
                  host_slots_per_layer=self.host_slots_per_layer,
-                 total_records=self.total_records, cacheable_share=self.cacheable_share)
+                 total_records=self.total_records, cacheable_share=self.cacheable_share,
+                 minimum_dominant=self.minimum_dominant,
+                 planned_peak_bytes=self.planned_peak_bytes)
         return d
 
 
@@ -239,97 +287,123 @@ def workspace_bytes(cfg: ModelConfig, dtype: str, tokens: int, context: int,
     return (stream + attn + mlp + logits) * ACT_BYTES + decoded_experts * expert
 
 
+def prefill_window(top_k: int) -> int:
+    """Records in the provider's prefill pool when it has one: its default, max(top-k, 4)."""
+    return max(top_k, 4)
+
+
+def decodes_experts(kernels: str, mode: str) -> bool:
+    """Whether backend `kernels` decodes whole experts to the model dtype before its matmuls
+    (the reference always; the cpu kernels for bank modes they have no native kernel for); the
+    packed-byte kernels read the slots in place."""
+    return kernels == "reference" or (kernels == "cpu" and mode not in NATIVE_MODES)
+
+
 def plan_for(facts: ModelFacts, *, memory_budget: int | str, host_budget: int | str = 0,
              context: int = 4096, dtype: str = "bfloat16", batch: int = 1,
-             prefill_chunk: int | None = None, io_buffers: int | None = None,
-             decoded_experts: int | None = None, reserve_fraction: float = RESERVE_FRACTION,
-             reserve_floor: int = RUNTIME_FLOOR_BYTES) -> MemoryPlan:
-    """The plan for `facts` inside `memory_budget` (bytes or a size string). Raises PlanError.
+             prefill_chunk: int | None = None, kernels: str = "cpu",
+             read_depth: int = DEFAULT_READ_DEPTH, reserve_fraction: float = RESERVE_FRACTION,
+             runtime_baseline: int = RUNTIME_BASELINE_BYTES) -> MemoryPlan:
+    """The plan for `facts` inside `memory_budget` (bytes or a size string), run by backend
+    `kernels` ('reference' | 'cpu' | 'cuda'). Raises PlanError.
 
     prefill_chunk None picks the largest power of two <= 256 that fits and keeps at least 3/4
-    of chunk 1's compute slots (the minimum reported is then chunk 1's); io_buffers None = top-k
-    (one layer's misses in flight); decoded_experts None = the working set (the ExpertProvider
-    protocol returns every needed expert decoded at once)."""
+    of chunk 1's compute slots (the minimum reported is then chunk 1's); read_depth: reads in
+    flight (the reader's threads); runtime_baseline: what the process holds besides the items."""
     budget, host = parse_bytes(memory_budget), parse_bytes(host_budget)
     if dtype not in DTYPE_SIZES:
         raise PlanError(f"dtype must be one of {', '.join(DTYPE_SIZES)}, not {dtype!r}")
-    if context < 1 or batch < 1:
-        raise PlanError(f"context and batch must be >= 1, got {context} and {batch}")
-    if not 0 <= reserve_fraction < 1 or reserve_floor < 0:
-        raise PlanError("reserve_fraction must be in [0, 1) and reserve_floor >= 0")
+    if kernels not in BACKENDS:
+        raise PlanError(f"kernels must be one of {', '.join(BACKENDS)}, not {kernels!r}")
+    if context < 1 or batch < 1 or read_depth < 1:
+        raise PlanError(f"context, batch and read_depth must be >= 1, got {context}, {batch} "
+                        f"and {read_depth}")
+    if not 0 <= reserve_fraction < 1 or runtime_baseline < 0:
+        raise PlanError("reserve_fraction must be in [0, 1) and runtime_baseline >= 0")
     if not facts.routed_layers:
         raise PlanError("the model has no routed layers to stream")
+    args = (facts, budget, host, context, dtype, batch, kernels, read_depth, reserve_fraction,
+            runtime_baseline)
     if prefill_chunk is not None:
         if prefill_chunk < 1:
             raise PlanError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        return _plan(facts, budget, host, context, dtype, batch, prefill_chunk, io_buffers,
-                     decoded_experts, reserve_fraction, reserve_floor, strict=True)
-    first = best = _plan(facts, budget, host, context, dtype, batch, 1, io_buffers,
-                         decoded_experts, reserve_fraction, reserve_floor, strict=True)
+        return _plan(*args, prefill_chunk, strict=True)
+    first = best = _plan(*args, 1, strict=True)
     chunk = 2
     while chunk <= MAX_AUTO_CHUNK:
-        p = _plan(facts, budget, host, context, dtype, batch, chunk, io_buffers,
-                  decoded_experts, reserve_fraction, reserve_floor, strict=False)
+        p = _plan(*args, chunk, strict=False)
         if p is None or 4 * p.compute_slots < 3 * first.compute_slots:  # keep 3/4 of the cache
             break
         best, chunk = p, chunk * 2
     # The floor to report is chunk 1's: any budget above it plans (with a smaller chunk).
     return replace(best, minimum_budget=first.minimum_budget, minimum_chunk=1,
-                   minimum_dominant=first.minimum_dominant)
+                   minimum_parts=first.minimum_parts)
 
 
-def _plan(facts, budget, host, context, dtype, batch, chunk, io_buffers, decoded_experts,
-          frac, floor, *, strict):
+def _plan(facts, budget, host, context, dtype, batch, kernels, read_depth, frac, baseline,
+          chunk, *, strict):
     cfg = facts.cfg
     k, n_exp = cfg.num_experts_per_token, cfg.num_experts
     stride = align_up(facts.record_bytes)
-    working = min(n_exp, chunk * k)
-    decoded = working if decoded_experts is None else decoded_experts
-    io = k if io_buffers is None else io_buffers
+    total = len(facts.routed_layers) * n_exp
+    window = prefill_window(k)
+    decodes, on_gpu = decodes_experts(kernels, facts.mode), kernels == "cuda"
+    # A decoding backend keeps its prefill pool at every budget: the pool bounds how many
+    # experts one prefill window decodes at once (through the compute tier it would be all the
+    # layer's slots). Packed-byte kernels get one only from spare slots (below).
+    pool = window if decodes else 0
     items = {
         "residents": resident_bytes(facts, dtype),
         "kda_state": kda_state_bytes(cfg, dtype, batch),
         "mla_cache": mla_token_bytes(cfg, dtype) * context * batch,
-        "workspace": workspace_bytes(cfg, dtype, chunk * batch, context, decoded),
-        "io_buffers": io * stride,
+        "workspace": workspace_bytes(cfg, dtype, chunk * batch, context, window if decodes else 0),
+        # On the host reads land in the slots; the GPU reader stages each read in flight.
+        "io_buffers": read_depth * stride if on_gpu else 0,
+        "prefill_pool": pool * stride,
     }
-    need = sum(items.values()) + floor + working * stride  # all but the budget-dependent part
-    minimum = _minimum_budget(need, frac)
-    # What the minimum consists of (reserve taken at the minimum) and its largest part.
-    parts = dict(items, reserve=floor + int(minimum * frac), working_set=working * stride)
-    top = max(parts, key=parts.get)
-    items["reserve"] = floor + int(budget * frac)
+    torch_held = items["residents"] + items["kda_state"] + items["mla_cache"] + items["workspace"]
+    items["reserve"] = baseline + int(torch_held * frac)
+    parts = dict(items, working_set=k * stride)
+    minimum = sum(parts.values())
     left = budget - sum(items.values())
-    total = len(facts.routed_layers) * n_exp  # more slots than records would never be used
-    slots = min(total, left // stride) if left > 0 else 0
+    spare = max(0, left // stride)
+    if not decodes and not on_gpu and spare < total:
+        # Slots beyond one decode step's go first to a prefill pool (up to one window), so a
+        # prompt does not evict the decode experts; none at the minimum (prefill then windows
+        # through the compute tier), none when the compute tier holds the whole bank (prefill
+        # hits), and no more than the records the compute tier misses, so more budget never
+        # gives fewer compute slots.
+        pool = min(window, max(0, spare - k), total - spare)
+        items["prefill_pool"] = pool * stride
+        left -= pool * stride
+        spare -= pool
+    slots = min(total, spare)  # more slots than records would never be used
     host_slots = min(total - slots, host // stride)
-    if slots < working:
+    if slots < k:
         if not strict:
             return None
         raise PlanError(
             f"memory budget {fmt_bytes(budget)} cannot hold the minimum working set: at least "
-            f"{fmt_bytes(minimum)} ({minimum:,} B) is needed for {facts.mode} records of "
-            f"{stride:,} B, {working} per layer at once (top-{k} x prefill chunk {chunk}), "
-            f"context {context}, {dtype}; {top.replace('_', ' ')} dominate with "
-            f"{fmt_bytes(parts[top])} (" + ", ".join(
-                f"{n.replace('_', ' ')} {fmt_bytes(v)}" for n, v in parts.items()) + ")")
+            f"{fmt_bytes(minimum)} ({minimum:,} B) for {facts.mode} records of {stride:,} B, "
+            f"top-{k} of one layer at once, prefill chunk {chunk}, context {context}, {dtype}, "
+            f"{kernels} kernels; largest first: {minimum_reasons(parts)}")
     return MemoryPlan(
         memory_budget=budget, host_budget=host, dtype=dtype, context=context, batch=batch,
-        prefill_chunk=chunk, mode=facts.mode, source=facts.source,
+        prefill_chunk=chunk, mode=facts.mode, source=facts.source, kernels=kernels,
         record_bytes=facts.record_bytes, record_stride=stride,
         routed_layers=len(facts.routed_layers), experts_per_layer=n_exp, top_k=k,
-        working_set_records=working, decoded_experts=decoded, items=items,
-        compute_slots=slots, host_slots=host_slots, slack_bytes=left - slots * stride,
-        host_slack_bytes=host - host_slots * stride, minimum_budget=minimum, minimum_chunk=chunk,
-        minimum_dominant=top, reserve_floor=floor)
+        working_set_records=k, decoded_experts=window if decodes else 0, read_depth=read_depth,
+        transient_slots=pool, items=items, compute_slots=slots, host_slots=host_slots,
+        slack_bytes=left - slots * stride, host_slack_bytes=host - host_slots * stride,
+        minimum_budget=minimum, minimum_chunk=chunk, minimum_parts=parts,
+        runtime_baseline=baseline)
 
 
-def _minimum_budget(need: int, frac: float) -> int:
-    """Smallest B with B - int(B * frac) >= need (the reserve fraction grows with B)."""
-    b = max(need, math.floor(need / (1 - frac)) - 2)
-    while b - int(b * frac) < need:
-        b += 1
-    return b
+def minimum_reasons(parts: dict[str, int], sep: str = "; ") -> str:
+    """The parts of a minimum budget, largest first, each with what lowers it (zero parts left
+    out): what `mtplx plan` and the PlanError print."""
+    ranked = sorted(((n, v) for n, v in parts.items() if v), key=lambda nv: -nv[1])
+    return sep.join(f"{LABELS[n]} {fmt_bytes(v)}: {LOWERED_BY[n]}" for n, v in ranked)
 
 
 def afforded_context(facts: ModelFacts, *, memory_budget: int | str, **kwargs) -> int:
@@ -357,22 +431,31 @@ def make_plan(model_dir: str | Path, *, memory_budget: int | str, manifest=None,
 
 
 def format_plan(plan: MemoryPlan) -> str:
-    """A readable table: items with units, slots per tier and per layer, the minimum budget."""
+    """A readable table: items with units, slots per tier and per layer, the minimum budget and
+    what it is made of, largest first, with the flag that lowers each part."""
     p = plan
-    rows = [("resident tensors", p.items["residents"], f"{p.dtype} (F32 tensors stay F32)"),
-            ("KDA state", p.items["kda_state"], "fp32 recurrent + conv history, all KDA layers"),
-            ("MLA latent cache", p.items["mla_cache"], f"{p.context} tokens x batch {p.batch}"),
-            ("workspace", p.items["workspace"],
-             f"activations, chunk {p.prefill_chunk}; {p.decoded_experts} decoded experts"),
-            ("I/O buffers", p.items["io_buffers"],
-             f"{p.items['io_buffers'] // p.record_stride} x {p.record_stride:,} B"),
-            ("reserve", p.items["reserve"],
-             f"runtime floor {fmt_bytes(p.reserve_floor)} + fraction of the budget"),
-            ("compute-tier slots", p.compute_slots * p.record_stride,
-             f"{p.compute_slots} slots x {p.record_stride:,} B"),
-            ("slack", p.slack_bytes, "unused")]
+    decoded = (f"{p.decoded_experts} decoded experts" if p.decoded_experts
+               else f"no decoded experts ({p.kernels} kernels read the slots)")
+    io_note = (f"{p.read_depth} reads in flight x {p.record_stride:,} B staging"
+               if p.items["io_buffers"] else f"none: {p.read_depth} reads in flight land in slots")
+    notes = {
+        "residents": f"{p.dtype} (F32 tensors stay F32)",
+        "kda_state": "fp32 recurrent + conv history, all KDA layers",
+        "mla_cache": f"{p.context} tokens x batch {p.batch}",
+        "workspace": f"activations, chunk {p.prefill_chunk}; {decoded}",
+        "io_buffers": io_note,
+        "prefill_pool": f"{p.transient_slots} transient slots (prefill windows through them)"
+                        if p.transient_slots else "none: prefill windows through the compute tier",
+        "reserve": f"runtime baseline {fmt_bytes(p.runtime_baseline)} + "
+                   f"{RESERVE_FRACTION:.0%} of residents, state and workspace",
+    }
+    rows = [(LABELS[n], p.items[n], notes[n]) for n in ITEMS]
+    rows += [("compute-tier slots", p.compute_slots * p.record_stride,
+              f"{p.compute_slots} slots x {p.record_stride:,} B"),
+             ("slack", p.slack_bytes, "unused")]
     out = [f"memory plan: {p.mode} records of {p.record_bytes:,} B from {p.source}, "
-           f"{p.routed_layers} routed layers x {p.experts_per_layer} experts, top-{p.top_k}",
+           f"{p.routed_layers} routed layers x {p.experts_per_layer} experts, top-{p.top_k}, "
+           f"{p.kernels} kernels",
            f"{'item':<20}{'bytes':>20}{'':>12}  note"]
     for name, n, note in rows:
         out.append(f"{name:<20}{n:>20,}{fmt_bytes(n):>12}  {note}")
@@ -384,5 +467,6 @@ def format_plan(plan: MemoryPlan) -> str:
     out.append(f"cacheable: {p.compute_slots + p.host_slots} of {p.total_records} experts "
                f"({100 * p.cacheable_share:.1f}%)")
     out.append(f"minimum budget: {fmt_bytes(p.minimum_budget)} ({p.minimum_budget:,} B) at "
-               f"prefill chunk {p.minimum_chunk}; largest item: {p.minimum_dominant}")
+               f"prefill chunk {p.minimum_chunk}, largest part first:")
+    out.append("  " + minimum_reasons(p.minimum_parts, "\n  "))
     return "\n".join(out)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -24,11 +25,13 @@ import torch
 from ..artifact.integrity import admit_shards
 from ..artifact.open import is_artifact, open_artifact, open_source
 from ..formats.record import align_up
-from ..kernels import select_backend
+from ..kernels import name_of, select_backend
 from ..model.kimi_k3 import KimiK3
 from ..model.load import check_resident_dtype, load_residents, model_dtype
 from ..model.moe import ResidentExpertProvider
 from ..offload.provider import StreamingExpertProvider
+from ..offload.reader import DEFAULT_READ_DEPTH
+from ..offload.warm import WarmStart, warm_path
 from .plan import (
     DEFAULT_CONTEXT,
     MemoryPlan,
@@ -84,6 +87,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
          cache_policy: str = "lru", context: int | None = None, prefill_chunk: int = 64,
          cache_slots: tuple[int, int] | None = None, tokenizer: bool = True,
          verify: bool = True, device: str | None = None,
+         read_depth: int = DEFAULT_READ_DEPTH, warm: str | os.PathLike = "off",
+         warm_progress: Callable[[str], None] | None = None,
          resident_dtype: str = "bf16") -> Runtime:
     """Load the model at `path` (a streaming artifact or any checkpoint the reader accepts).
 
@@ -102,7 +107,13 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     `verify` (streamed experts): every record read is checked (its manifest SHA-256 the first
     time, then its learned XXH64: `offload.digests`) and every resident shard before use
     (`artifact.integrity.admit_shards`: hashed once, then trusted while the file is unchanged);
-    False skips both.
+    False skips both. `read_depth` (streamed experts): reads in flight at once, a window's misses
+    and the lookahead's guesses together (`offload.reader.DEFAULT_READ_DEPTH`: BENCHMARKS.md
+    "bench_io").
+    `warm` (streamed experts): 'off', 'auto' (the file beside the integrity receipts) or a
+    warm-start file's path: the cache is filled from its expert use counts in the background
+    (`offload.warm`; `provider.warm.wait()` blocks until done, `warm_progress(line)` hears of a
+    long warm) and the counts of this run are merged into it at `close()`.
     Raises CheckpointError / PlanError / ValueError / RuntimeError with a one-line reason.
     """
     # The model directory is checked before the tokenizer is read, so a wrong --model is
@@ -137,24 +148,31 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
             admit_shards(root, bank.manifest)
         stride = align_up(bank.layout.logical_bytes)  # a slot: one record, 4 KiB-rounded
         plan = None
+        transient_bytes = None  # cache_slots: the provider's default prefill pool
         if cache_slots is not None:
             n = len(bank.layers)
             compute_bytes, host_bytes = cache_slots[0] * n * stride, cache_slots[1] * n * stride
         else:
             budget = memory_budget or mem_available_bytes()
             facts = facts_from_dir(root, bank.manifest)
-            kw = dict(host_budget=host_budget, dtype=dtype, prefill_chunk=prefill_chunk)
+            kw = dict(host_budget=host_budget, dtype=dtype, prefill_chunk=prefill_chunk,
+                      kernels=name_of(backend), read_depth=read_depth)
             if context is None:
                 context = afforded_context(facts, memory_budget=budget, **kw)
             plan = plan_for(facts, memory_budget=budget, context=context, **kw)
             compute_bytes = plan.compute_slots * plan.record_stride
             host_bytes = plan.host_slots * plan.record_stride
+            transient_bytes = plan.transient_slots * plan.record_stride
         provider = StreamingExpertProvider(
             bank, cfg, torch_dtype, compute_bytes=compute_bytes, host_bytes=host_bytes,
-            policy=cache_policy, lookahead=lookahead, verify_sha256=verify,
-            kernels=backend)
+            transient_bytes=transient_bytes, policy=cache_policy, lookahead=lookahead,
+            verify_sha256=verify, kernels=backend, read_depth=read_depth)
         try:
             model = _build(ckpt, torch_dtype, dev, provider, resident_dtype)
+            path = warm_path(root, bank.manifest, warm)
+            if path is not None:
+                provider.warm = WarmStart(provider, path, progress=warm_progress)
+                provider.warm.start()
         except BaseException:
             provider.close()
             raise

@@ -1,16 +1,18 @@
 """Prefetcher: moves expert records from the bank straight into cache slots, demand first.
 
     demand(keys) / speculate(keys) -> reserve slot -> queue (demand | speculative)
-        -> dispatcher (byte budget, demand first) -> reader.read_into(slot buffer) -> commit|abort
+        -> dispatcher (read depth, byte budget, demand first) -> reader.read_into(slot buffer)
+        -> commit|abort
 
 The ExpertCache owns slots and replacement; this module owns only the in-flight reads
-(ARCHITECTURE.md "Packages"). A read is queued until the in-flight byte budget has room; queued
-demand reads always go before queued speculation, and speculation may only hold
-`speculative_fraction` of the budget. Speculative slots come from `cache.reserve(key,
-speculative=True)`, so whether a guess may displace a pinned or hotter expert is the cache's call
-(it answers None: skip). Reader futures cannot be cancelled: only *queued* reads are cancelled; a
-read already handed to the reader finishes and is committed (or aborted on error) by its completion
-callback."""
+(ARCHITECTURE.md "Packages"). A read is queued until fewer than `read_depth` reads are in flight
+and the in-flight byte budget has room; queued demand reads always go before queued speculation,
+and speculation may only hold `speculative_fraction` of the budget and of the read depth, so a
+window's misses start at once beside the lookahead's reads instead of queueing behind them.
+Speculative slots come from `cache.reserve(key, speculative=True)`, so whether a guess may
+displace a pinned or hotter expert is the cache's call (it answers None: skip). Reader futures
+cannot be cancelled: only *queued* reads are cancelled; a read already handed to the reader
+finishes and is committed (or aborted on error) by its completion callback."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 
-from .reader import Digest, RecordHashError
+from .reader import DEFAULT_READ_DEPTH, Digest, RecordHashError
 
 __all__ = ["ExpertKey", "PrefetchError", "NoSlotError", "Prefetcher", "PrefetchStats"]
 
@@ -50,20 +52,26 @@ class NoSlotError(RuntimeError):
 @dataclass(slots=True)
 class PrefetchStats:
     """Counters since construction. `spec_used`: speculative reads later demanded (promoted in
-    flight) or reported through `note_used`; `spec_wasted`: speculative reads that landed and were
-    settled unused by `cancel_stale`; `spec_cancelled`: dropped before any byte was read."""
+    flight) or reported through `note_used`; `spec_late`: those of them still queued or reading
+    when demanded; `spec_lead_ms`: summed over the others, the time from a guess landing to its
+    first use (mean lead = spec_lead_ms / (spec_used - spec_late)); `spec_wasted`: speculative
+    reads that landed and were settled unused by `cancel_stale`; `spec_cancelled`: dropped before
+    any byte was read."""
 
     demand_reads: int = 0
     demand_bytes: int = 0
     spec_issued: int = 0
     spec_bytes: int = 0
     spec_used: int = 0
+    spec_late: int = 0
+    spec_lead_ms: float = 0.0
     spec_wasted: int = 0
     spec_cancelled: int = 0
     spec_skipped: int = 0      # speculate() keys refused: resident, in flight, no slot, cap
     failed_reads: int = 0
     stall_ms: float = 0.0      # time callers spent blocked in wait()
     peak_inflight_bytes: int = 0  # high-water mark of bytes handed to the reader
+    peak_inflight_reads: int = 0  # high-water mark of reads handed to the reader (<= read_depth)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -92,19 +100,23 @@ class Prefetcher:
     `commit(key)`, `abort(key)`, `record_read(key, nbytes, stall_ms)`, `where(key)`,
     `is_loading(key)` and `key in cache`.
     `max_inflight_bytes`: bytes handed to the reader at once; a single record larger than the
-    budget runs alone. `threads`: reads handed to the reader at once; keep it at the reader's own
-    thread count so nothing queues inside the reader, where demand could not overtake it.
+    budget runs alone. `read_depth`: reads handed to the reader at once; keep it at the reader's
+    own read depth so nothing queues inside the reader, where demand could not overtake it.
+    `speculative_fraction`: the share of the byte budget speculation may hold (queued or
+    running) and of the read depth it may hold running (at least one read).
     """
 
     def __init__(self, reader, locate: Locate, cache, *, max_inflight_bytes: int,
-                 speculative_fraction: float = 0.25, threads: int = 4):
-        if max_inflight_bytes < 1 or threads < 1:
-            raise ValueError("max_inflight_bytes and threads must be >= 1")
+                 speculative_fraction: float = 0.25, read_depth: int = DEFAULT_READ_DEPTH):
+        if max_inflight_bytes < 1 or read_depth < 1:
+            raise ValueError(f"max_inflight_bytes ({max_inflight_bytes}) and read_depth "
+                             f"({read_depth}) must be >= 1")
         if not 0.0 <= speculative_fraction <= 1.0:
             raise ValueError(f"speculative_fraction must be in [0, 1], got {speculative_fraction}")
         self.reader, self.locate, self.cache = reader, locate, cache
-        self.max_inflight_bytes, self.threads = max_inflight_bytes, threads
+        self.max_inflight_bytes, self.read_depth = max_inflight_bytes, read_depth
         self.spec_cap_bytes = int(speculative_fraction * max_inflight_bytes)
+        self.spec_depth = max(1, int(speculative_fraction * read_depth))
         self.stats = PrefetchStats()
         self._cond = threading.Condition()
         self._jobs: dict[ExpertKey, _Job] = {}  # queued or running, one per key
@@ -112,8 +124,10 @@ class Prefetcher:
         self._spec_q: deque[_Job] = deque()
         self._inflight_bytes = 0   # handed to the reader, not yet completed
         self._inflight_reads = 0
+        self._spec_running = 0     # speculative reads handed to the reader (<= spec_depth)
         self._spec_bytes = 0       # speculative bytes queued or running (the cap counts both)
-        self._landed: set[ExpertKey] = set()  # speculative reads committed, not yet settled
+        # Speculative reads committed, not yet settled: key -> time.monotonic() at landing.
+        self._landed: dict[ExpertKey, float] = {}
         self._closed = False
         self._dispatcher = threading.Thread(target=self._dispatch_loop, daemon=True,
                                             name="mtplx-prefetch")
@@ -215,7 +229,7 @@ class Prefetcher:
             self._jobs[key] = job
             self._spec_q.append(job)
             self._spec_bytes += length
-            self._landed.discard(key)
+            self._landed.pop(key, None)
             self.stats.spec_issued += 1
             self.stats.spec_bytes += length
             issued.append(key)
@@ -238,9 +252,10 @@ class Prefetcher:
                     keys.append(job.key)
             self._spec_q = kept
             self.stats.spec_cancelled += len(keys)
-            stale = self._landed - keep
+            stale = self._landed.keys() - keep
             self.stats.spec_wasted += len(stale)
-            self._landed -= stale
+            for key in stale:
+                del self._landed[key]
             self._cond.notify_all()
         for f in cancelled:
             f.cancel()
@@ -249,9 +264,11 @@ class Prefetcher:
     def note_used(self, keys: Iterable[ExpertKey]) -> int:
         """Report experts the model consumed from the cache (hits); those that landed through
         speculation count as used. Returns how many did."""
+        now = time.monotonic()
         with self._cond:
-            used = self._landed & {(int(k[0]), int(k[1])) for k in keys}
-            self._landed -= used
+            used = self._landed.keys() & {(int(k[0]), int(k[1])) for k in keys}
+            for key in used:
+                self.stats.spec_lead_ms += (now - self._landed.pop(key)) * 1e3
             self.stats.spec_used += len(used)
         return len(used)
 
@@ -290,9 +307,11 @@ class Prefetcher:
                 yield key, fut.result()  # raises PrefetchError / CancelledError / NoSlotError
 
     def inflight(self) -> dict[str, int]:
-        """Snapshot: bytes and reads handed to the reader, queued demand / speculative counts."""
+        """Snapshot: bytes and reads handed to the reader (all, speculative), queued demand /
+        speculative counts."""
         with self._cond:
             return {"inflight_bytes": self._inflight_bytes, "inflight_reads": self._inflight_reads,
+                    "inflight_spec_reads": self._spec_running,
                     "queued_demand": len(self._demand_q), "queued_spec": len(self._spec_q),
                     "spec_bytes": self._spec_bytes}
 
@@ -359,9 +378,12 @@ class Prefetcher:
         job.speculative = False
         self._spec_bytes -= job.length
         self.stats.spec_used += 1
+        self.stats.spec_late += 1
         if job.state == "queued":
             self._spec_q.remove(job)
             self._demand_q.append(job)
+        elif job.state == "running":
+            self._spec_running -= 1  # a demand read now: frees a speculative place
 
     def _drop_queued_locked(self, job: _Job) -> None:
         del self._jobs[job.key]
@@ -370,7 +392,9 @@ class Prefetcher:
         self.cache.abort(job.key)
 
     def _fits_locked(self, job: _Job) -> bool:
-        if self._inflight_reads >= self.threads:
+        if self._inflight_reads >= self.read_depth:
+            return False
+        if job.speculative and self._spec_running >= self.spec_depth:
             return False
         # Nothing in flight: an oversize record runs alone rather than never.
         return self._inflight_bytes == 0 or self._inflight_bytes + job.length <= \
@@ -389,11 +413,12 @@ class Prefetcher:
                 job.state = "running"
                 self._inflight_bytes += job.length
                 self._inflight_reads += 1
+                self._spec_running += job.speculative
                 batch.append(job)
             if q:
                 break
-        if self._inflight_bytes > self.stats.peak_inflight_bytes:
-            self.stats.peak_inflight_bytes = self._inflight_bytes
+        self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self._inflight_bytes)
+        self.stats.peak_inflight_reads = max(self.stats.peak_inflight_reads, self._inflight_reads)
         return batch
 
     def _dispatch_loop(self) -> None:
@@ -432,6 +457,7 @@ class Prefetcher:
             self._inflight_reads -= 1
             if job.speculative:
                 self._spec_bytes -= job.length
+                self._spec_running -= 1
             if error is None:
                 try:
                     self.cache.commit(job.key)
@@ -439,7 +465,7 @@ class Prefetcher:
                     error = e
             if error is None:
                 if job.speculative:
-                    self._landed.add(job.key)
+                    self._landed[job.key] = time.monotonic()
             else:
                 try:
                     self.cache.abort(job.key)

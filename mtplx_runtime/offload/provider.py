@@ -35,7 +35,8 @@ from .device_io import DeviceReader, SlotGuard
 from .digests import RecordCheck, RecordDigests
 from .lookahead import LookaheadScore, predicted_keys
 from .prefetch import Prefetcher
-from .reader import from_manifest
+from .reader import DEFAULT_READ_DEPTH, from_manifest
+from .warm import WarmStart
 
 __all__ = ["StreamingExpertProvider"]
 
@@ -55,9 +56,11 @@ class StreamingExpertProvider:
     max(top_k, 4) records; 0 disables transient slots and prefill then uses the compute tier).
     policy, scope: ExpertCache replacement ('lru' | 'freq', 'layer' | 'global').
     lookahead: how many later MoE layers the model guesses for in decode (`hint`; 0: off).
-    threads, max_inflight_bytes, direct: reader and prefetcher settings. verify_sha256 (default
-    on): every record read is checked before a kernel sees it, against its manifest SHA-256 the
-    first time and its learned XXH64 after (offload/digests.py; `self.digests`).
+    read_depth: reads in flight at once, demand and lookahead together (reader and prefetcher;
+    default offload.reader.DEFAULT_READ_DEPTH). max_inflight_bytes, direct: prefetcher and reader
+    settings. verify_sha256 (default on): every record read is checked before a kernel sees it,
+    against its manifest SHA-256 the first time and its learned XXH64 after (offload/digests.py;
+    `self.digests`).
     timeout_s: longest a forward waits for one batch of reads before TimeoutError.
     kernels: the expert kernel backend `run_experts` computes with: a name ('reference' | 'cpu'
     | 'cuda'), a backend module, or None ($MTPLX_KERNELS, else the best available;
@@ -67,7 +70,8 @@ class StreamingExpertProvider:
     def __init__(self, bank: BankExpertLayout | str | os.PathLike, cfg,
                  dtype: torch.dtype = torch.float32, *, compute_bytes: int, host_bytes: int = 0,
                  transient_bytes: int | None = None, policy: str = "lru", scope: str = "layer",
-                 lookahead: int = 1, threads: int = 4, max_inflight_bytes: int | None = None,
+                 lookahead: int = 1, read_depth: int = DEFAULT_READ_DEPTH,
+                 max_inflight_bytes: int | None = None,
                  direct: bool | str = "auto", verify_sha256: bool = True, device: str = "cpu",
                  timeout_s: float = 120.0, kernels: str | ModuleType | None = None):
         if lookahead < 0:
@@ -109,19 +113,20 @@ class StreamingExpertProvider:
                         "buffered (O_DIRECT needs both)", bank.root, unaligned)
             direct = False
         # Every part may be open at once: each is opened once, on its first read.
-        self.reader = from_manifest(bank.root, self.manifest, direct=direct, threads=threads,
-                                    verify_sha256=verify_sha256,
+        self.reader = from_manifest(bank.root, self.manifest, direct=direct,
+                                    read_depth=read_depth, verify_sha256=verify_sha256,
                                     max_open_files=max(64, len(self.manifest.sidecar.parts)))
         self.guard = SlotGuard()  # CUDA events of the kernels reading each compute slot
         if self.on_gpu:
             self.reader = DeviceReader(self.reader, staging_bytes=self.stride_bytes,
-                                       guard=self.guard, threads=threads)
+                                       guard=self.guard, threads=read_depth)
         if max_inflight_bytes is None:
-            span = max(threads, 2 * cfg.num_experts_per_token * max(1, self.lookahead))
+            # Room for the whole read depth, and for a window's misses beside the guesses.
+            span = max(read_depth, 2 * cfg.num_experts_per_token * max(1, self.lookahead))
             max_inflight_bytes = span * self.stride_bytes
         self.prefetcher = Prefetcher(self.reader, self.locate, self.cache,
                                      max_inflight_bytes=max_inflight_bytes,
-                                     speculative_fraction=0.5, threads=threads)
+                                     speculative_fraction=0.5, read_depth=read_depth)
         self.score = LookaheadScore()
         self._first_layer = min(layers) if layers else 0
         # layer -> {depth: ids [T, K]}: this forward's guesses, for the route trace.
@@ -130,6 +135,7 @@ class StreamingExpertProvider:
         self.stall_ms = 0.0       # time forwards spent blocked on reads (this provider's view)
         self.prefill_uses = 0     # (token, expert) pairs in multi-token calls
         self.prefill_unique = 0   # distinct experts read for them
+        self.warm: WarmStart | None = None  # set by engine.runtime.load: counts uses, warms
         self._closed = False
 
     # ---- the ExpertProvider contract -----------------------------------------------------
@@ -173,6 +179,8 @@ class StreamingExpertProvider:
         if self._closed:
             raise RuntimeError("StreamingExpertProvider is closed")
         keys = [(int(layer), int(e)) for e in torch.unique(ids[ids >= 0]).tolist()]  # ascending
+        if self.warm is not None:
+            self.warm.add(layer, ids)
         if ids.shape[0] == 1:
             out = self._decode_sum(layer, x, ids, weights, keys)
             self._spec_keys.difference_update(keys)
@@ -316,7 +324,8 @@ class StreamingExpertProvider:
 
     def stats(self) -> dict:
         """Cache counters per layer and tier, totals, prefetch counters, lookahead scores per
-        depth, stall time and the prefill dedup factor (expert uses / unique experts)."""
+        depth, stall time, the prefill dedup factor (expert uses / unique experts) and the warm
+        start (`offload.warm.WarmStart.stats`; None without one)."""
         totals = self.cache.totals()
         dev = totals["compute"]
         return {
@@ -330,19 +339,25 @@ class StreamingExpertProvider:
                               "factor": (self.prefill_uses / self.prefill_unique
                                          if self.prefill_unique else 0.0)},
             "checks": self.digests.stats() if self.digests is not None else None,
+            "warm": self.warm.stats() if self.warm is not None else None,
         }
 
     def close(self) -> None:
-        """Cancel queued reads, join the prefetcher, close the reader. Idempotent."""
+        """Cancel queued reads, join the prefetcher, close the reader, write the warm-start
+        counts. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self.warm is not None:
+            self.warm.stop()  # no new warm reads; the shutdown cancels the queued ones
         try:
             self.prefetcher.shutdown(cancel_pending=True, timeout=self.timeout_s)
         finally:
             self.reader.close()
             if self.digests is not None:
                 self.digests.save()
+            if self.warm is not None:
+                self.warm.close()  # writes this run's expert use counts
 
     def __enter__(self) -> StreamingExpertProvider:
         return self

@@ -6,7 +6,8 @@ artifact", "Reading records at run time").
 
 Parts are opened O_RDONLY | O_CLOEXEC | O_NOFOLLOW, plus O_DIRECT when enabled. Bank files are
 never mmapped: a page fault is synchronous I/O the prefetcher can neither overlap nor bound.
-`os.preadv` releases the GIL, so `threads` reads really are in flight at once.
+`os.preadv` releases the GIL and each pool thread has one blocking read at a time, so the
+pool's size is the read depth: `read_depth` reads in flight at the drive at once.
 """
 
 from __future__ import annotations
@@ -31,14 +32,17 @@ from mtplx_runtime.offload.buffers import (
     buffer_address,
 )
 
-__all__ = ["Check", "Digest", "RecordReader", "ReadError", "RecordHashError", "aligned_buffer",
-           "check_digest", "from_manifest"]
+__all__ = ["DEFAULT_READ_DEPTH", "Check", "Digest", "RecordReader", "ReadError",
+           "RecordHashError", "aligned_buffer", "check_digest", "from_manifest"]
 
 log = logging.getLogger("mtplx_runtime.artifact.manifest")
 
 # EINTR and EAGAIN are transient by definition; EIO is retried because virtio/NVMe paths do
 # report one-off EIOs under pressure. Anything else (EINVAL, EBADF, ...) fails at once.
 _RETRYABLE = frozenset({errno.EINTR, errno.EAGAIN, errno.EIO})
+# Reads in flight at once (RecordReader, Prefetcher, StreamingExpertProvider, --read-depth): the
+# fastest of two bench_io depth sweeps (8 gave 0.9 of it, 32 no more; BENCHMARKS.md "bench_io").
+DEFAULT_READ_DEPTH = 16
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 
 
@@ -126,7 +130,7 @@ def _part_entry(p) -> tuple[str, int, int]:
 
 
 class RecordReader:
-    """Reads byte ranges of bank parts into caller buffers on a thread pool.
+    """Reads byte ranges of bank parts into caller buffers, `read_depth` reads in flight.
 
     `parts`: [(file name relative to `root`, size in bytes[, data_start])]; the size must match
     the file. `direct`: True = O_DIRECT, False = buffered (page cache), "auto" = O_DIRECT when one
@@ -136,16 +140,17 @@ class RecordReader:
     must carry a digest (read_record passes the record's SHA-256). A digest given explicitly is
     always checked, in the reader thread that read the bytes. Futures from this reader cannot be
     cancelled; `close()` fails queued reads with CancelledError and waits for running ones.
+    `read_depth`: reads in flight at once (one pool thread each); more requests queue here.
     """
 
     def __init__(self, root: str | os.PathLike, parts, *, direct: bool | str = "auto",
-                 threads: int = 4, max_open_files: int = 64, verify_sha256: bool = False,
-                 retries: int = 3, max_coalesce_bytes: int = 32 << 20):
+                 read_depth: int = DEFAULT_READ_DEPTH, max_open_files: int = 64,
+                 verify_sha256: bool = False, retries: int = 3, max_coalesce_bytes: int = 32 << 20):
         if direct not in ("auto", True, False):
             raise ValueError(f"direct must be 'auto', True or False, got {direct!r}")
-        if threads < 1 or max_open_files < 1 or retries < 0 or max_coalesce_bytes < 1:
-            raise ValueError("threads, max_open_files and max_coalesce_bytes must be >= 1, "
-                             "retries >= 0")
+        if read_depth < 1 or max_open_files < 1 or retries < 0 or max_coalesce_bytes < 1:
+            raise ValueError(f"read_depth ({read_depth}), max_open_files and max_coalesce_bytes "
+                             "must be >= 1, retries >= 0")
         if direct is True and not hasattr(os, "O_DIRECT"):
             raise ValueError("direct=True: this platform has no O_DIRECT")
         self.root = Path(root)
@@ -155,7 +160,8 @@ class RecordReader:
         self._direct: bool | None = None if direct == "auto" else direct  # None: not probed yet
         self._aligned = direct is not False
         self._fds = _FdCache(self._open, max_open_files)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mtplx-read")
+        self.read_depth = read_depth
+        self._pool = ThreadPoolExecutor(read_depth, thread_name_prefix="mtplx-read")
         self._lock = threading.Lock()
         self._closed = False
 

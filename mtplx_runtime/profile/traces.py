@@ -5,7 +5,9 @@
 A `Trace` holds one row per token per forward, in execution order, for every MoE layer: N lines,
 L layers, K ids (ascending; -1 pads a short row of an imported trace). The plain format (FORMAT.md
 "Plain route lists") lets traces from other engines be profiled; the synthetic generators
-(uniform, Zipf, temporal locality) feed tests and what-if runs. All of them are decode lines.
+(uniform, Zipf, temporal locality, and `k3`: temporal with defaults calibrated to K3's published
+LRU hit rate, BENCHMARKS.md "A synthetic K3 route trace") feed tests, benchmarks and what-if
+runs. All of them are decode lines.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from ..engine.trace import MAX_TRACE_ID, TRACE_FORMAT, TraceError, read_trace
 # What `load` accepts, for error messages that tell a user what a trace should be.
 SOURCES = ("mtplx-route-trace-v1 JSONL, a plain route list (UTF-8 text), an integer .npy "
            "[tokens, layers, top_k] or a synth: spec")
-SYNTH_SPEC = ("synth:uniform|zipf|temporal,tokens=N,layers=L,experts=E,top_k=K,alpha=A,"
+SYNTH_SPEC = ("synth:uniform|zipf|temporal|k3,tokens=N,layers=L,experts=E,top_k=K,alpha=A,"
               "locality=P,seed=S")
 _SYNTH_KEYS = {"tokens": int, "layers": int, "experts": int, "top_k": int, "alpha": float,
                "locality": float, "seed": int}
 NPY_MAGIC = b"\x93NUMPY"
+# synth:k3's skew and locality: the profiler's LRU replay at 33 slots per layer then hits 32.6 %,
+# the rate published for K3 t158 (calibration table: BENCHMARKS.md "A synthetic K3 route trace").
+K3_ALPHA, K3_LOCALITY = 0.5, 0.285
 
 
 @dataclass
@@ -238,16 +243,22 @@ def read_npy(path: str | Path) -> Trace:
 # ---- synthetic traces ----------------------------------------------------------------------
 
 def synthetic(kind: str, tokens: int = 1000, layers: int = 92, experts: int = 896,
-              top_k: int = 16, alpha: float = 1.0, locality: float = 0.5,
+              top_k: int = 16, alpha: float | None = None, locality: float | None = None,
               seed: int = 0) -> Trace:
     """Decode-only trace [tokens, layers, top_k] of distinct ids per row.
 
     kind 'uniform': every expert equally likely. 'zipf': expert popularity ~ rank**-alpha, the
     ranking shuffled per layer. 'temporal': Zipf, plus each of the previous token's experts is
     kept with probability `locality` (so consecutive tokens share about locality * K experts).
+    'k3': 'temporal' with alpha and locality defaulting to K3_ALPHA / K3_LOCALITY (calibrated at
+    K3 geometry, the default one); the others default to alpha 1, locality 0.5.
     Rows are drawn without replacement with the Gumbel top-k trick, in float32."""
-    if kind not in ("uniform", "zipf", "temporal"):
-        raise TraceError(f"synthetic kind must be uniform, zipf or temporal, got {kind!r}")
+    if kind not in ("uniform", "zipf", "temporal", "k3"):
+        raise TraceError(f"synthetic kind must be uniform, zipf, temporal or k3, got {kind!r}")
+    if alpha is None:
+        alpha = K3_ALPHA if kind == "k3" else 1.0
+    if locality is None:
+        locality = K3_LOCALITY if kind == "k3" else 0.5
     if min(tokens, layers, experts) < 1 or not 0 < top_k <= experts:
         raise TraceError(f"need tokens, layers, experts >= 1 and 0 < top_k <= experts, got "
                          f"{tokens}, {layers}, {experts}, {top_k}")
@@ -260,7 +271,7 @@ def synthetic(kind: str, tokens: int = 1000, layers: int = 92, experts: int = 89
         ranks = np.argsort(rng.random((layers, experts)), axis=1) + 1
         logp = (-alpha * np.log(ranks)).astype(np.float32)
     out = np.empty((tokens, layers, top_k), np.int32)
-    if kind == "temporal":
+    if kind in ("temporal", "k3"):
         prev = None
         for i in range(tokens):
             score = logp - np.log(-np.log(rng.random((layers, experts), np.float32) + 1e-12))

@@ -1,0 +1,138 @@
+"""Planned against measured peak RSS of `mtplx generate` across memory budgets, on a K3-geometry
+slice (real 3584/3072 t158 experts, 1 MoE layer by default).
+
+    make_k3_slice -> build_artifact (keep) -> per budget (the plan's minimum, then more slots,
+      then the whole bank): a fresh interpreter runs `mtplx generate --memory-budget B`
+      (default --prefill-chunk, a prompt of a few windows) and reads its own VmHWM
+
+One line per budget: the budget, compute slots and prefill pool the plan gives, the planned peak
+(budget less slack: every planned byte in use), the measured peak RSS, measured / planned, the
+reserve and what it had to cover (unplanned: measured less every planned item but the reserve;
+RUNTIME_BASELINE_BYTES in engine/plan.py estimates it), the compute-tier hit
+rate and decode tok/s. A run whose peak exceeds its budget is marked OVER_BUDGET and the run
+exits 1. VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork + exec.
+
+    python tools/bench_memory.py [--experts 128] [--tokens 32] [--context 256]
+                                 [--kernels auto|reference|cpu] [--dir DIR] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mtplx_runtime.artifact.build import build_artifact
+from mtplx_runtime.artifact.manifest import MANIFEST_NAME
+from mtplx_runtime.engine.plan import fmt_bytes, make_plan
+from mtplx_runtime.fixtures.k3_slice import make_k3_slice
+from mtplx_runtime.kernels import name_of, select_backend
+
+TOP_K = 16  # make_k3_slice keeps K3's top-k
+PROMPT = "the word of the lord came unto him saying " * 8  # ~70 tokens: two prefill chunks
+MiB = 2**20
+
+# The child: `mtplx generate` as the CLI runs it, then its own peak RSS (kB in /proc).
+CHILD = """
+import json, sys
+from mtplx_runtime.cli import main
+rc = main(sys.argv[1:])
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"rc": rc, "peak_rss_bytes": int(hwm.split()[1]) * 1024}), file=sys.stderr)
+"""
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def run_generate(art: Path, budget: int, a, kernels: str) -> dict:
+    """One `mtplx generate` in a fresh interpreter: its peak RSS, hit rate and decode tok/s."""
+    argv = [sys.executable, "-c", CHILD, "generate", str(art), "--prompt", PROMPT,
+            "--max-tokens", str(a.tokens), "--memory-budget", str(budget), "--context",
+            str(a.context), "--kernels", kernels]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    lines = out.stderr.strip().splitlines()
+    if out.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        raise SystemExit(f"bench_memory: generate at {budget:,} B failed:\n{out.stderr[-3000:]}")
+    res = json.loads(lines[-1])
+    stats = next((ln for ln in lines if ln.startswith("mtplx generate: prompt")), "")
+    res["hit"] = _field(stats, "cache hit rate ")
+    res["decode"] = _field(stats, "decode ")
+    return res
+
+
+def _field(line: str, key: str) -> str:
+    """The word after `key` in the generate stats line ("?" when absent)."""
+    i = line.find(key)
+    return line[i + len(key):].split()[0].rstrip(",;") if i >= 0 else "?"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_memory.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=128, help="experts of the one MoE layer")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens to generate per run")
+    ap.add_argument("--context", type=int, default=256, help="--context of each run")
+    ap.add_argument("--kernels", default="auto", choices=("auto", "reference", "cpu"))
+    ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp)")
+    ap.add_argument("--keep", action="store_true", help="keep the slice artifact")
+    a = ap.parse_args(argv)
+    if a.experts < 2 * TOP_K:
+        ap.error(f"--experts must be >= {2 * TOP_K}")
+    kernels = name_of(select_backend(a.kernels))
+    work = a.dir or Path(tempfile.mkdtemp(prefix="bench_memory."))
+    art = work / "art"
+    try:
+        t0 = time.perf_counter()
+        if not (art / MANIFEST_NAME).is_file():
+            make_k3_slice(work / "src", moe_layers=1, experts=a.experts, top_k=TOP_K)
+            build_artifact(work / "src", art, codec="keep", progress=False)
+            shutil.rmtree(work / "src")
+        kw = dict(context=a.context, kernels=kernels, prefill_chunk=64)  # generate's default
+        base = make_plan(art, memory_budget="1TiB", **kw)
+        stride = base.record_stride
+        # The minimum, a quarter and a half of the bank in slots, and the whole bank: the minimum
+        # less its working set plus every record.
+        budgets = [base.minimum_budget + n * stride for n in (0, a.experts // 4 - TOP_K,
+                                                               a.experts // 2 - TOP_K)]
+        budgets.append(base.minimum_budget + (a.experts - TOP_K) * stride)
+        print(f"# bench_memory commit={commit()} python={platform.python_version()} "
+              f"cpus={os.cpu_count()} load={os.getloadavg()[0]:.2f} experts={a.experts} "
+              f"top_k={TOP_K} record_bytes={base.record_bytes} kernels={kernels} "
+              f"context={a.context} prefill_chunk=64 tokens={a.tokens} "
+              f"minimum={fmt_bytes(base.minimum_budget)} runtime_baseline="
+              f"{fmt_bytes(base.runtime_baseline)} build_s={time.perf_counter() - t0:.0f}",
+              flush=True)
+        over = False
+        for budget in budgets:
+            p = make_plan(art, memory_budget=budget, **kw)
+            r = run_generate(art, budget, a, kernels)
+            peak, planned = r["peak_rss_bytes"], p.planned_peak_bytes
+            unplanned = peak - (planned - p.items["reserve"])  # what the reserve must cover
+            flag = " OVER_BUDGET" if peak > budget else ""
+            over |= peak > budget
+            print(f"budget={budget / MiB:.0f}MiB slots={p.compute_slots}/{p.total_records} "
+                  f"pool={p.transient_slots} planned={planned / MiB:.0f}MiB "
+                  f"measured={peak / MiB:.0f}MiB ratio={peak / planned:.2f} "
+                  f"reserve={p.items['reserve'] / MiB:.0f}MiB "
+                  f"unplanned={unplanned / MiB:.0f}MiB hit={r['hit']} "
+                  f"decode_tok_s={r['decode']} load={os.getloadavg()[0]:.2f}{flag}", flush=True)
+        return 1 if over else 0
+    finally:
+        if not a.keep and a.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
