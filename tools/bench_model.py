@@ -40,10 +40,11 @@ import torch
 
 from mtplx_runtime.checkpoint import ModelConfig
 from mtplx_runtime.checkpoint.residents import resident_tensor_specs
+from mtplx_runtime.formats.residents import RESIDENT_DTYPES, quantizable
 from mtplx_runtime.model.kimi_k3 import KimiK3
 from mtplx_runtime.model.load import group_residents, model_dtype
 from mtplx_runtime.model.moe import ExpertWeights, ResidentExpertProvider
-from mtplx_runtime.model.quant import RESIDENT_DTYPES, linear, quantizable, quantize
+from mtplx_runtime.model.quant import linear, quantize
 
 # FORMAT.md "Geometry", cut to two layers: 1-based layer 1 is KDA (dense MLP), layer 2 MLA (MoE).
 K3_TWO_LAYERS = dict(

@@ -156,7 +156,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
             budget = memory_budget or mem_available_bytes()
             facts = facts_from_dir(root, bank.manifest)
             kw = dict(host_budget=host_budget, dtype=dtype, prefill_chunk=prefill_chunk,
-                      kernels=name_of(backend), read_depth=read_depth)
+                      kernels=name_of(backend), read_depth=read_depth,
+                      resident_dtype=resident_dtype)
             if context is None:
                 context = afforded_context(facts, memory_budget=budget, **kw)
             plan = plan_for(facts, memory_budget=budget, context=context, **kw)

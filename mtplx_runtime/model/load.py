@@ -13,7 +13,8 @@ import torch
 
 from ..checkpoint import Checkpoint, resident_tensor_specs
 from ..checkpoint.residents import BACKBONE, LM_HEAD
-from .quant import RESIDENT_DTYPES, quantizable, quantize
+from ..formats.residents import RESIDENT_DTYPES, quantizable
+from .quant import quantize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

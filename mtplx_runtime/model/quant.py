@@ -12,8 +12,8 @@ kernel; `dequantize()` is the obvious reference each is tested against. A shape 
 refuses (int4 needs N % 16 == 0; tiny fixtures have such matrices), and any device but the CPU
 (no GPU kernel is wired yet), computes through the reference: same bytes, same values, slower.
 
-Which tensors are quantized is one rule, `quantizable`: routing, norms, gates of the AttnRes mix
-and everything fp32 stay as stored, so the router sees exactly what a bf16 model would give it.
+Which tensors are quantized is one rule, `formats.residents.quantizable`: routing, norms, the
+AttnRes mixes and everything fp32 stay as stored, so the router sees what a bf16 model gives it.
 """
 
 from __future__ import annotations
@@ -21,22 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["GROUP", "RESIDENT_DTYPES", "Int4Weight", "Int8Weight", "linear", "quantizable",
-           "quantize", "quantize_int4", "quantize_int8", "resident_bytes"]
+from ..formats.residents import GROUP, RESIDENT_DTYPES
 
-RESIDENT_DTYPES = ("bf16", "int8", "int4")
-GROUP = 32  # int4 group along the input dim: 1 bf16 scale + 1 bf16 zero per 32 weights
-# 2-D bf16 tensors kept as stored: the embedding table (a lookup, not a matmul), the AttnRes
-# mixes (`*_res_proj`, [1, D] vectors), the router, and kv_b_proj, which absorbed MLA attention
-# slices per head as a tensor (mla.py w_uk / w_uv).
-_KEEP_SUFFIXES = ("embed_tokens.weight", "_res_proj.weight", "block_sparse_moe.gate.weight",
-                  "kv_b_proj.weight")
-
-
-def quantizable(name: str, shape: tuple[int, ...], st_dtype: str) -> bool:
-    """The rule (FORMAT.md "Quantized residents"): every BF16 2-D tensor but the embedding
-    table, the AttnRes projections, the router and kv_b_proj; 1-D and F32 tensors never."""
-    return st_dtype == "BF16" and len(shape) == 2 and not name.endswith(_KEEP_SUFFIXES)
+__all__ = ["Int4Weight", "Int8Weight", "linear", "quantize", "quantize_int4", "quantize_int8"]
 
 
 class Int8Weight:
@@ -177,16 +164,3 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
     return w.linear(x)
-
-
-def resident_bytes(shape: tuple[int, ...], st_dtype: str, name: str, dtype: str) -> int:
-    """Bytes one resident tensor takes in memory under `dtype` (the plan's accounting)."""
-    n = 1
-    for d in shape:
-        n *= d
-    if dtype == "bf16" or not quantizable(name, shape, st_dtype):
-        return n * (4 if st_dtype == "F32" else 2)
-    rows, k = shape
-    if dtype == "int8" or k % GROUP:
-        return n + 2 * rows
-    return n // 2 + 4 * rows * (k // GROUP)
