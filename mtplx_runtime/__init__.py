@@ -22,12 +22,12 @@ def load(path, **kwargs):
     return _load(path, **kwargs)
 
 
-def load_model(path, device: str = "cpu", dtype: str = "float32"):
+def load_model(path, device: str = "cpu", dtype: str = "float32", resident_dtype: str = "bf16"):
     """Load a K3 checkpoint or artifact (any layout the reader accepts) as the reference model,
     every routed expert resident."""
     from .engine.runtime import load_model as _load_model
 
-    return _load_model(path, device=device, dtype=dtype)
+    return _load_model(path, device=device, dtype=dtype, resident_dtype=resident_dtype)
 
 
 def __getattr__(name: str):

@@ -13,8 +13,13 @@ MLA attention, MoE block (shared MLP separately), lm_head and the rest (embeddin
 AttnRes mixes, norms). `decode_gbps` is the resident bytes one decode token touches (everything
 but the embedding table and unselected experts) divided by the median decode time.
 
+`--resident-dtype bf16,int8,int4` runs the same model with its large resident matrices quantized
+(`model.quant`, the rule of FORMAT.md "Quantized residents"; experts stay bf16): each dtype's
+line comes right after the others' for the same threads and top-k, so they compare side by side.
+
 Usage: python tools/bench_model.py [--dtype bfloat16] [--experts 16] [--topk 16,4]
                                    [--prefill 16] [--decode-steps 5] [--threads 2]
+                                   [--resident-dtype bf16,int8,int4]
 `--topk` and `--threads` take comma lists; each combination prints one line and shares the
 weights. Memory is about 9 GB at 16 experts in bfloat16 (float32 doubles it).
 """
@@ -32,12 +37,14 @@ import time
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
 
 from mtplx_runtime.checkpoint import ModelConfig
+from mtplx_runtime.checkpoint.residents import resident_tensor_specs
+from mtplx_runtime.formats.residents import RESIDENT_DTYPES, quantizable
 from mtplx_runtime.model.kimi_k3 import KimiK3
 from mtplx_runtime.model.load import group_residents, model_dtype
 from mtplx_runtime.model.moe import ExpertWeights, ResidentExpertProvider
+from mtplx_runtime.model.quant import linear, quantize
 
 # FORMAT.md "Geometry", cut to two layers: 1-based layer 1 is KDA (dense MLP), layer 2 MLA (MoE).
 K3_TWO_LAYERS = dict(
@@ -103,8 +110,27 @@ class Timers:
         obj.forward = timed  # DecoderLayer calls `.forward`, so the instance attribute wins
 
 
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def nbytes(t) -> int:
+    """Bytes of a tensor or a quantized resident (model.quant)."""
+    return t.nbytes
+
+
+def quantized(cfg: ModelConfig, top, layers, resident_dtype: str):
+    """(top, layers) with the quantizable matrices in `resident_dtype`; the rest shared."""
+    if resident_dtype == "bf16":
+        return top, layers
+    specs = resident_tensor_specs(cfg)
+    names = {"lm_head.weight": "language_model.lm_head.weight"}
+
+    def q(name: str, t):
+        spec = specs[name]
+        return quantize(t, resident_dtype) if quantizable(name, spec.shape, spec.dtype) else t
+
+    prefix = "language_model.model."
+    new_top = {k: q(names.get(k, prefix + k), t) for k, t in top.items()}
+    new_layers = [{k: q(f"{prefix}layers.{i}.{k}", t) for k, t in w.items()}
+                  for i, w in enumerate(layers)]
+    return new_top, new_layers
 
 
 def decode_bytes(cfg: ModelConfig, top, layers, provider: DictExpertProvider, topk: int) -> int:
@@ -151,7 +177,7 @@ def run_one(cfg, top, layers, provider, dtype, args, threads: int) -> dict[str, 
     with torch.inference_mode():
         for _ in range(args.decode_steps):
             t0 = time.perf_counter()
-            F.linear(h, top["lm_head.weight"])
+            linear(h, top["lm_head.weight"])
             head.append(time.perf_counter() - t0)
     med = {k: statistics.median(s[k] for s in steps) * 1e3 for k in steps[0]}
     med["lm_head"] = statistics.median(head) * 1e3
@@ -170,7 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=5, help="timed decode steps (median)")
     p.add_argument("--threads", default=str(torch.get_num_threads()), help="comma list")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resident-dtype", default="bf16",
+                   help=f"comma list of {'/'.join(RESIDENT_DTYPES)} (bfloat16 model only)")
     args = p.parse_args(argv)
+    resident_dtypes = args.resident_dtype.split(",")
+    if any(d not in RESIDENT_DTYPES for d in resident_dtypes):
+        p.error(f"--resident-dtype takes {', '.join(RESIDENT_DTYPES)}, not {args.resident_dtype}")
+    if resident_dtypes != ["bf16"] and args.dtype != "bfloat16":
+        p.error("int8/int4 residents need --dtype bfloat16")
     topks = [int(k) for k in args.topk.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     if args.decode_steps < 1 or args.prefill < 1:
@@ -186,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     top, layers = random_residents(base, dtype, gen)
     provider = DictExpertProvider(base, dtype, gen)
+    variants = {d: quantized(base, top, layers, d) for d in resident_dtypes}
     build_s = time.perf_counter() - t0
     weights_gb = (sum(nbytes(t) for t in top.values())
                   + sum(nbytes(t) for w in layers for t in w.values())
@@ -194,20 +228,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# bench_model torch={torch.__version__} python={platform.python_version()} "
           f"cpu_threads_available={torch.get_num_threads()} machine={platform.machine()} "
           f"weights_gb={weights_gb:.2f} build_s={build_s:.1f}", flush=True)
-    for n_threads in threads:
-        for topk in topks:
-            cfg = dataclasses.replace(base, num_experts_per_token=topk)
-            m = run_one(cfg, top, layers, provider, dtype, args, n_threads)
-            gbps = decode_bytes(cfg, top, layers, provider, topk) / (m["total"] / 1e3) / 1e9
-            print(f"dtype={args.dtype} threads={n_threads} layers=2 experts={args.experts} "
-                  f"topk={topk} prefill_tokens={args.prefill} "
-                  f"prefill_first_s={m['prefill_first_s']:.2f} "
-                  f"prefill_s={m['prefill_s']:.2f} "
-                  f"decode_ms_per_token={m['total']:.0f} kda_attn_ms={m['kda_attn']:.0f} "
-                  f"dense_mlp_ms={m['dense_mlp']:.0f} mla_attn_ms={m['mla_attn']:.0f} "
-                  f"moe_ms={m['moe']:.0f} moe_shared_ms={m['moe_shared']:.0f} "
-                  f"lm_head_ms={m['lm_head']:.0f} other_ms={m['other']:.0f} "
-                  f"decode_gbps={gbps:.1f} peak_rss_gb={peak_rss_gb():.2f}", flush=True)
+    for n_threads, topk, rd in ((n, k, d) for n in threads for k in topks
+                                for d in resident_dtypes):
+        cfg = dataclasses.replace(base, num_experts_per_token=topk)
+        v_top, v_layers = variants[rd]
+        m = run_one(cfg, v_top, v_layers, provider, dtype, args, n_threads)
+        touched = decode_bytes(cfg, v_top, v_layers, provider, topk)
+        gbps = touched / (m["total"] / 1e3) / 1e9
+        print(f"dtype={args.dtype} resident_dtype={rd} threads={n_threads} layers=2 "
+              f"experts={args.experts} "
+              f"topk={topk} prefill_tokens={args.prefill} "
+              f"prefill_first_s={m['prefill_first_s']:.2f} "
+              f"prefill_s={m['prefill_s']:.2f} "
+              f"decode_ms_per_token={m['total']:.0f} kda_attn_ms={m['kda_attn']:.0f} "
+              f"dense_mlp_ms={m['dense_mlp']:.0f} mla_attn_ms={m['mla_attn']:.0f} "
+              f"moe_ms={m['moe']:.0f} moe_shared_ms={m['moe_shared']:.0f} "
+              f"lm_head_ms={m['lm_head']:.0f} other_ms={m['other']:.0f} "
+              f"decode_gbps={gbps:.1f} decode_gb={touched / 1e9:.2f} "
+              f"peak_rss_gb={peak_rss_gb():.2f}", flush=True)
     return 0
 
 

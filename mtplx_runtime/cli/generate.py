@@ -27,11 +27,21 @@ class CliError(Exception):
     """Bad input or a missing piece: printed as one line, exit status 2."""
 
 
+def add_resident_dtype(p: argparse.ArgumentParser) -> None:
+    """--resident-dtype, shared by every command that loads or plans a model."""
+    p.add_argument("--resident-dtype", default="bf16", choices=("bf16", "int8", "int4"),
+                   help="resident weights (attention, shared experts, latent projections, "
+                        "lm_head): bf16 as stored, or quantized at load to int8 (per channel) or "
+                        "int4 (groups of 32); router, norms and embeddings stay as stored; "
+                        "needs --dtype bfloat16")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by `generate` and `chat`: model, sampling, memory, trace."""
     add_model_dir(p, "checkpoint or streaming artifact directory")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="compute dtype of the model")
+    add_resident_dtype(p)
     p.add_argument("--no-thinking", action="store_true",
                    help="chat: render with thinking off (answer in the response channel)")
     p.add_argument("--max-tokens", type=int, default=64,
@@ -163,7 +173,8 @@ def load_runtime(args):
                   cache_policy=args.cache_policy, context=args.context,
                   prefill_chunk=args.prefill_chunk, verify=not args.no_verify,
                   cache_slots=slots, read_depth=args.read_depth, warm=args.warm,
-                  warm_progress=lambda line: print(line, file=sys.stderr, flush=True))
+                  warm_progress=lambda line: print(line, file=sys.stderr, flush=True),
+                  resident_dtype=args.resident_dtype)
     except (PlanError, ValueError, RuntimeError) as e:  # budget, bank/kernel mismatch, kernels
         raise CliError(str(e)) from None
     if args.context is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .generate import add_resident_dtype
 from .model_dir import add_model_dir
 
 
@@ -24,6 +25,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="model dtype, as generate's default (float32 for exact comparisons); "
                         "the saved logits are float32 either way")
+    add_resident_dtype(p)
     p.add_argument("--tokens", required=True, type=_token_list, help="comma-separated token ids")
     p.add_argument("--out", required=True, help="output .npy file")
 
@@ -34,7 +36,11 @@ def main(args: argparse.Namespace) -> int:
 
     from ..engine.runtime import load_model
 
-    model = load_model(args.model, dtype=args.dtype)
+    try:
+        model = load_model(args.model, dtype=args.dtype, resident_dtype=args.resident_dtype)
+    except ValueError as e:  # e.g. int8 residents with a float32 model
+        print(f"mtplx logits: error: {e}", file=sys.stderr)
+        return 2
     vocab = model.cfg.vocab_size
     bad = [t for t in args.tokens if not 0 <= t < vocab]
     if bad:

@@ -12,6 +12,7 @@ import os
 import sys
 
 from ..engine.presets import add_config_arg
+from .generate import add_resident_dtype
 from .model_dir import add_model_dir
 
 
@@ -26,6 +27,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=4096, metavar="N",
                         help="tokens the MLA cache holds (default 4096)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    add_resident_dtype(parser)
     parser.add_argument("--batch", type=int, default=1, metavar="N", help="sequences (default 1)")
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                         help="tokens per prefill step (default: the largest that fits)")
@@ -50,7 +52,8 @@ def main(args: argparse.Namespace) -> int:
         budget = args.memory_budget or mem_available_bytes()
         plan = make_plan(args.model, memory_budget=budget,
                          host_budget=args.host_budget, context=args.context, dtype=args.dtype,
-                         batch=args.batch, prefill_chunk=args.prefill_chunk, kernels=kernels)
+                         resident_dtype=args.resident_dtype, batch=args.batch,
+                         prefill_chunk=args.prefill_chunk, kernels=kernels)
     except PlanError as e:
         print(f"mtplx plan: error: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ from ..artifact.manifest import DTYPE_BYTES, MANIFEST_NAME, load_manifest
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.residents import resident_tensor_specs
 from ..formats.record import align_up, record_layout
+from ..formats.residents import RESIDENT_DTYPES, quantizable, quantized_bytes
 from ..kernels import BACKENDS
 from ..kernels.cpu import NATIVE_MODES
 from ..offload.reader import DEFAULT_READ_DEPTH
@@ -69,7 +70,8 @@ LABELS = {"residents": "resident tensors", "kda_state": "KDA state",
           "working_set": "expert working set"}
 # What lowers each part of the minimum, in the user's terms (`mtplx plan`, the PlanError).
 LOWERED_BY = {
-    "residents": "fixed by the model; --dtype float32 doubles the BF16 ones",
+    "residents": "fixed by the model; --resident-dtype int8/int4 shrinks them, --dtype "
+                 "float32 doubles the BF16 ones",
     "kda_state": "grows with --batch",
     "mla_cache": "grows with --context",
     "workspace": "grows with --prefill-chunk; the reference kernels add decoded experts",
@@ -185,6 +187,7 @@ class MemoryPlan:
     context: int
     batch: int
     prefill_chunk: int
+    resident_dtype: str  # bf16 | int8 | int4 (FORMAT.md "Quantized residents")
     mode: str
     source: str
     kernels: str  # the expert kernel backend planned for: reference | cpu | cuda
@@ -247,10 +250,18 @@ class MemoryPlan:
         return d
 
 
-def resident_bytes(facts: ModelFacts, dtype: str) -> int:
-    """BF16 residents load in the model dtype (double in float32); F32 ones stay F32."""
+def resident_bytes(facts: ModelFacts, dtype: str, resident_dtype: str = "bf16") -> int:
+    """BF16 residents load in the model dtype (double in float32), or quantized where
+    `resident_dtype` int8/int4 takes them; F32 ones stay F32."""
     size = DTYPE_SIZES[dtype]
-    return sum(n // 2 * size if st == "BF16" else n for _, st, n in facts.residents)
+    specs = resident_tensor_specs(facts.cfg) if resident_dtype != "bf16" else {}
+    total = 0
+    for name, st, n in facts.residents:
+        if name in specs and quantizable(name, specs[name].shape, st):
+            total += quantized_bytes(specs[name].shape, resident_dtype)
+        else:
+            total += n // 2 * size if st == "BF16" else n
+    return total
 
 
 def kda_state_bytes(cfg: ModelConfig, dtype: str, batch: int = 1) -> int:
@@ -300,7 +311,8 @@ def decodes_experts(kernels: str, mode: str) -> bool:
 
 
 def plan_for(facts: ModelFacts, *, memory_budget: int | str, host_budget: int | str = 0,
-             context: int = 4096, dtype: str = "bfloat16", batch: int = 1,
+             context: int = 4096, dtype: str = "bfloat16", resident_dtype: str = "bf16",
+             batch: int = 1,
              prefill_chunk: int | None = None, kernels: str = "cpu",
              read_depth: int = DEFAULT_READ_DEPTH, reserve_fraction: float = RESERVE_FRACTION,
              runtime_baseline: int = RUNTIME_BASELINE_BYTES) -> MemoryPlan:
@@ -313,6 +325,11 @@ def plan_for(facts: ModelFacts, *, memory_budget: int | str, host_budget: int | 
     budget, host = parse_bytes(memory_budget), parse_bytes(host_budget)
     if dtype not in DTYPE_SIZES:
         raise PlanError(f"dtype must be one of {', '.join(DTYPE_SIZES)}, not {dtype!r}")
+    if resident_dtype not in RESIDENT_DTYPES:
+        raise PlanError(f"resident dtype must be one of {', '.join(RESIDENT_DTYPES)}, not "
+                        f"{resident_dtype!r}")
+    if resident_dtype != "bf16" and dtype != "bfloat16":
+        raise PlanError(f"--resident-dtype {resident_dtype} needs --dtype bfloat16")
     if kernels not in BACKENDS:
         raise PlanError(f"kernels must be one of {', '.join(BACKENDS)}, not {kernels!r}")
     if context < 1 or batch < 1 or read_depth < 1:
@@ -322,8 +339,8 @@ def plan_for(facts: ModelFacts, *, memory_budget: int | str, host_budget: int | 
         raise PlanError("reserve_fraction must be in [0, 1) and runtime_baseline >= 0")
     if not facts.routed_layers:
         raise PlanError("the model has no routed layers to stream")
-    args = (facts, budget, host, context, dtype, batch, kernels, read_depth, reserve_fraction,
-            runtime_baseline)
+    args = (facts, budget, host, context, dtype, resident_dtype, batch, kernels, read_depth,
+            reserve_fraction, runtime_baseline)
     if prefill_chunk is not None:
         if prefill_chunk < 1:
             raise PlanError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -340,8 +357,8 @@ def plan_for(facts: ModelFacts, *, memory_budget: int | str, host_budget: int | 
                    minimum_parts=first.minimum_parts)
 
 
-def _plan(facts, budget, host, context, dtype, batch, kernels, read_depth, frac, baseline,
-          chunk, *, strict):
+def _plan(facts, budget, host, context, dtype, resident_dtype, batch, kernels, read_depth, frac,
+          baseline, chunk, *, strict):
     cfg = facts.cfg
     k, n_exp = cfg.num_experts_per_token, cfg.num_experts
     stride = align_up(facts.record_bytes)
@@ -353,7 +370,7 @@ def _plan(facts, budget, host, context, dtype, batch, kernels, read_depth, frac,
     # layer's slots). Packed-byte kernels get one only from spare slots (below).
     pool = window if decodes else 0
     items = {
-        "residents": resident_bytes(facts, dtype),
+        "residents": resident_bytes(facts, dtype, resident_dtype),
         "kda_state": kda_state_bytes(cfg, dtype, batch),
         "mla_cache": mla_token_bytes(cfg, dtype) * context * batch,
         "workspace": workspace_bytes(cfg, dtype, chunk * batch, context, window if decodes else 0),
@@ -389,7 +406,8 @@ def _plan(facts, budget, host, context, dtype, batch, kernels, read_depth, frac,
             f"{kernels} kernels; largest first: {minimum_reasons(parts)}")
     return MemoryPlan(
         memory_budget=budget, host_budget=host, dtype=dtype, context=context, batch=batch,
-        prefill_chunk=chunk, mode=facts.mode, source=facts.source, kernels=kernels,
+        prefill_chunk=chunk, resident_dtype=resident_dtype, mode=facts.mode,
+        source=facts.source, kernels=kernels,
         record_bytes=facts.record_bytes, record_stride=stride,
         routed_layers=len(facts.routed_layers), experts_per_layer=n_exp, top_k=k,
         working_set_records=k, decoded_experts=window if decodes else 0, read_depth=read_depth,
@@ -439,7 +457,8 @@ def format_plan(plan: MemoryPlan) -> str:
     io_note = (f"{p.read_depth} reads in flight x {p.record_stride:,} B staging"
                if p.items["io_buffers"] else f"none: {p.read_depth} reads in flight land in slots")
     notes = {
-        "residents": f"{p.dtype} (F32 tensors stay F32)",
+        "residents": (f"{p.dtype} (F32 tensors stay F32)" if p.resident_dtype == "bf16" else
+                      f"{p.resident_dtype} matrices, the rest {p.dtype} (F32 stays F32)"),
         "kda_state": "fp32 recurrent + conv history, all KDA layers",
         "mla_cache": f"{p.context} tokens x batch {p.batch}",
         "workspace": f"activations, chunk {p.prefill_chunk}; {decoded}",

@@ -27,7 +27,8 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package (pyproj
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 SIZES = ("memory_budget", "host_budget")
-CHOICES = {"dtype": ("bfloat16", "float32"), "cache_policy": ("lru", "freq"),
+CHOICES = {"dtype": ("bfloat16", "float32"), "resident_dtype": ("bf16", "int8", "int4"),
+           "cache_policy": ("lru", "freq"),
            "kernels": ("auto", "reference", "cpu", "cuda")}
 INTS = {"context": 1, "prefill_chunk": 1, "lookahead": 0, "batch": 1, "max_tokens": 0,
         "top_k": 0, "seed": None, "max_queue": 1, "max_connections": 1, "max_body_bytes": 1}
@@ -48,6 +49,7 @@ class Preset:
     context: int | None = None
     prefill_chunk: int | None = None
     dtype: str | None = None
+    resident_dtype: str | None = None
     cache_policy: str | None = None
     lookahead: int | None = None
     kernels: str | None = None

@@ -27,7 +27,7 @@ from ..artifact.open import is_artifact, open_artifact, open_source
 from ..formats.record import align_up
 from ..kernels import name_of, select_backend
 from ..model.kimi_k3 import KimiK3
-from ..model.load import load_residents, model_dtype
+from ..model.load import check_resident_dtype, load_residents, model_dtype
 from ..model.moe import ResidentExpertProvider
 from ..offload.provider import StreamingExpertProvider
 from ..offload.reader import DEFAULT_READ_DEPTH
@@ -88,7 +88,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
          cache_slots: tuple[int, int] | None = None, tokenizer: bool = True,
          verify: bool = True, device: str | None = None,
          read_depth: int = DEFAULT_READ_DEPTH, warm: str | os.PathLike = "off",
-         warm_progress: Callable[[str], None] | None = None) -> Runtime:
+         warm_progress: Callable[[str], None] | None = None,
+         resident_dtype: str = "bf16") -> Runtime:
     """Load the model at `path` (a streaming artifact or any checkpoint the reader accepts).
 
     Experts stream from the bank when `path` is a streaming artifact or `memory_budget` is given
@@ -100,7 +101,9 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     'cpu' | 'cuda' | 'auto' | None ($MTPLX_KERNELS, else the best available); with the cuda
     kernels the residents live on the GPU. Otherwise every expert is decoded once and kept
     resident (tiny models, tests).
-    `dtype`: "bfloat16" | "float32". `tokenizer=False` skips the tokenizer (logits-only use).
+    `dtype`: "bfloat16" | "float32". `resident_dtype`: "bf16" (as stored, every exactness
+    guarantee) | "int8" | "int4": the large resident matrices quantized at load (`model.quant`;
+    needs dtype bfloat16). `tokenizer=False` skips the tokenizer (logits-only use).
     `verify` (streamed experts): every record read is checked (its manifest SHA-256 the first
     time, then its learned XXH3: `offload.digests`) and every resident shard before use
     (`artifact.integrity.admit_shards`: hashed once, then trusted while the file is unchanged);
@@ -117,6 +120,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     # reported as what it is (a missing config or shard), not as a missing tokenizer file.
     root = Path(path)
     torch_dtype = model_dtype(dtype)
+    check_resident_dtype(resident_dtype, torch_dtype)
     streamed = memory_budget is not None or cache_slots is not None or is_artifact(root)
     if not streamed:
         if kernels not in (None, "auto", "reference"):
@@ -126,7 +130,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
         tok = load_tokenizer(root) if tokenizer else None
         dev = device or "cpu"
         provider = ResidentExpertProvider(ckpt, torch_dtype, dev)
-        return Runtime(_build(ckpt, torch_dtype, dev, provider), tok, provider,
+        return Runtime(_build(ckpt, torch_dtype, dev, provider, resident_dtype), tok, provider,
                        context=context or DEFAULT_CONTEXT)
     if not is_artifact(root):
         raise ValueError(f"{root} is not a streaming artifact (no expert-manifest.json): build "
@@ -152,7 +156,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
             budget = memory_budget or mem_available_bytes()
             facts = facts_from_dir(root, bank.manifest)
             kw = dict(host_budget=host_budget, dtype=dtype, prefill_chunk=prefill_chunk,
-                      kernels=name_of(backend), read_depth=read_depth)
+                      kernels=name_of(backend), read_depth=read_depth,
+                      resident_dtype=resident_dtype)
             if context is None:
                 context = afforded_context(facts, memory_budget=budget, **kw)
             plan = plan_for(facts, memory_budget=budget, context=context, **kw)
@@ -164,7 +169,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
             transient_bytes=transient_bytes, policy=cache_policy, lookahead=lookahead,
             verify_sha256=verify, kernels=backend, read_depth=read_depth)
         try:
-            model = _build(ckpt, torch_dtype, dev, provider)
+            model = _build(ckpt, torch_dtype, dev, provider, resident_dtype)
             path = warm_path(root, bank.manifest, warm)
             if path is not None:
                 provider.warm = WarmStart(provider, path, progress=warm_progress)
@@ -177,14 +182,17 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     return Runtime(model, tok, provider, plan, context=context or DEFAULT_CONTEXT)
 
 
-def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str = "float32") -> KimiK3:
+def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str = "float32",
+               resident_dtype: str = "bf16") -> KimiK3:
     """The reference model with every expert resident (decoded once): `load` without streaming,
     for any checkpoint or artifact the reader accepts."""
-    ckpt = open_source(path)
     torch_dtype = model_dtype(dtype)
-    return _build(ckpt, torch_dtype, device, ResidentExpertProvider(ckpt, torch_dtype, device))
+    check_resident_dtype(resident_dtype, torch_dtype)
+    ckpt = open_source(path)
+    provider = ResidentExpertProvider(ckpt, torch_dtype, device)
+    return _build(ckpt, torch_dtype, device, provider, resident_dtype)
 
 
-def _build(ckpt, dtype: torch.dtype, device: str, provider) -> KimiK3:
-    top, layers = load_residents(ckpt, dtype, device)
+def _build(ckpt, dtype: torch.dtype, device: str, provider, resident_dtype: str) -> KimiK3:
+    top, layers = load_residents(ckpt, dtype, device, resident_dtype)
     return KimiK3.from_weights(ckpt.config, top, layers, provider, dtype)

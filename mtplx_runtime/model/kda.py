@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.config import ModelConfig
+from .quant import linear
 
 _WEIGHT_NAMES = (
     "q_proj.weight", "k_proj.weight", "v_proj.weight",
@@ -229,16 +230,16 @@ class KDALayer:
         qkv = []
         for i, w_proj in enumerate((self.q_proj, self.k_proj, self.v_proj)):
             hist = None if state is None else state.conv[i]
-            y, new_hist = short_conv(F.linear(x, w_proj), self.conv_w[i], hist)  # [T, C]
+            y, new_hist = short_conv(linear(x, w_proj), self.conv_w[i], hist)  # [T, C]
             if state is not None:
                 state.conv[i].copy_(new_hist)
             qkv.append(y.view(T, H, K))
         q, k, v = qkv  # [T, H, K] model dtype
         # Step 3: bf16 low-rank path with bf16 intermediate; the bias add is fp32.
-        z = F.linear(F.linear(x, self.f_a_proj), self.f_b_proj).float().view(T, H, K)
+        z = linear(linear(x, self.f_a_proj), self.f_b_proj).float().view(T, H, K)
         g = kda_gate(z + self.dt_bias, self.A_log, self.lower_bound)  # [T, H, K] fp32
         # Step 4.
-        beta = torch.sigmoid(F.linear(x, self.b_proj).float())  # [T, H] fp32
+        beta = torch.sigmoid(linear(x, self.b_proj).float())  # [T, H] fp32
         # Step 5: fp32 l2norm with ε inside the root, then the K^-1/2 query scale.
         q = l2norm(q) * K ** -0.5  # [T, H, K] fp32
         k = l2norm(k)  # [T, H, K] fp32
@@ -252,8 +253,8 @@ class KDALayer:
             state.S.copy_(S)
         o = o.to(self.dtype)  # the reference kernels emit o in the model dtype
         # Steps 7-8.
-        gate = F.linear(x, self.g_proj).view(T, H, K)  # [T, H, V]
+        gate = linear(x, self.g_proj).view(T, H, K)  # [T, H, V]
         y = gated_rmsnorm(o, gate, self.o_norm, self.eps)  # [T, H, V] model dtype
-        return F.linear(y.reshape(T, H * K), self.o_proj)  # [T, D]
+        return linear(y.reshape(T, H * K), self.o_proj)  # [T, D]
 
     __call__ = forward

@@ -22,6 +22,7 @@ from .layers import GluMLP, attn_res_mix, rms_norm
 from .load import sub
 from .mla import MLACache, MLALayer
 from .moe import ExpertProvider, LatentMoE
+from .quant import linear
 
 
 @dataclass
@@ -138,7 +139,7 @@ class KimiK3:
         h = rms_norm(h, self.top["norm.weight"], self.cfg.rms_norm_eps)
         if state is not None:
             state.tokens += int(token_ids.numel())
-        return h @ self.top["lm_head.weight"].T  # [T, V] in the model dtype
+        return linear(h, self.top["lm_head.weight"])  # [T, V] in the model dtype
 
     def logits(self, token_ids) -> torch.Tensor:
         """Full causal forward over `token_ids` from a fresh state."""

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..kernels.reference import SITU_BETA, SITU_LINEAR_BETA, glu_mlp, situ_glu
+from .quant import linear
 
 __all__ = ["ATTN_RES_EPS", "GluMLP", "SITU_BETA", "SITU_LINEAR_BETA", "attn_res_mix", "glu_mlp",
            "rms_norm", "situ_glu"]
@@ -41,7 +42,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 class GluMLP:
     """A SiTU-GLU MLP from `{gate_proj,up_proj,down_proj}.weight`: the dense layer-0 MLP
     and the MoE shared experts (FORMAT.md "LatentMoE"; width num_shared_experts ×
-    moe_intermediate_size).
+    moe_intermediate_size). The weights are bf16 tensors or quantized residents (model/quant).
 
     `cfg` only supplies the two activation betas (any object with `activation_situ_beta` and
     `activation_situ_linear_beta`; None means K3's 4 and 25).
@@ -55,8 +56,9 @@ class GluMLP:
         self.beta_lin = cfg.activation_situ_linear_beta if cfg is not None else SITU_LINEAR_BETA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, D] model dtype -> [T, D]."""
-        return glu_mlp(x, self.gate, self.up, self.down, self.beta, self.beta_lin)
+        """x: [T, D] model dtype -> [T, D]; the same ops as `glu_mlp` for tensor weights."""
+        h = situ_glu(linear(x, self.gate), linear(x, self.up), self.beta, self.beta_lin)  # [T, I]
+        return linear(h, self.down)
 
     __call__ = forward
 

@@ -13,6 +13,8 @@ import torch
 
 from ..checkpoint import Checkpoint, resident_tensor_specs
 from ..checkpoint.residents import BACKBONE, LM_HEAD
+from ..formats.residents import RESIDENT_DTYPES, quantizable
+from .quant import quantize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -55,10 +57,30 @@ def group_residents(cfg, make):
     return top, layers
 
 
-def load_residents(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu"):
-    """The checkpoint's residents grouped by `group_residents`, in the model dtype."""
-    return group_residents(
-        ckpt.config, lambda name, spec: to_torch(ckpt.tensor(name), spec.dtype, dtype, device))
+def check_resident_dtype(resident_dtype: str, dtype: torch.dtype) -> None:
+    """int8/int4 residents compute through bf16 matmuls: they need a bfloat16 model."""
+    if resident_dtype not in RESIDENT_DTYPES:
+        raise ValueError(f"resident dtype must be one of {', '.join(RESIDENT_DTYPES)}, "
+                         f"not {resident_dtype!r}")
+    if resident_dtype != "bf16" and dtype != torch.bfloat16:
+        raise ValueError(f"--resident-dtype {resident_dtype} needs a bfloat16 model "
+                         f"(dtype bfloat16), not {dtype}")
+
+
+def load_residents(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu",
+                   resident_dtype: str = "bf16"):
+    """The checkpoint's residents grouped by `group_residents`, in the model dtype; with
+    `resident_dtype` int8/int4 the matrices of `quant.quantizable` are quantized one at a time as
+    they load (peak: the quantized total + one bf16 tensor)."""
+    check_resident_dtype(resident_dtype, dtype)
+
+    def make(name, spec):
+        t = to_torch(ckpt.tensor(name), spec.dtype, dtype, device)
+        if resident_dtype != "bf16" and quantizable(name, spec.shape, spec.dtype):
+            return quantize(t, resident_dtype)
+        return t
+
+    return group_residents(ckpt.config, make)
 
 
 def sub(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

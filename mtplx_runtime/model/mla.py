@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..checkpoint.config import ModelConfig
 from .layers import rms_norm
+from .quant import linear
 
 MLA_NORM_EPS = 1e-6  # q_a/kv_a norms take KimiRMSNorm's class default, not rms_norm_eps ("RMSNorm")
 WEIGHT_NAMES = ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight",
@@ -155,9 +156,9 @@ class MLALayer:
     def project(self, x: torch.Tensor):
         """x [T, D] -> q_nope [T, H, N], q_pe [T, H, P], c̄ [T, C], k_pe [T, P] (MLA steps 1-2)."""
         T = x.shape[0]
-        q = F.linear(rms_norm(F.linear(x, self.q_a), self.q_norm, MLA_NORM_EPS), self.q_b)
+        q = linear(rms_norm(linear(x, self.q_a), self.q_norm, MLA_NORM_EPS), self.q_b)
         q = q.view(T, self.H, self.N + self.P)  # [T, H, N + P]
-        kv = F.linear(x, self.kv_a)  # [T, C + P]
+        kv = linear(x, self.kv_a)  # [T, C + P]
         latent = rms_norm(kv[:, : self.C], self.kv_norm, MLA_NORM_EPS)  # [T, C]
         return q[..., : self.N], q[..., self.N:], latent, kv[:, self.C:]
 
@@ -184,8 +185,8 @@ class MLALayer:
         """x [T, D] (input_layernorm output, model dtype) -> [T, D]."""
         a = self.attend(x, cache, absorbed)  # [T, H * V]
         if self.g is not None:
-            a = a * torch.sigmoid(F.linear(x, self.g))  # model dtype, no fp32 island (MLA step 5)
-        return F.linear(a, self.o)
+            a = a * torch.sigmoid(linear(x, self.g))  # model dtype, no fp32 island (MLA step 5)
+        return linear(a, self.o)
 
     __call__ = forward
 

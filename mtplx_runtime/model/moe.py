@@ -28,6 +28,7 @@ from ..kernels.reference import (
     routed_sum,
 )
 from .layers import GluMLP, rms_norm
+from .quant import linear
 
 __all__ = ["ExpertProvider", "ExpertWeights", "LatentMoE", "ResidentExpertProvider", "predict",
            "route"]
@@ -179,11 +180,11 @@ class LatentMoE:
         # Lookahead guesses for later layers go out before this layer's experts compute.
         depth = self.provider.lookahead if x.shape[0] == 1 else 0
         self.provider.hint(self.layer, ids, predict(x, self.later[:depth]) if depth else {})
-        r = F.linear(x, self.down_lat)  # [T, R]
+        r = linear(x, self.down_lat)  # [T, R]
         routed = self.provider.run_experts(self.layer, r, ids, w)  # [T, R]
         if self.norm is not None:
             routed = rms_norm(routed, self.norm, cfg.rms_norm_eps)
-        out = F.linear(routed, self.up_lat)  # [T, D]
+        out = linear(routed, self.up_lat)  # [T, D]
         if self.shared is not None:
             out = out + self.shared.forward(x)  # shared MLP sees the full-width input
         return out

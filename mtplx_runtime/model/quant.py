@@ -1,0 +1,166 @@
+"""Quantized resident weights: int8 per output channel, int4 in groups of 32 (FORMAT.md
+"Quantized residents").
+
+    bf16 matrix [N, K] --quantize_int8--> Int8Weight (q int8 [N, K], scale bf16 [N])
+                       --quantize_int4--> Int4Weight (q 0..15 packed [N, K/2], scale + zero
+                                          bf16 [K/32, N] each)
+    linear(x, w): F.linear for a tensor, w.linear(x) for a quantized weight
+
+Both layouts are the ones torch's weight-only matmuls take (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`, gpt-fast's int8 and int4 paths), so the fast path is a maintained
+kernel; `dequantize()` is the obvious reference each is tested against. A shape the torch kernel
+refuses (int4 needs N % 16 == 0; tiny fixtures have such matrices), and any device but the CPU
+(no GPU kernel is wired yet), computes through the reference: same bytes, same values, slower.
+
+Which tensors are quantized is one rule, `formats.residents.quantizable`: routing, norms, the
+AttnRes mixes and everything fp32 stay as stored, so the router sees what a bf16 model gives it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..formats.residents import GROUP, RESIDENT_DTYPES
+
+__all__ = ["Int4Weight", "Int8Weight", "linear", "quantize", "quantize_int4", "quantize_int8"]
+
+
+class Int8Weight:
+    """Symmetric int8 per output channel: w[n, k] ≈ q[n, k] · scale[n]."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        self.q, self.scale = q, scale  # int8 [N, K]; bf16 [N]
+        self.shape, self.device, self.dtype = q.shape, q.device, scale.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + 2 * self.scale.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The reference: [N, K] in bf16 (the product is computed in fp32, rounded once)."""
+        return (self.q.float() * self.scale.float()[:, None]).to(self.dtype)
+
+    def fast(self) -> bool:
+        return self.device.type == "cpu"
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] bf16 -> [T, N] bf16 through torch's weight-only int8 matmul on the CPU; the
+        reference dequantization and a bf16 matmul elsewhere."""
+        if not self.fast():
+            return F.linear(x, self.dequantize())
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.q, self.scale)
+        return y.reshape(*lead, self.shape[0])
+
+
+class Int4Weight:
+    """Asymmetric int4 in groups of GROUP inputs: w[n, k] ≈ (q[n, k] - 8) · scale[g, n] +
+    zero[g, n], g = k // GROUP, q in 0..15 (the form torch's int4 matmul computes)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+        self.q = q  # uint8 [N, K // 2]: low nibble = even k, high nibble = odd k
+        self.scale, self.zero = scale, zero  # bf16 [K // GROUP, N] each
+        n, half = q.shape
+        self.shape, self.device, self.dtype = torch.Size((n, 2 * half)), q.device, scale.dtype
+        self._packed = None  # torch's tiled layout, made on first fast use
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + 2 * (self.scale.numel() + self.zero.numel())
+
+    def codes(self) -> torch.Tensor:
+        """q as int32 [N, K] in 0..15."""
+        lo, hi = self.q & 0x0F, self.q >> 4
+        return torch.stack([lo, hi], dim=-1).reshape(self.shape).to(torch.int32)
+
+    def dequantize(self) -> torch.Tensor:
+        """The reference: [N, K] in bf16 ((q - 8) · scale + zero in fp32, rounded once)."""
+        n, k = self.shape
+        q = self.codes().float().view(n, k // GROUP, GROUP)
+        w = (q - 8) * self.scale.float().t()[..., None] + self.zero.float().t()[..., None]
+        return w.view(n, k).to(self.dtype)
+
+    def fast(self) -> bool:
+        return self.device.type == "cpu" and self.shape[0] % 16 == 0
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] bf16 -> [T, N] bf16: torch's int4 matmul where it takes the shape, else the
+        reference dequantization and a bf16 matmul."""
+        if not self.fast():
+            return F.linear(x, self.dequantize())
+        if self._packed is None:
+            self._packed = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes(), 1),
+                            torch.stack([self.scale, self.zero], dim=-1).contiguous())
+        packed, scale_zero = self._packed
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), packed, GROUP,
+                                                       scale_zero)
+        return y.reshape(*lead, self.shape[0])
+
+
+# Rows are quantized in blocks of this many weights: the fp32 temporaries of one block, not of a
+# whole lm_head (163840 x 7168: 4.7 GB per fp32 copy), bound the transient memory of a load.
+_BLOCK = 1 << 22
+
+
+def _row_blocks(w: torch.Tensor):
+    step = max(1, _BLOCK // w.shape[1])
+    for r in range(0, w.shape[0], step):
+        yield r, w[r:r + step].float()
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Weight:
+    """bf16 [N, K] -> Int8Weight: scale = max|w_n| / 127 rounded to bf16, q = round(w / scale)
+    clamped to ±127 (a zero row gets scale 1 and q 0)."""
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.bfloat16, device=w.device)
+    for r, w32 in _row_blocks(w):
+        amax = w32.abs().amax(dim=1)
+        s = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(torch.bfloat16)
+        q[r:r + len(w32)] = torch.round(w32 / s.float()[:, None]).clamp(-127, 127)
+        scale[r:r + len(w32)] = s
+    return Int8Weight(q, scale)
+
+
+def quantize_int4(w: torch.Tensor) -> Int4Weight:
+    """bf16 [N, K] (K % GROUP == 0) -> Int4Weight: per group, scale = (max - min) / 15 and
+    zero = min + 8 · scale (both rounded to bf16), q = round((w - zero) / scale) + 8 in 0..15.
+    A group of one repeated value c uses scale |c| / 8 (1 for c = 0), so c dequantizes exactly."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"int4 needs the input width to be a multiple of {GROUP}, not {k}")
+    packed = torch.empty(n, k // 2, dtype=torch.uint8, device=w.device)
+    scale = torch.empty(n, k // GROUP, dtype=torch.bfloat16, device=w.device)
+    zero = torch.empty_like(scale)
+    for r, w32 in _row_blocks(w):
+        rows = slice(r, r + len(w32))
+        g = w32.view(len(w32), k // GROUP, GROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        # A constant group c keeps c exactly: scale |c| / 8 puts it at q = 0 (zero = c + |c|).
+        flat = torch.where(lo != 0, lo.abs() / 8, torch.ones_like(lo))
+        scale[rows] = torch.where(hi > lo, (hi - lo) / 15, flat)
+        zero[rows] = lo + 8 * scale[rows].float()
+        q = torch.round((g - zero[rows].float()[..., None]) / scale[rows].float()[..., None]) + 8
+        q = q.clamp(0, 15).to(torch.uint8).view(len(w32), k)
+        packed[rows] = q[:, 0::2] | (q[:, 1::2] << 4)
+    return Int4Weight(packed, scale.t().contiguous(), zero.t().contiguous())
+
+
+def quantize(w: torch.Tensor, dtype: str):
+    """One quantizable bf16 matrix in the resident dtype; int4 falls back to int8 for a matrix
+    whose input width is not a multiple of GROUP (FORMAT.md "Quantized residents")."""
+    if dtype == "bf16":
+        return w
+    if dtype == "int8" or (dtype == "int4" and w.shape[1] % GROUP):
+        return quantize_int8(w)
+    if dtype == "int4":
+        return quantize_int4(w)
+    raise ValueError(f"resident dtype must be one of {', '.join(RESIDENT_DTYPES)}, not {dtype!r}")
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """`F.linear(x, w)` for a tensor or a quantized weight."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w)
+    return w.linear(x)
