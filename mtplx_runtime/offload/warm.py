@@ -9,9 +9,10 @@ expert cache at the next load (FORMAT.md "Warm-start file").
 
 The file is a hint, never a source of bytes: warm records are read by the prefetcher and reader
 like any miss, so the read-time checks apply, and a missing, stale or hostile file only means a
-cold start. Warming runs beside the first prompt: it keeps twice the read depth of reads
-outstanding, so the reader stays busy and a forward's own demand reads queue behind one read
-depth of warm reads at most; a forward that needs a record being warmed shares that read.
+cold start. Warming runs beside the first prompt: it keeps one read depth of reads outstanding
+and refills as each lands, so the reader stays busy and a forward's own demand reads queue
+behind no warm read, only wait for one in flight to finish; a forward that needs a record being
+warmed shares that read.
 """
 
 from __future__ import annotations
@@ -221,9 +222,9 @@ class WarmStart:
     def _warm(self, keys: list[tuple[int, int]]) -> None:
         p = self.provider
         t0 = last = time.monotonic()
-        # Twice the read depth outstanding: the reader never idles, and a forward's demand read
-        # queues behind at most one read depth of warm reads.
-        limit = 2 * p.prefetcher.read_depth
+        # One read depth outstanding: nothing of the warm's waits in the prefetcher's queue, so a
+        # forward's demand read is the next one dispatched.
+        limit = p.prefetcher.read_depth
         todo = collections.deque(keys)
         # A record a prefill holds in a transient slot is tried again after the others: the
         # transient pool reuses its slot soon, and a warm read must land in a decode slot.
