@@ -32,6 +32,7 @@ from mtplx_runtime.engine.tokenizer import load_tokenizer
 from mtplx_runtime.formats.residents import GROUP, quantizable
 from mtplx_runtime.model.moe import LatentMoE, route
 from mtplx_runtime.model.quant import (
+    Int4Packed,
     Int4Weight,
     Int8Weight,
     linear,
@@ -88,10 +89,12 @@ def test_int4_groups_of_32_unpack_and_dequantize_by_definition():
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_torch_weight_only_matmuls_match_the_reference_dequantization(tokens):
     x = bf16(tokens, 256, seed=2)
-    for q in (quantize_int8(bf16(64, 256, seed=3)), quantize_int4(bf16(64, 256, seed=3))):
+    int4 = quantize_int4(bf16(64, 256, seed=3))
+    for q, ref in ((i8 := quantize_int8(bf16(64, 256, seed=3)), i8), (int4.packed(), int4)):
         fast = linear(x, q)
         assert fast.dtype == torch.bfloat16 and fast.shape == (tokens, 64)
-        w = q.dequantize().float()
+        assert q.nbytes == ref.nbytes
+        w = ref.dequantize().float()
         exact = x.float() @ w.T  # the same bf16 values, multiplied and summed in fp32
         # A bf16 dot product's error bound: 2^-8 of sum |x||w| (bf16 F.linear itself reaches
         # ~2^-10.4 here, the torch kernels ~2^-9.6).
@@ -100,14 +103,15 @@ def test_torch_weight_only_matmuls_match_the_reference_dequantization(tokens):
 
 def test_int4_shapes_torch_refuses_compute_through_the_reference():
     q = quantize_int4(bf16(24, 64, seed=4))  # N % 16 != 0: torch's int4 packing refuses it
-    assert not q.fast()
+    assert not q.packable() and quantize(bf16(24, 64, seed=4), "int4").nbytes == q.nbytes
     x = bf16(3, 64, seed=5)
     assert torch.equal(linear(x, q), F.linear(x, q.dequantize()))
 
 
 def test_int4_falls_back_to_int8_where_the_width_is_not_a_multiple_of_the_group():
     assert isinstance(quantize(bf16(16, 48), "int4"), Int8Weight)
-    assert isinstance(quantize(bf16(16, 64), "int4"), Int4Weight)
+    assert isinstance(quantize(bf16(16, 64), "int4"), Int4Packed)
+    assert isinstance(quantize(bf16(24, 64), "int4"), Int4Weight)  # torch's kernel refuses it
     assert quantize(w := bf16(16, 64), "bf16") is w
     with pytest.raises(ValueError, match="resident dtype"):
         quantize(w, "int2")

@@ -3,14 +3,15 @@
 
     bf16 matrix [N, K] --quantize_int8--> Int8Weight (q int8 [N, K], scale bf16 [N])
                        --quantize_int4--> Int4Weight (q 0..15 packed [N, K/2], scale + zero
-                                          bf16 [K/32, N] each)
+                                          bf16 [K/32, N] each) --packed()--> Int4Packed
     linear(x, w): F.linear for a tensor, w.linear(x) for a quantized weight
 
 Both layouts are the ones torch's weight-only matmuls take (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`, gpt-fast's int8 and int4 paths), so the fast path is a maintained
 kernel; `dequantize()` is the obvious reference each is tested against. A shape the torch kernel
 refuses (int4 needs N % 16 == 0; tiny fixtures have such matrices), and any device but the CPU
-(no GPU kernel is wired yet), computes through the reference: same bytes, same values, slower.
+(no GPU kernel is wired yet), computes through the reference: same values, slower. A model
+holds one copy of each matrix: an int4 one torch takes is converted to its tiled layout at load.
 
 Which tensors are quantized is one rule, `formats.residents.quantizable`: routing, norms, the
 AttnRes mixes and everything fp32 stay as stored, so the router sees what a bf16 model gives it.
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 
 from ..formats.residents import GROUP, RESIDENT_DTYPES
 
-__all__ = ["Int4Weight", "Int8Weight", "linear", "quantize", "quantize_int4", "quantize_int8"]
+__all__ = ["Int4Packed", "Int4Weight", "Int8Weight", "linear", "quantize", "quantize_int4",
+           "quantize_int8"]
 
 
 class Int8Weight:
@@ -56,14 +58,15 @@ class Int8Weight:
 
 class Int4Weight:
     """Asymmetric int4 in groups of GROUP inputs: w[n, k] ≈ (q[n, k] - 8) · scale[g, n] +
-    zero[g, n], g = k // GROUP, q in 0..15 (the form torch's int4 matmul computes)."""
+    zero[g, n], g = k // GROUP, q in 0..15 (the form torch's int4 matmul computes). The stated
+    layout and the reference; `packed()` is what a CPU model holds where torch's kernel takes
+    the shape."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
         self.q = q  # uint8 [N, K // 2]: low nibble = even k, high nibble = odd k
         self.scale, self.zero = scale, zero  # bf16 [K // GROUP, N] each
         n, half = q.shape
         self.shape, self.device, self.dtype = torch.Size((n, 2 * half)), q.device, scale.dtype
-        self._packed = None  # torch's tiled layout, made on first fast use
 
     @property
     def nbytes(self) -> int:
@@ -81,21 +84,37 @@ class Int4Weight:
         w = (q - 8) * self.scale.float().t()[..., None] + self.zero.float().t()[..., None]
         return w.view(n, k).to(self.dtype)
 
-    def fast(self) -> bool:
+    def packable(self) -> bool:
+        """Whether torch's CPU int4 kernel takes this matrix (rows % 16 == 0, on the CPU)."""
         return self.device.type == "cpu" and self.shape[0] % 16 == 0
 
+    def packed(self) -> Int4Packed:
+        """The same values in torch's tiled CPU layout (its own, unstated): one copy, not two."""
+        return Int4Packed(torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes(), 1),
+                          torch.stack([self.scale, self.zero], dim=-1).contiguous(), self.shape)
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] bf16 -> [T, N] bf16: torch's int4 matmul where it takes the shape, else the
-        reference dequantization and a bf16 matmul."""
-        if not self.fast():
-            return F.linear(x, self.dequantize())
-        if self._packed is None:
-            self._packed = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes(), 1),
-                            torch.stack([self.scale, self.zero], dim=-1).contiguous())
-        packed, scale_zero = self._packed
+        """x [T, K] bf16 -> [T, N] bf16: the reference dequantization and a bf16 matmul."""
+        return F.linear(x, self.dequantize())
+
+
+class Int4Packed:
+    """An Int4Weight in the layout `_weight_int4pack_mm_for_cpu` reads: packed [N, K // 2]
+    uint8 (tiled), scale_zero bf16 [K // GROUP, N, 2]."""
+
+    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, shape: torch.Size):
+        self.packed_q, self.scale_zero = packed, scale_zero
+        self.shape, self.device, self.dtype = shape, packed.device, scale_zero.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed_q.numel() + 2 * self.scale_zero.numel()
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] bf16 -> [T, N] bf16 through torch's weight-only int4 matmul."""
         lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), packed, GROUP,
-                                                       scale_zero)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.packed_q,
+                                                       GROUP, self.scale_zero)
         return y.reshape(*lead, self.shape[0])
 
 
@@ -148,14 +167,16 @@ def quantize_int4(w: torch.Tensor) -> Int4Weight:
 
 
 def quantize(w: torch.Tensor, dtype: str):
-    """One quantizable bf16 matrix in the resident dtype; int4 falls back to int8 for a matrix
+    """One quantizable bf16 matrix as a model holds it in the resident dtype: int8; int4 packed
+    for torch's kernel where it takes the shape, else the stated layout; int8 for a matrix
     whose input width is not a multiple of GROUP (FORMAT.md "Quantized residents")."""
     if dtype == "bf16":
         return w
     if dtype == "int8" or (dtype == "int4" and w.shape[1] % GROUP):
         return quantize_int8(w)
     if dtype == "int4":
-        return quantize_int4(w)
+        q = quantize_int4(w)
+        return q.packed() if q.packable() else q
     raise ValueError(f"resident dtype must be one of {', '.join(RESIDENT_DTYPES)}, not {dtype!r}")
 
 
