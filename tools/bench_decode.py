@@ -399,6 +399,19 @@ def route_fields(r: dict, trace: Trace | None, lookahead: int, how: str, slots: 
             f"wasted_reads={r['wasted_reads']} late_reads={r['late_reads']} lead_ms={lead}")
 
 
+def slice_artifact(base: Path, layers: int, experts: int, keep: bool) -> tuple[Path, float]:
+    """The K3-geometry slice's artifact `base/art` (built unless `keep` finds one there; its
+    source `base/src` is removed unless `keep`) and the seconds the build took."""
+    src, art = base / "src", base / "art"
+    t0 = time.perf_counter()
+    if not (keep and (art / MANIFEST_NAME).is_file()):
+        make_k3_slice(src, moe_layers=layers, experts=experts)
+        build_artifact(src, art, codec="keep", progress=False)
+        if not keep:
+            shutil.rmtree(src)
+    return art, time.perf_counter() - t0
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -467,15 +480,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(cpus)
     base = a.dir or Path(tempfile.mkdtemp(prefix="bench_decode_",
                                           dir="/work" if os.path.isdir("/work") else None))
-    src, art = base / "src", base / "art"
     try:
-        t0 = time.perf_counter()
-        if not (a.keep and (art / MANIFEST_NAME).is_file()):
-            make_k3_slice(src, moe_layers=a.layers, experts=a.experts)
-            build_artifact(src, art, codec="keep", progress=False)
-            if not a.keep:
-                shutil.rmtree(src)
-        build_s = time.perf_counter() - t0
+        art, build_s = slice_artifact(base, a.layers, a.experts, a.keep)
         paths = part_paths(art)
         bank = sum(p.stat().st_size for p in paths)
         print(f"# bench_decode commit={commit()} python={platform.python_version()} "

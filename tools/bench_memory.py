@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_decode import commit  # tools/ is on sys.path when this script runs
+
 from mtplx_runtime.artifact.build import build_artifact
 from mtplx_runtime.artifact.manifest import MANIFEST_NAME
 from mtplx_runtime.engine.plan import fmt_bytes, make_plan
@@ -47,14 +49,6 @@ rc = main(sys.argv[1:])
 hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"rc": rc, "peak_rss_bytes": int(hwm.split()[1]) * 1024}), file=sys.stderr)
 """
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).resolve().parent).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def run_generate(art: Path, budget: int, a, kernels: str) -> dict:

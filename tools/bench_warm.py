@@ -30,14 +30,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_decode import commit, evict, expert_seconds, part_paths
+from bench_decode import commit, evict, expert_seconds, part_paths, slice_artifact
 
 from mtplx_runtime import load, load_model
-from mtplx_runtime.artifact.build import build_artifact
 from mtplx_runtime.artifact.integrity import RECEIPTS_ENV
-from mtplx_runtime.artifact.manifest import MANIFEST_NAME
 from mtplx_runtime.engine.generate import generate_step
-from mtplx_runtime.fixtures.k3_slice import make_k3_slice
 from mtplx_runtime.kernels import name_of, select_backend
 
 PROMPT = [3, 17]
@@ -87,17 +84,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(cpus)
     base = a.dir or Path(tempfile.mkdtemp(prefix="bench_warm_",
                                           dir="/work" if os.path.isdir("/work") else None))
-    src, art = base / "src", base / "art"
     base.mkdir(parents=True, exist_ok=True)
     os.environ[RECEIPTS_ENV] = tempfile.mkdtemp(prefix="receipts_", dir=base)
     try:
-        t0 = time.perf_counter()
-        if not (a.keep and (art / MANIFEST_NAME).is_file()):
-            make_k3_slice(src, moe_layers=a.layers, experts=a.experts)
-            build_artifact(src, art, codec="keep", progress=False)
-            if not a.keep:
-                shutil.rmtree(src)
-        build_s = time.perf_counter() - t0
+        art, build_s = slice_artifact(base, a.layers, a.experts, a.keep)
         paths = part_paths(art)
         bank = sum(p.stat().st_size for p in paths)
         slots = a.experts  # the cache holds every expert of every layer
