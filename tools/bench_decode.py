@@ -480,6 +480,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(cpus)
     base = a.dir or Path(tempfile.mkdtemp(prefix="bench_decode_",
                                           dir="/work" if os.path.isdir("/work") else None))
+    receipts: list[str] = []
     try:
         art, build_s = slice_artifact(base, a.layers, a.experts, a.keep)
         paths = part_paths(art)
@@ -511,7 +512,8 @@ def main(argv=None) -> int:
             for la in (0, 1):
                 # A fresh receipt directory per round and lookahead: "sha256" learns, "xxh3"
                 # reuses; odd rounds move "off" last so no configuration always runs first.
-                os.environ[RECEIPTS_ENV] = tempfile.mkdtemp(prefix="receipts_", dir=base)
+                receipts.append(tempfile.mkdtemp(prefix="receipts_", dir=base))
+                os.environ[RECEIPTS_ENV] = receipts[-1]
                 order = ("off", "sha256", "xxh3") if rep % 2 == 0 else ("sha256", "xxh3", "off")
                 for verify in order:
                     r = run_config(art, paths, la, a.slots_per_layer, a.tokens, kernels,
@@ -536,6 +538,8 @@ def main(argv=None) -> int:
                           + " " + route_fields(r, trace, la, how, a.slots_per_layer, a.experts),
                           flush=True)
     finally:
+        for d in receipts:  # --keep keeps the slice, not this run's receipts
+            shutil.rmtree(d, ignore_errors=True)
         if not a.keep:
             shutil.rmtree(base, ignore_errors=True)
     if beaten:  # a decode faster than its own bound means the bound was wrong, not a result
