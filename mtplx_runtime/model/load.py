@@ -70,8 +70,8 @@ def check_resident_dtype(resident_dtype: str, dtype: torch.dtype) -> None:
 def load_residents(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu",
                    resident_dtype: str = "bf16"):
     """The checkpoint's residents grouped by `group_residents`, in the model dtype; with
-    `resident_dtype` int8/int4 the matrices of `quant.quantizable` are quantized one at a time as
-    they load (peak: the quantized total + one bf16 tensor)."""
+    `resident_dtype` int8/int4 the matrices of `formats.residents.quantizable` are quantized one
+    at a time as they load (peak: the quantized total + one bf16 tensor + one row block)."""
     check_resident_dtype(resident_dtype, dtype)
 
     def make(name, spec):
