@@ -30,6 +30,7 @@ from mtplx_runtime.engine.plan import (
 )
 from mtplx_runtime.engine.tokenizer import load_tokenizer
 from mtplx_runtime.formats.residents import GROUP, quantizable
+from mtplx_runtime.model import quant
 from mtplx_runtime.model.moe import LatentMoE, route
 from mtplx_runtime.model.quant import (
     Int4Packed,
@@ -239,3 +240,15 @@ def test_the_plan_counts_quantized_residents_full_k3():
     assert gpu["int8"].slots_per_layer >= 3 * gpu["bf16"].slots_per_layer
     with pytest.raises(PlanError, match="needs --dtype bfloat16"):
         plan_for(facts, memory_budget="1TiB", dtype="float32", resident_dtype="int8")
+
+
+def test_int4_packs_in_row_blocks_as_one_whole_conversion(monkeypatch):
+    # torch's CPU int4 layout is its own; packed() converts 64-row blocks separately, which is
+    # only right while the layout tiles rows 64 at a time: checked here against one conversion.
+    monkeypatch.setattr(quant, "_BLOCK", 64 * 128)  # one 64-row block per conversion
+    q = quantize_int4(bf16(272, 128, seed=7))
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.codes(), 1)
+    assert torch.equal(q.packed().packed_q, whole)
+    x = bf16(2, 128, seed=8)
+    assert torch.equal(linear(x, q.packed()), torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, whole, GROUP, torch.stack([q.scale, q.zero], dim=-1).contiguous()))

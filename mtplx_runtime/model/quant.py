@@ -72,10 +72,11 @@ class Int4Weight:
     def nbytes(self) -> int:
         return self.q.numel() + 2 * (self.scale.numel() + self.zero.numel())
 
-    def codes(self) -> torch.Tensor:
-        """q as int32 [N, K] in 0..15."""
-        lo, hi = self.q & 0x0F, self.q >> 4
-        return torch.stack([lo, hi], dim=-1).reshape(self.shape).to(torch.int32)
+    def codes(self, rows: slice = slice(None)) -> torch.Tensor:
+        """q as int32 [N, K] in 0..15 (the rows `rows`)."""
+        q = self.q[rows]
+        lo, hi = q & 0x0F, q >> 4
+        return torch.stack([lo, hi], dim=-1).reshape(len(q), self.shape[1]).to(torch.int32)
 
     def dequantize(self) -> torch.Tensor:
         """The reference: [N, K] in bf16 ((q - 8) · scale + zero in fp32, rounded once)."""
@@ -89,9 +90,18 @@ class Int4Weight:
         return self.device.type == "cpu" and self.shape[0] % 16 == 0
 
     def packed(self) -> Int4Packed:
-        """The same values in torch's tiled CPU layout (its own, unstated): one copy, not two."""
-        return Int4Packed(torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes(), 1),
-                          torch.stack([self.scale, self.zero], dim=-1).contiguous(), self.shape)
+        """The same values in torch's tiled CPU layout (its own, unstated), converted in row
+        blocks so the int32 codes it takes never exist for a whole lm_head (4.7 GB in K3). The
+        layout tiles 64 rows at a time, so blocks of multiples of 64 rows convert independently
+        (tests/test_quant.py checks this against one whole conversion)."""
+        n, k = self.shape
+        out = torch.empty(n, k // 2, dtype=torch.uint8)
+        step = max(_PACK_ROWS, _BLOCK // k // _PACK_ROWS * _PACK_ROWS)
+        for r in range(0, n, step):
+            rows = slice(r, r + step)
+            out[rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes(rows), 1)
+        return Int4Packed(out, torch.stack([self.scale, self.zero], dim=-1).contiguous(),
+                          self.shape)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] bf16 -> [T, N] bf16: the reference dequantization and a bf16 matmul."""
@@ -121,6 +131,7 @@ class Int4Packed:
 # Rows are quantized in blocks of this many weights: the fp32 temporaries of one block, not of a
 # whole lm_head (163840 x 7168: 4.7 GB per fp32 copy), bound the transient memory of a load.
 _BLOCK = 1 << 22
+_PACK_ROWS = 64  # rows torch's CPU int4 layout tiles together (Int4Weight.packed)
 
 
 def _row_blocks(w: torch.Tensor):
