@@ -31,6 +31,9 @@ WEIGHT_NAMES = ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight",
 GATE_NAME = "g_proj.weight"
 
 
+KEY_BUCKET = 128  # absorbed attention's key count is padded to a multiple of this (_absorbed)
+
+
 def causal_mask(t: int, s: int, device: torch.device | str) -> torch.Tensor:
     """[T, S] bool, True where new token i (absolute position s-t+i) may see cached token j."""
     q_pos = torch.arange(s - t, s, device=device)[:, None]
@@ -105,6 +108,7 @@ class MLACache:
         """Drop rows past `length` (rejected speculative tokens; MLA is trimmable)."""
         if not 0 <= length <= self.len:
             raise ValueError(f"cannot trim a cache of {self.len} rows to {length}")
+        self.buf[length: self.len] = 0  # padded attention reads rows past len (zero weight)
         self.len = length
 
 
@@ -210,9 +214,18 @@ class MLALayer:
         """
         q_lat = torch.einsum("thn,hnc->htc", q_nope, self.w_uk)  # [H, T, C]
         q = torch.cat([q_lat, q_pe.transpose(0, 1)], -1)  # [H, T, C + P]
-        scores = (q @ cache.rows.T) * self.scale  # [H, T, S]; one key head for all H
+        # In bf16 both matmuls run over the cache rows padded to a multiple of KEY_BUCKET: its
+        # oneDNN kernels are kept per matmul shape, and one new shape per decoded token grew the
+        # process ~1.2 MiB a token (BENCHMARKS.md "bench_memory"). Extra key columns are sliced
+        # off before the softmax and meet zero probabilities after it: bit-identical (tested).
+        # fp32 goes through other GEMMs, which do not grow and whose sum order moves with S.
+        S = cache.len
+        bucket = KEY_BUCKET if q.dtype == torch.bfloat16 else 1
+        S_pad = min(cache.capacity, -(-S // bucket) * bucket)
+        scores = (q @ cache.buf[:S_pad].T)[..., :S] * self.scale  # [H, T, S]; one key head
         p = softmax_masked(scores, allowed)  # [H, T, S]
-        o_lat = p @ cache.latent  # [H, T, C]; values are c̄ itself before W_UV
+        p = F.pad(p, (0, S_pad - S))  # [H, T, S_pad], zeros past S
+        o_lat = p @ cache.buf[:S_pad, : self.C]  # [H, T, C]; values are c̄ itself before W_UV
         return torch.einsum("htc,hvc->thv", o_lat, self.w_uv)  # [T, H, V]
 
 
