@@ -261,9 +261,11 @@ class MemoryPlan:
         return d
 
 
-def resident_bytes(facts: ModelFacts, dtype: str, resident_dtype: str = "bf16") -> int:
+def resident_bytes(facts: ModelFacts, dtype: str, resident_dtype: str | None = None) -> int:
     """BF16 residents load in the model dtype (double in float32), or quantized where
-    `resident_dtype` int8/int4 takes them; F32 ones stay F32."""
+    `resident_dtype` int8/int4 takes them (None: as the model stores them); F32 ones stay
+    F32."""
+    resident_dtype = resident_dtype or facts.resident_dtype
     size = DTYPE_SIZES[dtype]
     specs = resident_tensor_specs(facts.cfg) if resident_dtype != "bf16" else {}
     total = 0
