@@ -165,6 +165,16 @@ def test_plan_sizes_a_quantized_artifact_without_being_told(arts, capsys):
     assert json.loads(capsys.readouterr().out)["resident_dtype"] == "int4"
 
 
+def test_inspect_counts_the_stored_tensors(arts, capsys):
+    for dtype in ("bf16", "int8"):
+        assert cli(["inspect", str(arts[dtype])]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("resident"))
+        size = sum(p.stat().st_size for p in arts[dtype].glob("resident-*.safetensors"))
+        n = int(line.split()[1].replace(",", ""))
+        assert 0.95 * size < n <= size  # the tensors' bytes: the shards less their headers
+        assert ("(int8 matrices)" in line) == (dtype == "int8")
+
+
 def test_extending_with_another_resident_dtype_is_refused(arts):
     with pytest.raises(BuildError, match="int8 residents and this build writes bf16"):
         build_artifact(arts["src"], arts["int8"], progress=False)
