@@ -165,6 +165,34 @@ def test_plan_sizes_a_quantized_artifact_without_being_told(arts, capsys):
     assert json.loads(capsys.readouterr().out)["resident_dtype"] == "int4"
 
 
+def test_a_rerun_after_the_residents_keeps_them_and_another_dtype_is_refused(arts, tmp_path):
+    """A build stopped after its resident shards (no receipt, no manifest yet) resumes: the
+    same command re-encodes the same bytes and finishes with the same manifest; another
+    resident dtype meets shards it would write differently and stops."""
+    art = copy_artifact(arts["int8"], tmp_path / "art")
+    digest = load_manifest(art / MANIFEST_NAME).manifest_sha256
+    for name in (MANIFEST_NAME, "build-receipt.json"):
+        (art / name).unlink()
+    with pytest.raises(BuildError, match="exists with different content"):
+        build_artifact(arts["src"], art, resident_dtype="int4", progress=False)
+    report = build_artifact(arts["src"], art, resident_dtype="int8", progress=False)
+    assert report.manifest_sha256 == digest
+
+
+def test_a_gguf_source_builds_quantized_residents_too(tmp_path):
+    pytest.importorskip("gguf")
+    from mtplx_runtime.fixtures.tiny_gguf import make_tiny_gguf
+
+    make_tiny_gguf(tmp_path / "src", seed=3)
+    for d in ("bf16", "int4"):
+        build_artifact(tmp_path / "src", tmp_path / d, resident_dtype=d, progress=False)
+    at_load = load_model(tmp_path / "bf16", dtype="bfloat16", resident_dtype="int4")
+    stored = load_model(tmp_path / "int4", dtype="bfloat16")
+    assert all(same(a, b) for a, b in zip(weights(at_load).values(), weights(stored).values(),
+                                          strict=True))
+    assert torch.equal(at_load.logits(IDS), stored.logits(IDS))
+
+
 def test_inspect_counts_the_stored_tensors(arts, capsys):
     for dtype in ("bf16", "int8"):
         assert cli(["inspect", str(arts[dtype])]) == 0
