@@ -150,9 +150,10 @@ def copy_residents(ckpt, out: Path, resident_dtype: str = "bf16") -> Residents:
         size += n
     encoded: dict[str, dict[str, np.ndarray]] = {}  # source -> its stored tensors not yet written
 
-    def data(name: str, dtype: str, shape: tuple, src: str) -> bytes:
+    def data(name: str, dtype: str, shape: tuple, src: str) -> memoryview:
+        """The stored tensor's bytes, viewed, not copied (an lm_head is GBs)."""
         if name == src and dtype == ckpt.tensor_info(src).dtype:  # kept as stored
-            raw = ckpt.tensor(src).tobytes()
+            arr = ckpt.tensor(src)
         else:
             if src not in encoded:
                 encoded[src] = encode_stored(src, ckpt.tensor(src), resident_dtype)
@@ -162,7 +163,7 @@ def copy_residents(ckpt, out: Path, resident_dtype: str = "bf16") -> Residents:
             if arr.shape != shape:
                 raise BuildError(f"{src}: encoded {name!r} as {list(arr.shape)}, the layout says "
                                  f"{list(shape)}")
-            raw = arr.tobytes()
+        raw = memoryview(np.ascontiguousarray(arr)).cast("B")
         if len(raw) != math.prod(shape) * DTYPE_BYTES[dtype]:
             raise BuildError(f"{ckpt.path}: tensor {name!r} read back with a wrong size")
         return raw
