@@ -22,7 +22,7 @@ def load(path, **kwargs):
     return _load(path, **kwargs)
 
 
-def load_model(path, device: str = "cpu", dtype: str = "float32", resident_dtype: str = "bf16"):
+def load_model(path, device: str = "cpu", dtype: str = "float32", resident_dtype=None):
     """Load a K3 checkpoint or artifact (any layout the reader accepts) as the reference model,
     every routed expert resident."""
     from .engine.runtime import load_model as _load_model

@@ -109,6 +109,16 @@ def test_int4_shapes_torch_refuses_compute_through_the_reference():
     assert torch.equal(linear(x, q), F.linear(x, q.dequantize()))
 
 
+@pytest.mark.parametrize("width", [8, 24, 40])
+def test_int8_widths_torch_miscomputes_go_through_the_reference(width):
+    """torch's int8 kernel returns garbage or crashes for K % 16 != 0 (the tiny fixture has a
+    [96, 24] f_b_proj): such matrices compute through the reference."""
+    q = quantize_int8(bf16(96, width, seed=6))
+    assert not q.fast() and quantize_int8(bf16(96, 48, seed=6)).fast()
+    x = bf16(9, width, seed=7)
+    assert torch.equal(linear(x, q), F.linear(x, q.dequantize()))
+
+
 def test_int4_falls_back_to_int8_where_the_width_is_not_a_multiple_of_the_group():
     assert isinstance(quantize(bf16(16, 48), "int4"), Int8Weight)
     assert isinstance(quantize(bf16(16, 64), "int4"), Int4Packed)

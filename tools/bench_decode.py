@@ -4,9 +4,9 @@
       -> raw O_DIRECT sequential read of a bank part (disk rate, cold), then cold random
          whole-record reads at each --depths read depth (bench_io.random_reads)
       -> one expert at T=1 through the chosen kernel backend on its record bytes (compute rate)
-      -> per lookahead in (0, 1) and read-time verification off / on: evict page cache,
-         mtplx_runtime.load with --slots-per-layer cache slots per MoE layer, prefill, decode
-         --tokens greedy tokens
+      -> per resident dtype (--resident-dtype, quantized at load), lookahead in (0, 1) and
+         read-time verification off / on: evict page cache, mtplx_runtime.load with
+         --slots-per-layer cache slots per MoE layer, prefill, decode --tokens greedy tokens
 
 One line per configuration (verify=off: --no-verify; verify=sha256: the default read-time
 check on a fresh receipt directory, so every record's first read is checked against its manifest
@@ -51,6 +51,7 @@ used guess landing to its first use).
                                  [--read-depth N] [--depths 1,2,4,8,16,32] [--sample-mib 256]
                                  [--repeats 1] [--dir DIR] [--keep] [--config NAME|PATH]
                                  [--routes TRACE] [--guess-recall P]
+                                 [--resident-dtype bf16,int8,int4]
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ from mtplx_runtime.artifact.manifest import MANIFEST_NAME, load_manifest
 from mtplx_runtime.engine.generate import GenerationStats, generate_step
 from mtplx_runtime.engine.presets import PresetError, add_config_arg, parse_args
 from mtplx_runtime.fixtures.k3_slice import make_k3_slice
+from mtplx_runtime.formats.residents import RESIDENT_DTYPES
 from mtplx_runtime.kernels import name_of, select_backend
 from mtplx_runtime.offload.buffers import aligned_buffer
 from mtplx_runtime.offload.provider import StreamingExpertProvider
@@ -334,15 +336,17 @@ def replay_hit_rates(prefill: np.ndarray, routes: np.ndarray, experts: int,
 
 def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens: int,
                kernels, verify: bool, routes: np.ndarray | None = None,
-               guesses: dict | None = None, read_depth: int = DEFAULT_READ_DEPTH) -> dict:
+               guesses: dict | None = None, read_depth: int = DEFAULT_READ_DEPTH,
+               resident_dtype: str = "bf16") -> dict:
     """One configuration; `routes` [N, layers, 16] replaces the routers, `guesses` (with
     routes) their lookahead. The result's "routes" are the decode routes taken [n, layers, 16]
     (the routers' are read back after each step), "prefill_routes" the prompt's [P, layers,
-    16]."""
+    16]. `resident_dtype`: the trunk's matrices quantized at load (FORMAT.md "Quantized
+    residents")."""
     evict(paths)
     with load(art, dtype="bfloat16", kernels=kernels, lookahead=lookahead,
               cache_slots=(slots, 0), tokenizer=False, verify=verify,
-              read_depth=read_depth) as rt:
+              read_depth=read_depth, resident_dtype=resident_dtype) as rt:
         stats, before, taken = GenerationStats(), None, []
         moes = rt.model.moe_blocks()
         if routes is None:
@@ -444,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode routes from a route trace (mtplx JSONL, plain lists, .npy "
                          "[N,L,K]) or a synth: spec, e.g. synth:k3 (default: the slice's random "
                          "routers)")
+    ap.add_argument("--resident-dtype", default="bf16", metavar="LIST",
+                    help="comma list of resident dtypes (bf16,int8,int4), each quantized at load; "
+                         "one line per dtype per configuration (default bf16)")
     ap.add_argument("--guess-recall", type=float, default=None, metavar="P",
                     help="with --routes: synthetic lookahead guesses keeping each true expert "
                          "with probability P (default: the trace's own guesses, else "
@@ -464,6 +471,10 @@ def main(argv=None) -> int:
     kernels = select_backend(a.kernels)
     if kernels.DEVICE != "cpu":
         ap.error("bench_decode runs the model on the CPU: use --kernels cpu or reference")
+    resident_dtypes = a.resident_dtype.split(",")
+    if not set(resident_dtypes) <= set(RESIDENT_DTYPES):
+        ap.error(f"--resident-dtype takes a comma list of {', '.join(RESIDENT_DTYPES)}, not "
+                 f"{a.resident_dtype}")
     if a.guess_recall is not None and not (a.routes and 0.0 <= a.guess_recall <= 1.0):
         ap.error("--guess-recall needs --routes and a probability in [0, 1]")
     trace = routes = None
@@ -490,7 +501,8 @@ def main(argv=None) -> int:
               f"threads={torch.get_num_threads()} layers={a.layers} experts={a.experts} top_k=16 "
               f"bank_bytes={bank} slots_per_layer={a.slots_per_layer} tokens={a.tokens} "
               f"prompt={len(PROMPT)} dtype=bfloat16 build_s={build_s:.0f} "
-              f"kernels={name_of(kernels)} read_depth={a.read_depth}"
+              f"kernels={name_of(kernels)} read_depth={a.read_depth} "
+              f"resident_dtypes={','.join(resident_dtypes)}"
               + ("" if routes is None else f" routes={routes_name(trace)}:{len(routes)}"),
               flush=True)
         disk, rates = disk_rates(art, paths, a.depths, a.sample_mib << 20)
@@ -509,22 +521,24 @@ def main(argv=None) -> int:
                 print(f"# round={rep} raw_odirect_seq_gbps={disk / 1e9:.3f} "
                       f"{rates_fields(rates)}", flush=True)
             best = max(rates.values())
-            for la in (0, 1):
-                # A fresh receipt directory per round and lookahead: "sha256" learns, "xxh3"
-                # reuses; odd rounds move "off" last so no configuration always runs first.
+            for rd, la in [(rd, la) for rd in resident_dtypes for la in (0, 1)]:
+                # A fresh receipt directory per round, dtype and lookahead: "sha256" learns,
+                # "xxh3" reuses; odd rounds move "off" last so no configuration always runs
+                # first.
                 receipts.append(tempfile.mkdtemp(prefix="receipts_", dir=base))
                 os.environ[RECEIPTS_ENV] = receipts[-1]
                 order = ("off", "sha256", "xxh3") if rep % 2 == 0 else ("sha256", "xxh3", "off")
                 for verify in order:
                     r = run_config(art, paths, la, a.slots_per_layer, a.tokens, kernels,
-                                   verify != "off", routes, guesses, a.read_depth)
+                                   verify != "off", routes, guesses, a.read_depth, rd)
                     # The drive's best random-read rate at the record size, not its sequential
                     # rate: decode reads whole records in random order.
                     io_bound = (best / r["bytes_per_token"] if r["bytes_per_token"]
                                 else float("inf"))
                     ratio = r["tok_s"] / min(io_bound, compute_bound)
                     beaten += ratio > 1.0
-                    print(f"round={rep} lookahead={la} verify={verify} tok_s={r['tok_s']:.3f} "
+                    print(f"round={rep} resident_dtype={rd} lookahead={la} verify={verify} "
+                          f"tok_s={r['tok_s']:.3f} "
                           f"hit_rate={r['hit_rate']:.3f} "
                           f"bytes_per_token={r['bytes_per_token']:.0f} "
                           f"stall_share={r['stall_share']:.3f} io_bound_tok_s={io_bound:.3f} "

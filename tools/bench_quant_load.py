@@ -34,6 +34,8 @@ from mtplx_runtime.checkpoint.residents import resident_tensor_specs
 from mtplx_runtime.model.load import load_residents
 
 class StandIn:
+    path, resident_dtype = "stand-in", "bf16"  # a checkpoint of bf16 tensors
+
     def __init__(self, cfg):
         self.config, self.gen = cfg, torch.Generator().manual_seed(0)
         self.specs = resident_tensor_specs(cfg)

@@ -29,6 +29,7 @@ from ..checkpoint import open_checkpoint
 from ..formats import FormatError
 from ..formats.ctint import pack_codes, pack_zero_points, unpack_codes, unpack_zero_points
 from ..formats.record import PROJECTIONS, RecordLayout, part_name, quantization_for, record_layout
+from ..formats.residents import RESIDENT_DTYPES
 from ..formats.t158 import encode_t158
 from .journal import JOURNAL_FORMAT, BuildError, fsync_dir
 from .manifest import load_manifest, write_manifest
@@ -260,7 +261,8 @@ class Progress:
 
 def build_artifact(src: str | os.PathLike, out: str | os.PathLike, *, codec: str = "keep",
                    layers: str | list[int] | None = None, jobs: int = 1,
-                   progress: bool | Progress = True) -> BuildReport:
+                   progress: bool | Progress = True,
+                   resident_dtype: str = "bf16") -> BuildReport:
     """Build (or resume, or extend) the streaming artifact for `src` in `out`. Blocks.
 
     codec "keep" stores the source's own codec ("t158" copies records byte for byte, w3 becomes
@@ -269,12 +271,17 @@ def build_artifact(src: str | os.PathLike, out: str | os.PathLike, *, codec: str
     command after a crash, a full disk or Ctrl-C resumes; asking for more layers than a finished
     `out` holds extends it (FORMAT.md "Build journal, resume and publication"). `progress`: True
     for the default Progress on stderr, False for none, or a Progress to report to.
+    `resident_dtype` "int8" | "int4" stores the quantizable resident matrices quantized (FORMAT.md
+    "Quantized residents"; the bytes a bf16 artifact quantized at load holds), "bf16" as they are.
     KeyboardInterrupt stops every worker at its next record boundary before it propagates.
     """
     if codec not in ("keep", "t158"):
         raise BuildError(f"codec must be 'keep' or 't158', got {codec!r}")
     if jobs < 1:
         raise BuildError(f"jobs must be >= 1, got {jobs}")
+    if resident_dtype not in RESIDENT_DTYPES:
+        raise BuildError(f"resident dtype must be one of {', '.join(RESIDENT_DTYPES)}, got "
+                         f"{resident_dtype!r}")
     t0, out = time.monotonic(), Path(out)
     if not isinstance(progress, Progress):
         progress = Progress(disable=not progress)
@@ -285,7 +292,8 @@ def build_artifact(src: str | os.PathLike, out: str | os.PathLike, *, codec: str
         layer_ids = sorted(layers) if isinstance(layers, list) else parse_layers(layers, moe)
         out.mkdir(parents=True, exist_ok=True)
         with build_lock(out):
-            return _build_locked(ckpt, esrc, out, codec, layer_ids, jobs, progress, t0)
+            return _build_locked(ckpt, esrc, out, codec, layer_ids, jobs, progress, t0,
+                                 resident_dtype)
 
 
 @contextmanager
@@ -329,11 +337,11 @@ def build_lock(out: Path) -> Iterator[None]:
 
 
 def _build_locked(ckpt, esrc: ExpertSource, out: Path, codec: str, layer_ids: list[int],
-                  jobs: int, progress: Progress, t0: float) -> BuildReport:
+                  jobs: int, progress: Progress, t0: float, resident_dtype: str) -> BuildReport:
     cfg = ckpt.config
     extending = (out / MANIFEST).exists()
     if extending:
-        finished = _finished_manifest(out, esrc.mode, layer_ids)
+        finished = _finished_manifest(out, esrc.mode, layer_ids, resident_dtype)
         if {r.layer for r in finished.records} == set(layer_ids):
             parts = sorted({s.shard for r in finished.records for s in r.segments})
             return BuildReport(out, esrc.mode, parts, len(finished.records), 0, 0, len(parts),
@@ -362,14 +370,15 @@ def _build_locked(ckpt, esrc: ExpertSource, out: Path, codec: str, layer_ids: li
         progress.close()
     # Publication order (FORMAT.md "Build journal, resume and publication"): parts,
     # residents, metadata, index, receipt, manifest last.
-    residents = copy_residents(ckpt, out)
+    residents = copy_residents(ckpt, out, resident_dtype)
     crash_point("residents")
     copy_metadata_files(ckpt, out)
     index = {"metadata": {"total_size": sum(r.length for r in residents.tensors)},
              "weight_map": {r.tensor: r.shard for r in residents.tensors}}
     install_bytes(out / INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
     src_hashes = source_hashes(source_files(ckpt))
-    manifest = assemble_manifest(cfg, esrc, ckpt, results, residents, src_hashes)
+    manifest = assemble_manifest(cfg, esrc, ckpt, results, residents, src_hashes,
+                                 resident_dtype)
     receipt = receipt_bytes(ckpt, esrc, codec, out, results, manifest, src_hashes)
     if extending:
         # The old receipt describes the smaller artifact; readers never need it, and until the
@@ -449,15 +458,20 @@ def format_layers(layers: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _finished_manifest(out: Path, mode: str, layer_ids: list[int]):
-    """The manifest of the finished artifact in `out`. It can be extended (same mode, every
-    finished layer asked for again); anything else is refused naming the command to use."""
+def _finished_manifest(out: Path, mode: str, layer_ids: list[int], resident_dtype: str):
+    """The manifest of the finished artifact in `out`. It can be extended (same mode and
+    resident dtype, every finished layer asked for again); anything else is refused naming the
+    command to use."""
     m = load_manifest(out / MANIFEST)
     have_mode = m.quantization.get("mode")
     layers = sorted({r.layer for r in m.records})
     if have_mode != mode:
         raise BuildError(f"{out}: holds a finished {have_mode} artifact and this build makes "
                          f"{mode}; use a fresh output directory")
+    if m.resident_dtype != resident_dtype:
+        raise BuildError(f"{out}: holds a finished artifact with {m.resident_dtype} residents and "
+                         f"this build writes {resident_dtype} ones; use --resident-dtype "
+                         f"{m.resident_dtype} to extend it, else a fresh output directory")
     missing = sorted(set(layers) - set(layer_ids))
     if missing:
         union = format_layers(sorted(set(layers) | set(layer_ids)))

@@ -29,6 +29,7 @@ class Descriptor:
     # Indexed tensors with this prefix == resident_tensors (FORMAT.md "Verifying and reading").
     resident_prefix: str = ""
     allow_preserved: bool = False  # rule 20: trusted K3 descriptor only
+    resident_dtype: str | None = None  # rule 15: the form of the residents, when pinned
 
 
 # MTPLX KIMI_K3_EXPERT_Q1T: FORMAT.md rules 15-20 and "Bank parts".
@@ -51,17 +52,19 @@ K3_T158_DESCRIPTOR = Descriptor(
     tensor_bytes=751_651_922_944,
     resident_prefix="language_model.",
     allow_preserved=True,
+    resident_dtype="bf16",
 )
 K3_T158_RECORD_BYTES = 7_741_440
 
 
 def descriptor_for(cfg, mode: str, bits: int | None = None, *, model_key: str | None = None,
                    source_repo: str | None = None, source_revision: str | None = None,
-                   layers=None) -> Descriptor:
+                   layers=None, resident_dtype: str | None = None) -> Descriptor:
     """Descriptor for one of our artifacts: `cfg` (ModelConfig) gives the routed layers, expert
     count and projection shapes; `mode` one of MODES except affine; `bits` defaults per mode.
     `layers` narrows the routed layers for an artifact built with `--layers` (each must be an
-    MoE layer of `cfg`; every expert of each is still required)."""
+    MoE layer of `cfg`; every expert of each is still required). `resident_dtype` pins the form
+    of the residents (FORMAT.md "Quantized residents"); None accepts any."""
     if layers is None:
         layers = cfg.moe_layers
     elif not set(layers) <= set(cfg.moe_layers):
@@ -78,7 +81,7 @@ def descriptor_for(cfg, mode: str, bits: int | None = None, *, model_key: str | 
                       quantization={"bits": bits, "group_size": spec.group_size, "mode": mode},
                       layers=tuple(sorted(layers)), experts=cfg.num_experts,
                       components=tuple(comps), source_repo=source_repo,
-                      source_revision=source_revision)
+                      source_revision=source_revision, resident_dtype=resident_dtype)
 
 
 _ROUTED = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.(?:switch_mlp|experts)\.")
@@ -88,7 +91,7 @@ def validate_descriptor(m: Manifest, d: Descriptor) -> None:
     """FORMAT.md rules 15-20 against `d` (run validate_structure first). Raises ManifestError."""
     if m.quantization != d.quantization:
         raise ManifestError(f"quantization {m.quantization} != expected {d.quantization}")
-    for key in ("model_key", "source_repo", "source_revision"):
+    for key in ("model_key", "source_repo", "source_revision", "resident_dtype"):
         want = getattr(d, key)
         if want is not None and getattr(m, key) != want:
             raise ManifestError(f"{key} {getattr(m, key)!r} != expected {want!r}")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..checkpoint.safetensors_io import CheckpointError, no_duplicate_keys, read_regular
 from ..formats.record import ALIGNMENT, MODES, PAD
+from ..formats.residents import RESIDENT_DTYPES
 
 FORMAT = "mtplx-expert-manifest-v1"
 MANIFEST_NAME = "expert-manifest.json"
@@ -35,7 +36,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 _TOP_REQ = {"format", "model_key", "source_repo", "source_revision", "quantization", "artifact",
             "shards", "resident_tensors", "records"}
-_TOP_OPT = {"sidecar", "manifest_sha256"}
+_TOP_OPT = {"sidecar", "manifest_sha256", "resident_dtype"}
 _ARTIFACT_KEYS = {"tensor_bytes", "resident_tensor_bytes", "routed_expert_bytes", "shard_count",
                   "record_count"}
 _QUANT_KEYS = {"bits", "group_size", "mode"}
@@ -127,6 +128,9 @@ class Manifest:
     records: list[Record]
     sidecar: Sidecar | None = None
     manifest_sha256: str | None = None
+    # The form of the resident tensors: "bf16" as published (omitted), or the quantized form of
+    # `mtplx build-manifest --resident-dtype int8|int4` (FORMAT.md "Quantized residents").
+    resident_dtype: str = "bf16"
     _canonical: bool = field(default=True, repr=False, compare=False)  # no explicit defaults
 
     @classmethod
@@ -148,6 +152,8 @@ class Manifest:
         }
         if self.sidecar is not None:
             d["sidecar"] = _sidecar_dict(self.sidecar)
+        if self.resident_dtype != "bf16":
+            d["resident_dtype"] = self.resident_dtype
         if self.manifest_sha256 is not None:
             d["manifest_sha256"] = self.manifest_sha256
         return d
@@ -415,6 +421,12 @@ class _Parser:
             if type(d[k]) is not list:
                 raise ManifestError(f"manifest: {k} must be an array")
         digest = d.get("manifest_sha256")
+        resident_dtype = d.get("resident_dtype", "bf16")
+        if resident_dtype not in RESIDENT_DTYPES:
+            raise ManifestError(f"manifest: resident_dtype {resident_dtype!r} is not one of "
+                                f"{list(RESIDENT_DTYPES)}")
+        if "resident_dtype" in d and resident_dtype == "bf16":
+            self.canonical = False
         return Manifest(
             format=FORMAT,
             model_key=self.str_(d["model_key"], "model_key"),
@@ -426,6 +438,7 @@ class _Parser:
             records=[self.record(r, i) for i, r in enumerate(d["records"])],
             sidecar=None if "sidecar" not in d else self.sidecar(d["sidecar"]),
             manifest_sha256=None if digest is None else self.hex64(digest, "manifest_sha256"),
+            resident_dtype=resident_dtype,
             _canonical=self.canonical,
         )
 

@@ -205,8 +205,9 @@ def _open_part(path: Path, size: int) -> int:
 def open_artifact(path: str | os.PathLike, *, manifest: Manifest | None = None,
                   verify_sha256: bool = False) -> Checkpoint:
     """Open a streaming artifact: its manifest (parsed here once, unless given), the resident
-    shards through the checkpoint reader, the bank checked against config and manifest. The
-    returned Checkpoint's `experts` is the BankExpertLayout (`locate`, `layout`, `manifest`)."""
+    shards through the checkpoint reader (in the form of the manifest's `resident_dtype`), the
+    bank checked against config and manifest. The returned Checkpoint's `experts` is the
+    BankExpertLayout (`locate`, `layout`, `manifest`)."""
     root = Path(path)
     if manifest is None:
         manifest = load_manifest(root / MANIFEST_NAME)  # ManifestError is a CheckpointError
@@ -215,7 +216,7 @@ def open_artifact(path: str | os.PathLike, *, manifest: Manifest | None = None,
         _check_manifest_residents(manifest, where, root)
         return BankExpertLayout(config, root, manifest, verify_sha256=verify_sha256)
 
-    return open_checkpoint(root, experts=bank)
+    return open_checkpoint(root, experts=bank, resident_dtype=manifest.resident_dtype)
 
 
 def open_source(path: str | os.PathLike, *, verify_sha256: bool = False) -> Checkpoint:

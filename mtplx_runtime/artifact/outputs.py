@@ -11,15 +11,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from ..checkpoint.residents import resident_tensor_specs
 from ..formats.record import ALIGNMENT, quantization_for
+from ..formats.resident_quant import encode_stored
+from ..formats.residents import stored_tensors
 from . import part as _part
 from .journal import BuildError, fsync_dir
 from .manifest import (
+    DTYPE_BYTES,
     FORMAT,
     Manifest,
     Record,
@@ -112,46 +119,80 @@ def resident_names(ckpt) -> list[str]:
     return sorted(n for n in ckpt.tensor_names() if not _EXPERT.match(n))
 
 
-def copy_residents(ckpt, out: Path) -> Residents:
-    """Copy every non-expert tensor byte for byte into `resident-NNNNN-of-MMMMM.safetensors`
-    shards (names sorted, header compact JSON space-padded to 8, data back to back)."""
-    groups: list[list[str]] = []
-    size = 0
+def _stored_residents(ckpt, resident_dtype: str) -> list[tuple[str, str, tuple, str]]:
+    """(stored name, dtype, shape, source tensor) of every resident the artifact holds, sorted
+    by stored name: each source tensor as is, or with `resident_dtype` int8/int4 each quantizable
+    text matrix as its stated tensors (FORMAT.md "Quantized residents")."""
+    table = resident_tensor_specs(ckpt.config) if resident_dtype != "bf16" else {}
+    out = []
     for name in resident_names(ckpt):
-        n = ckpt.tensor_info(name).nbytes
+        info = ckpt.tensor_info(name)
+        stored = (stored_tensors(name, tuple(info.shape), info.dtype, resident_dtype)
+                  if name in table else {name: (info.dtype, tuple(info.shape))})
+        out += [(n, dtype, shape, name) for n, (dtype, shape) in stored.items()]
+    return sorted(out)
+
+
+def copy_residents(ckpt, out: Path, resident_dtype: str = "bf16") -> Residents:
+    """Every non-expert tensor into `resident-NNNNN-of-MMMMM.safetensors` shards (names sorted,
+    header compact JSON space-padded to 8, data back to back): byte for byte, or with
+    `resident_dtype` int8/int4 each quantizable text matrix replaced by its stated tensors,
+    encoded one matrix at a time (`formats.resident_quant.encode_stored`)."""
+    stored = _stored_residents(ckpt, resident_dtype)
+    groups: list[list[tuple]] = []
+    size = 0
+    for t in stored:
+        n = math.prod(t[2]) * DTYPE_BYTES[t[1]]
         if not groups or (size + n > RESIDENT_SHARD_BYTES and groups[-1]):
             groups.append([])
             size = 0
-        groups[-1].append(name)
+        groups[-1].append(t)
         size += n
+    encoded: dict[str, dict[str, np.ndarray]] = {}  # source -> its stored tensors not yet written
+
+    def data(name: str, dtype: str, shape: tuple, src: str) -> memoryview:
+        """The stored tensor's bytes, viewed, not copied (an lm_head is GBs)."""
+        if name == src and dtype == ckpt.tensor_info(src).dtype:  # kept as stored
+            arr = ckpt.tensor(src)
+        else:
+            if src not in encoded:
+                encoded[src] = encode_stored(src, ckpt.tensor(src), resident_dtype)
+            arr = encoded[src].pop(name)
+            if not encoded[src]:
+                del encoded[src]
+            if arr.shape != shape:
+                raise BuildError(f"{src}: encoded {name!r} as {list(arr.shape)}, the layout says "
+                                 f"{list(shape)}")
+        raw = memoryview(np.ascontiguousarray(arr)).cast("B")
+        if len(raw) != math.prod(shape) * DTYPE_BYTES[dtype]:
+            raise BuildError(f"{ckpt.path}: tensor {name!r} read back with a wrong size")
+        return raw
+
     shards, tensors = [], []
-    for i, names in enumerate(groups, 1):
+    for i, group in enumerate(groups, 1):
         fname = f"resident-{i:05d}-of-{len(groups):05d}.safetensors"
-        header, off, infos = {}, 0, []
-        for name in names:
-            info = ckpt.tensor_info(name)
-            header[name] = {"dtype": info.dtype, "shape": list(info.shape),
-                            "data_offsets": [off, off + info.nbytes]}
-            infos.append((name, info, off))
-            off += info.nbytes
+        header, off, placed = {}, 0, []
+        for name, dtype, shape, _ in group:
+            n = math.prod(shape) * DTYPE_BYTES[dtype]
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+            placed.append((name, dtype, shape, off, n))
+            off += n
         raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
         raw += b" " * (-len(raw) % 8)
         prefix = len(raw).to_bytes(8, "little") + raw
 
-        def chunks(names=names, prefix=prefix):
+        def chunks(group=group, prefix=prefix):
             yield prefix
-            for name in names:
-                data = ckpt.tensor(name).tobytes()
-                if len(data) != ckpt.tensor_info(name).nbytes:
-                    raise BuildError(f"{ckpt.path}: tensor {name!r} read back with a wrong size")
-                for k in range(0, len(data), HASH_CHUNK):
-                    yield data[k:k + HASH_CHUNK]
+            for t in group:
+                blob = data(*t)
+                for k in range(0, len(blob), HASH_CHUNK):
+                    yield blob[k:k + HASH_CHUNK]
 
         total, digest = install_chunks(out / fname, chunks())
         shards.append(Shard(fname, total, len(prefix), hashlib.sha256(prefix).hexdigest(),
                             digest))
-        tensors += [ResidentTensor(n, fname, len(prefix) + o, info.nbytes, info.dtype,
-                                   tuple(info.shape)) for n, info, o in infos]
+        tensors += [ResidentTensor(name, fname, len(prefix) + o, n, dtype, shape)
+                    for name, dtype, shape, o, n in placed]
     return Residents(shards, sorted(tensors, key=lambda t: t.tensor))
 
 
@@ -169,8 +210,9 @@ def copy_metadata_files(ckpt, out: Path) -> list[str]:
 
 
 def assemble_manifest(cfg, esrc, ckpt, results: dict, residents: Residents,
-                      src_hashes: list[dict]) -> Manifest:
-    """The manifest object: resident shards, then bank parts (sidecar shards) in layer order."""
+                      src_hashes: list[dict], resident_dtype: str = "bf16") -> Manifest:
+    """The manifest object: resident shards, then bank parts (sidecar shards) in layer order;
+    `resident_dtype` says what form `copy_residents` wrote the residents in."""
     layers = sorted(results)
     parts = [SidecarPart(results[L].name, results[L].size, results[L].sha256) for L in layers]
     shards = list(residents.shards) + [
@@ -193,7 +235,7 @@ def assemble_manifest(cfg, esrc, ckpt, results: dict, residents: Residents,
                   "routed_expert_bytes": routed, "shard_count": len(shards),
                   "record_count": len(records)},
         shards=shards, resident_tensors=residents.tensors, records=records,
-        sidecar=Sidecar(ALIGNMENT, parts))
+        sidecar=Sidecar(ALIGNMENT, parts), resident_dtype=resident_dtype)
 
 
 def cfg_model_key(cfg) -> str:

@@ -38,7 +38,8 @@ class Checkpoint:
     close() only when no read is in flight."""
 
     def __init__(self, path: Path, config: ModelConfig, shards: list[SafetensorsFile],
-                 where: dict[str, SafetensorsFile], experts: ExpertLayout | None = None):
+                 where: dict[str, SafetensorsFile], experts: ExpertLayout | None = None,
+                 resident_dtype: str = "bf16"):
         self.path = path
         self.config = config
         self._shards = shards
@@ -47,7 +48,10 @@ class Checkpoint:
         # "mxfp4" | "w3" | "t158" | "bf16"; "bank-{mode}" for a streaming artifact
         self.layout: str = self._experts.name
         self.codec: Codec = self._experts.codec
-        check_residents(config, where, str(path))
+        # "bf16" (as published) or an artifact's quantized residents (FORMAT.md "Quantized
+        # residents"): the stored tensors are checked against that form of the table.
+        self.resident_dtype = resident_dtype
+        check_residents(config, where, str(path), resident_dtype)
 
     @property
     def expert_layout(self) -> ExpertLayout:
@@ -92,13 +96,15 @@ class Checkpoint:
         self.close()
 
 
-def open_checkpoint(path: str | os.PathLike, *, experts=None) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike, *, experts=None,
+                    resident_dtype: str = "bf16") -> Checkpoint:
     """Open and validate a checkpoint directory; errors are CheckpointError naming the file.
 
     `experts`: for models whose routed experts live outside the shards (a streaming artifact:
     `artifact.open.open_artifact` passes it), a function `(config, {tensor: shard}) ->
     ExpertLayout`. Without it a directory holding an expert manifest, or an unfinished build of
-    one, is refused with a message saying how to open it."""
+    one, is refused with a message saying how to open it. `resident_dtype`: the form of the
+    resident tensors (an artifact's manifest says; a checkpoint's are bf16)."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory")
@@ -116,7 +122,7 @@ def open_checkpoint(path: str | os.PathLike, *, experts=None) -> Checkpoint:
             shards.append(SafetensorsFile(root / name))
         where = _locate(shards, weight_map, root)
         layout = experts(config, where) if experts is not None else None
-        return Checkpoint(root, config, shards, where, layout)
+        return Checkpoint(root, config, shards, where, layout, resident_dtype)
     except BaseException:
         for shard in shards:
             shard.close()

@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from ..formats.residents import stored_tensors
 from .config import ModelConfig
 from .layouts import is_expert_tensor
 from .safetensors_io import CheckpointError, SafetensorsFile
@@ -128,11 +129,26 @@ def _a_log_shape_ok(shape: tuple[int, ...], cfg: ModelConfig) -> bool:
     return len(axes) == 1 and axes[0] in (a_log_entries(cfg), cfg.kda_num_heads)
 
 
+def stored_specs(cfg: ModelConfig, resident_dtype: str = "bf16") -> dict[str, ResidentSpec]:
+    """The resident table as stored by an artifact built with `resident_dtype`: each quantized
+    matrix replaced by its stated tensors (FORMAT.md "Quantized residents")."""
+    out = {}
+    for name, spec in resident_tensor_specs(cfg).items():
+        for n, (dtype, shape) in stored_tensors(name, spec.shape, spec.dtype,
+                                                resident_dtype).items():
+            out[n] = ResidentSpec(shape, dtype)
+    return out
+
+
 def check_residents(
-    cfg: ModelConfig, where: Mapping[str, SafetensorsFile], root: str
+    cfg: ModelConfig, where: Mapping[str, SafetensorsFile], root: str,
+    resident_dtype: str = "bf16",
 ) -> None:
-    """Raise CheckpointError naming the tensor (and its file) unless every resident matches."""
-    specs = resident_tensor_specs(cfg)
+    """Raise CheckpointError naming the tensor (and its file) unless every resident matches the
+    table for `resident_dtype` (bf16: as published; int8/int4: an artifact's quantized form)."""
+    specs = stored_specs(cfg, resident_dtype)
+    needs = "the config requires" if resident_dtype == "bf16" else \
+        f"the config with {resident_dtype} residents requires"
     for name, shard in where.items():
         if name.startswith(_TEXT_PREFIXES) and name not in specs and not is_expert_tensor(name):
             raise CheckpointError(f"{shard.path}: tensor {name!r} is not used by the config "
@@ -142,7 +158,9 @@ def check_residents(
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         shown = ", ".join(missing[:5]) + more
-        raise CheckpointError(f"{root}: {len(missing)} required tensors are missing: {shown}")
+        raise CheckpointError(f"{root}: {len(missing)} required tensors are missing: {shown}"
+                              + ("" if resident_dtype == "bf16" else
+                                 f" (the artifact stores {resident_dtype} residents)"))
     for name, spec in specs.items():
         shard = where[name]
         info = shard.tensors[name]
@@ -152,8 +170,8 @@ def check_residents(
             shape_ok = info.shape == spec.shape
         if info.dtype != spec.dtype or not shape_ok:
             raise CheckpointError(
-                f"{shard.path}: tensor {name!r} is {info.dtype}{list(info.shape)}, the config "
-                f"requires {spec.dtype}{list(spec.shape)}"
+                f"{shard.path}: tensor {name!r} is {info.dtype}{list(info.shape)}, {needs} "
+                f"{spec.dtype}{list(spec.shape)}"
             )
 
 

@@ -24,6 +24,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "a finished OUT holds extend it")
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="layers built in parallel; memory holds at most N records (default 1)")
+    parser.add_argument("--resident-dtype", default="bf16", choices=("bf16", "int8", "int4"),
+                        help="resident matrices (attention, shared experts, latent projections, "
+                             "lm_head) as stored (bf16, default) or quantized into the artifact: "
+                             "int8 per channel, int4 in groups of 32; loading it reads them as "
+                             "they are (FORMAT.md \"Quantized residents\")")
     parser.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
                         help="no progress on stderr (default: a bar on a terminal, else a line "
                              "every 5 s)")
@@ -35,7 +40,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         r = build_artifact(args.src, args.out, codec=args.codec, layers=args.layers,
-                           jobs=args.jobs, progress=not args.no_progress)
+                           jobs=args.jobs, progress=not args.no_progress,
+                           resident_dtype=args.resident_dtype)
     except BuildError as e:
         print(f"mtplx build-manifest: error: {e}", file=sys.stderr)
         return 2
@@ -44,7 +50,8 @@ def main(args: argparse.Namespace) -> int:
               "command to resume", file=sys.stderr)
         return 130
     note = f" ({', '.join(r.notes)})" if r.notes else ""
-    print(f"build-manifest: {r.mode} {len(r.parts)} parts, {r.records} records "
+    residents = "" if args.resident_dtype == "bf16" else f", {args.resident_dtype} residents"
+    print(f"build-manifest: {r.mode}{residents} {len(r.parts)} parts, {r.records} records "
           f"({r.written} written, {r.resumed} resumed, {r.adopted} parts adopted) -> {r.out} "
           f"manifest {r.manifest_sha256[:12]} in {r.seconds:.1f}s{note}")
     return 0

@@ -25,7 +25,7 @@ def _gb(n: int) -> str:
 
 
 def describe(ckpt) -> list[tuple[str, str]]:
-    from ..checkpoint import resident_tensor_specs
+    from ..checkpoint.residents import stored_specs
 
     cfg = ckpt.config
     n = cfg.num_hidden_layers
@@ -34,7 +34,9 @@ def describe(ckpt) -> list[tuple[str, str]]:
     g = cfg.expert_shapes["gate"]
     expert_bytes = sum(ckpt.codec.projection_bytes(s) for s in cfg.expert_shapes.values())
     weights = sum(r * c for r, c in cfg.expert_shapes.values())
-    residents = [m for m in resident_tensor_specs(cfg) if ckpt.has_tensor(m)]
+    # An artifact built with --resident-dtype stores codes and scales in place of the matrices.
+    residents = [m for m in stored_specs(cfg, ckpt.resident_dtype) if ckpt.has_tensor(m)]
+    quantized = "" if ckpt.resident_dtype == "bf16" else f" ({ckpt.resident_dtype} matrices)"
     resident_bytes = sum(ckpt.tensor_info(m).nbytes for m in residents)
     routed = expert_bytes * len(moe) * cfg.num_experts
     return [
@@ -46,7 +48,7 @@ def describe(ckpt) -> list[tuple[str, str]]:
         ("layout", layout_text(ckpt.layout, ckpt.codec)),
         ("bytes/expert", f"{expert_bytes:,} ({8 * expert_bytes / weights:.3f} bits/weight)"),
         ("routed", f"{_gb(routed)} in {len(moe) * cfg.num_experts:,} experts"),
-        ("resident", f"{_gb(resident_bytes)} in {len(residents):,} tensors"),
+        ("resident", f"{_gb(resident_bytes)} in {len(residents):,} tensors{quantized}"),
     ]
 
 

@@ -33,7 +33,12 @@ from ..artifact.manifest import DTYPE_BYTES, MANIFEST_NAME, load_manifest
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.residents import resident_tensor_specs
 from ..formats.record import align_up, record_layout
-from ..formats.residents import RESIDENT_DTYPES, quantizable, quantized_bytes
+from ..formats.residents import (
+    RESIDENT_DTYPES,
+    quantizable,
+    quantized_bytes,
+    resolve_resident_dtype,
+)
 from ..kernels import BACKENDS
 from ..kernels.cpu import NATIVE_MODES
 from ..offload.reader import DEFAULT_READ_DEPTH
@@ -135,8 +140,11 @@ class ModelFacts:
     mode: str  # record codec mode, e.g. "t158"
     record_bytes: int  # logical bytes of one record (uniform across the bank)
     routed_layers: tuple[int, ...]  # 0-based MoE layers whose experts stream
-    residents: tuple[tuple[str, str, int], ...]  # (tensor, stored dtype, stored bytes)
+    # (tensor, dtype, bytes) as stored, but a quantized matrix as its bf16 original: resident_bytes
+    # sizes quantized matrices from the resident table
+    residents: tuple[tuple[str, str, int], ...]
     source: str  # "manifest" | "checkpoint" | "config"
+    resident_dtype: str = "bf16"  # what the model stores (an artifact's --resident-dtype)
 
 
 def facts_from_config(cfg: ModelConfig, mode: str = "t158", bits: int | None = None) -> ModelFacts:
@@ -168,11 +176,14 @@ def facts_from_dir(model_dir: str | Path, manifest=None) -> ModelFacts:
     # Only the tensors the model loads count; a stored length beats the table (A_log padding).
     wanted = resident_tensor_specs(cfg)
     stored = {t.tensor: (t.dtype, t.length) for t in m.resident_tensors}
-    residents = tuple((name, *stored.get(name, (s.dtype, math.prod(s.shape)
-                                                * DTYPE_BYTES[s.dtype])))
-                      for name, s in wanted.items())
+    quantized = m.resident_dtype != "bf16"
+    residents = tuple(
+        (name, s.dtype, math.prod(s.shape) * DTYPE_BYTES[s.dtype])
+        if name not in stored or (quantized and quantizable(name, s.shape, s.dtype))
+        else (name, *stored[name]) for name, s in wanted.items())
     return ModelFacts(cfg, m.quantization["mode"], sizes.pop(),
-                      tuple(sorted({r.layer for r in m.records})), residents, "manifest")
+                      tuple(sorted({r.layer for r in m.records})), residents, "manifest",
+                      m.resident_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,9 +261,11 @@ class MemoryPlan:
         return d
 
 
-def resident_bytes(facts: ModelFacts, dtype: str, resident_dtype: str = "bf16") -> int:
+def resident_bytes(facts: ModelFacts, dtype: str, resident_dtype: str | None = None) -> int:
     """BF16 residents load in the model dtype (double in float32), or quantized where
-    `resident_dtype` int8/int4 takes them; F32 ones stay F32."""
+    `resident_dtype` int8/int4 takes them (None: as the model stores them); F32 ones stay
+    F32."""
+    resident_dtype = resident_dtype or facts.resident_dtype
     size = DTYPE_SIZES[dtype]
     specs = resident_tensor_specs(facts.cfg) if resident_dtype != "bf16" else {}
     total = 0
@@ -311,7 +324,7 @@ def decodes_experts(kernels: str, mode: str) -> bool:
 
 
 def plan_for(facts: ModelFacts, *, memory_budget: int | str, host_budget: int | str = 0,
-             context: int = 4096, dtype: str = "bfloat16", resident_dtype: str = "bf16",
+             context: int = 4096, dtype: str = "bfloat16", resident_dtype: str | None = None,
              batch: int = 1,
              prefill_chunk: int | None = None, kernels: str = "cpu",
              read_depth: int = DEFAULT_READ_DEPTH, reserve_fraction: float = RESERVE_FRACTION,
@@ -321,8 +334,14 @@ def plan_for(facts: ModelFacts, *, memory_budget: int | str, host_budget: int | 
 
     prefill_chunk None picks the largest power of two <= 256 that fits and keeps at least 3/4
     of chunk 1's compute slots (the minimum reported is then chunk 1's); read_depth: reads in
-    flight (the reader's threads); runtime_baseline: what the process holds besides the items."""
+    flight (the reader's threads); runtime_baseline: what the process holds besides the items;
+    resident_dtype None: as the model stores them (`facts.resident_dtype`)."""
     budget, host = parse_bytes(memory_budget), parse_bytes(host_budget)
+    try:
+        resident_dtype = resolve_resident_dtype(resident_dtype, facts.resident_dtype,
+                                                "the artifact")
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     if dtype not in DTYPE_SIZES:
         raise PlanError(f"dtype must be one of {', '.join(DTYPE_SIZES)}, not {dtype!r}")
     if resident_dtype not in RESIDENT_DTYPES:

@@ -89,7 +89,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
          verify: bool = True, device: str | None = None,
          read_depth: int = DEFAULT_READ_DEPTH, warm: str | os.PathLike = "off",
          warm_progress: Callable[[str], None] | None = None,
-         resident_dtype: str = "bf16") -> Runtime:
+         resident_dtype: str | None = None) -> Runtime:
     """Load the model at `path` (a streaming artifact or any checkpoint the reader accepts).
 
     Experts stream from the bank when `path` is a streaming artifact or `memory_budget` is given
@@ -101,9 +101,12 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     'cpu' | 'cuda' | 'auto' | None ($MTPLX_KERNELS, else the best available); with the cuda
     kernels the residents live on the GPU. Otherwise every expert is decoded once and kept
     resident (tiny models, tests).
-    `dtype`: "bfloat16" | "float32". `resident_dtype`: "bf16" (as stored, every exactness
-    guarantee) | "int8" | "int4": the large resident matrices quantized at load (`model.quant`;
-    needs dtype bfloat16). `tokenizer=False` skips the tokenizer (logits-only use).
+    `dtype`: "bfloat16" | "float32". `resident_dtype`: None (as the model stores them: bf16, or
+    what an artifact was built with by `mtplx build-manifest --resident-dtype`) | "bf16" (every
+    exactness guarantee) | "int8" | "int4": the large resident matrices quantized at load from
+    bf16 ones (`model.quant`), or read quantized from such an artifact (another dtype than it
+    holds is a ValueError); needs dtype bfloat16. `tokenizer=False` skips the tokenizer
+    (logits-only use).
     `verify` (streamed experts): every record read is checked (its manifest SHA-256 the first
     time, then its learned XXH3: `offload.digests`) and every resident shard before use
     (`artifact.integrity.admit_shards`: hashed once, then trusted while the file is unchanged);
@@ -183,7 +186,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
 
 
 def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str = "float32",
-               resident_dtype: str = "bf16") -> KimiK3:
+               resident_dtype: str | None = None) -> KimiK3:
     """The reference model with every expert resident (decoded once): `load` without streaming,
     for any checkpoint or artifact the reader accepts."""
     torch_dtype = model_dtype(dtype)
@@ -193,6 +196,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str = "float
     return _build(ckpt, torch_dtype, device, provider, resident_dtype)
 
 
-def _build(ckpt, dtype: torch.dtype, device: str, provider, resident_dtype: str) -> KimiK3:
+def _build(ckpt, dtype: torch.dtype, device: str, provider,
+           resident_dtype: str | None) -> KimiK3:
     top, layers = load_residents(ckpt, dtype, device, resident_dtype)
     return KimiK3.from_weights(ckpt.config, top, layers, provider, dtype)

@@ -3,7 +3,9 @@
 The one place where checkpoint names meet the model (mlx-lm's `sanitize()`): BF16 tensors become
 the model dtype (float32 or bfloat16, exact either way); F32 tensors (KDA conv, A_log, dt_bias,
 o_norm, router correction bias; FORMAT.md "Resident tensors") stay float32 because the
-precision contract computes with them in fp32.
+precision contract computes with them in fp32. Quantized residents (FORMAT.md "Quantized
+residents") are computed at load from bf16 ones, or read as stored from an artifact built with
+`--resident-dtype`: the same tensors either way.
 """
 
 from __future__ import annotations
@@ -13,8 +15,13 @@ import torch
 
 from ..checkpoint import Checkpoint, resident_tensor_specs
 from ..checkpoint.residents import BACKBONE, LM_HEAD
-from ..formats.residents import RESIDENT_DTYPES, quantizable
-from .quant import quantize
+from ..formats.residents import (
+    RESIDENT_DTYPES,
+    quantizable,
+    resolve_resident_dtype,
+    stored_tensors,
+)
+from .quant import held, quantize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -57,8 +64,11 @@ def group_residents(cfg, make):
     return top, layers
 
 
-def check_resident_dtype(resident_dtype: str, dtype: torch.dtype) -> None:
-    """int8/int4 residents compute through bf16 matmuls: they need a bfloat16 model."""
+def check_resident_dtype(resident_dtype: str | None, dtype: torch.dtype) -> None:
+    """int8/int4 residents compute through bf16 matmuls: they need a bfloat16 model. None (as
+    the model stores them) is checked once the model's own dtype is known."""
+    if resident_dtype is None:
+        return
     if resident_dtype not in RESIDENT_DTYPES:
         raise ValueError(f"resident dtype must be one of {', '.join(RESIDENT_DTYPES)}, "
                          f"not {resident_dtype!r}")
@@ -68,19 +78,36 @@ def check_resident_dtype(resident_dtype: str, dtype: torch.dtype) -> None:
 
 
 def load_residents(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu",
-                   resident_dtype: str = "bf16"):
-    """The checkpoint's residents grouped by `group_residents`, in the model dtype; with
-    `resident_dtype` int8/int4 the matrices of `formats.residents.quantizable` are quantized one
-    at a time as they load (peak: the quantized total + one bf16 tensor + one row block)."""
+                   resident_dtype: str | None = None):
+    """The checkpoint's residents grouped by `group_residents`, in the model dtype. The matrices
+    of `formats.residents.quantizable` are read as stored by an artifact built with
+    `--resident-dtype` (then `resident_dtype` must be None or that dtype), or, from bf16 ones,
+    quantized one at a time as they load when `resident_dtype` is int8/int4 (peak: the
+    quantized total + one bf16 tensor + one row block). None: as the model stores them."""
+    stored = ckpt.resident_dtype
+    resident_dtype = resolve_resident_dtype(resident_dtype, stored, ckpt.path)
     check_resident_dtype(resident_dtype, dtype)
 
     def make(name, spec):
+        if stored != "bf16" and quantizable(name, spec.shape, spec.dtype):
+            return held(*(_stored(ckpt, n, st, device)
+                          for n, (st, _) in stored_tensors(name, spec.shape, spec.dtype,
+                                                          stored).items()))
         t = to_torch(ckpt.tensor(name), spec.dtype, dtype, device)
         if resident_dtype != "bf16" and quantizable(name, spec.shape, spec.dtype):
             return quantize(t, resident_dtype)
         return t
 
     return group_residents(ckpt.config, make)
+
+
+def _stored(ckpt: Checkpoint, name: str, st_dtype: str, device: str) -> torch.Tensor:
+    """One stored tensor of a quantized matrix as is: I8/U8 codes, BF16 scales and zeros (the
+    checkpoint reader checked dtype and shape against the table at open)."""
+    a = np.ascontiguousarray(ckpt.tensor(name))
+    t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if st_dtype == "BF16" else \
+        torch.from_numpy(a)
+    return t.to(device)
 
 
 def sub(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

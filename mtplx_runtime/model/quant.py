@@ -4,14 +4,18 @@
     bf16 matrix [N, K] --quantize_int8--> Int8Weight (q int8 [N, K], scale bf16 [N])
                        --quantize_int4--> Int4Weight (q 0..15 packed [N, K/2], scale + zero
                                           bf16 [K/32, N] each) --packed()--> Int4Packed
+    stated tensors (an artifact built with --resident-dtype) --held--> the same weights
     linear(x, w): F.linear for a tensor, w.linear(x) for a quantized weight
+
+The encoders are formats/resident_quant.py, shared with `mtplx build-manifest`.
 
 Both layouts are the ones torch's weight-only matmuls take (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`, gpt-fast's int8 and int4 paths), so the fast path is a maintained
 kernel; `dequantize()` is the obvious reference each is tested against. A shape the torch kernel
-refuses (int4 needs N % 16 == 0; tiny fixtures have such matrices), and any device but the CPU
-(no GPU kernel is wired yet), computes through the reference: same values, slower. A model
-holds one copy of each matrix: an int4 one torch takes is converted to its tiled layout at load.
+refuses (int4 needs N % 16 == 0, int8 K % 16 == 0; tiny fixtures have such matrices), and any
+device but the CPU (no GPU kernel is wired yet), computes through the reference: same values,
+slower. A model holds one copy of each matrix: an int4 one torch takes is converted to its tiled
+layout at load.
 
 Which tensors are quantized is one rule, `formats.residents.quantizable`: routing, norms, the
 AttnRes mixes and everything fp32 stay as stored, so the router sees what a bf16 model gives it.
@@ -22,10 +26,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..formats.residents import GROUP, RESIDENT_DTYPES
+from ..formats.resident_quant import encode_int4, encode_int8
+from ..formats.residents import GROUP, RESIDENT_DTYPES, quantized_kind
 
-__all__ = ["Int4Packed", "Int4Weight", "Int8Weight", "linear", "quantize", "quantize_int4",
-           "quantize_int8"]
+__all__ = ["Int4Packed", "Int4Weight", "Int8Weight", "held", "linear", "quantize",
+           "quantize_int4", "quantize_int8"]
 
 
 class Int8Weight:
@@ -44,7 +49,9 @@ class Int8Weight:
         return (self.q.float() * self.scale.float()[:, None]).to(self.dtype)
 
     def fast(self) -> bool:
-        return self.device.type == "cpu"
+        """Whether torch's CPU int8 kernel takes this matrix: it reads the input width in steps
+        of 16 and returns garbage, or crashes, for K % 16 != 0 (torch 2.13)."""
+        return self.device.type == "cpu" and self.shape[1] % 16 == 0
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] bf16 -> [T, N] bf16 through torch's weight-only int8 matmul on the CPU; the
@@ -128,53 +135,31 @@ class Int4Packed:
         return y.reshape(*lead, self.shape[0])
 
 
-# Rows are quantized in blocks of this many weights: the fp32 temporaries of one block, not of a
-# whole lm_head (163840 x 7168: 4.7 GB per fp32 copy), bound the transient memory of a load.
+# Int4Weight.packed converts rows in blocks of about this many weights: the int32 codes of one
+# block, not of a whole lm_head, bound the transient memory of a load.
 _BLOCK = 1 << 22
 _PACK_ROWS = 64  # rows torch's CPU int4 layout tiles together (Int4Weight.packed)
 
 
-def _row_blocks(w: torch.Tensor):
-    step = max(1, _BLOCK // w.shape[1])
-    for r in range(0, w.shape[0], step):
-        yield r, w[r:r + step].float()
-
-
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
-    """bf16 [N, K] -> Int8Weight: scale = max|w_n| / 127 rounded to bf16, q = round(w / scale)
-    clamped to ±127 (a zero row gets scale 1 and q 0)."""
-    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-    scale = torch.empty(w.shape[0], dtype=torch.bfloat16, device=w.device)
-    for r, w32 in _row_blocks(w):
-        amax = w32.abs().amax(dim=1)
-        s = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(torch.bfloat16)
-        q[r:r + len(w32)] = torch.round(w32 / s.float()[:, None]).clamp(-127, 127)
-        scale[r:r + len(w32)] = s
-    return Int8Weight(q, scale)
+    """bf16 [N, K] -> Int8Weight (`formats.resident_quant.encode_int8`)."""
+    return Int8Weight(*encode_int8(w))
 
 
 def quantize_int4(w: torch.Tensor) -> Int4Weight:
-    """bf16 [N, K] (K % GROUP == 0) -> Int4Weight: per group, scale = (max - min) / 15 and
-    zero = min + 8 · scale (both rounded to bf16), q = round((w - zero) / scale) + 8 in 0..15.
-    A group of one repeated value c uses scale |c| / 8 (1 for c = 0), so c dequantizes exactly."""
-    n, k = w.shape
-    if k % GROUP:
-        raise ValueError(f"int4 needs the input width to be a multiple of {GROUP}, not {k}")
-    packed = torch.empty(n, k // 2, dtype=torch.uint8, device=w.device)
-    scale = torch.empty(n, k // GROUP, dtype=torch.bfloat16, device=w.device)
-    zero = torch.empty_like(scale)
-    for r, w32 in _row_blocks(w):
-        rows = slice(r, r + len(w32))
-        g = w32.view(len(w32), k // GROUP, GROUP)
-        lo, hi = g.amin(-1), g.amax(-1)
-        # A constant group c keeps c exactly: scale |c| / 8 puts it at q = 0 (zero = c + |c|).
-        flat = torch.where(lo != 0, lo.abs() / 8, torch.ones_like(lo))
-        scale[rows] = torch.where(hi > lo, (hi - lo) / 15, flat)
-        zero[rows] = lo + 8 * scale[rows].float()
-        q = torch.round((g - zero[rows].float()[..., None]) / scale[rows].float()[..., None]) + 8
-        q = q.clamp(0, 15).to(torch.uint8).view(len(w32), k)
-        packed[rows] = q[:, 0::2] | (q[:, 1::2] << 4)
-    return Int4Weight(packed, scale.t().contiguous(), zero.t().contiguous())
+    """bf16 [N, K] (K % GROUP == 0) -> Int4Weight in the stated layout
+    (`formats.resident_quant.encode_int4`)."""
+    return Int4Weight(*encode_int4(w))
+
+
+def held(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None):
+    """A quantized matrix as a model holds it, from its stated tensors (computed at load, or
+    read from an artifact built with `--resident-dtype`): int8 without a zero; int4 with one,
+    packed for torch's kernel where it takes the shape, else in the stated layout."""
+    if zero is None:
+        return Int8Weight(q, scale)
+    w = Int4Weight(q, scale, zero)
+    return w.packed() if w.packable() else w
 
 
 def quantize(w: torch.Tensor, dtype: str):
@@ -183,12 +168,12 @@ def quantize(w: torch.Tensor, dtype: str):
     whose input width is not a multiple of GROUP (FORMAT.md "Quantized residents")."""
     if dtype == "bf16":
         return w
-    if dtype == "int8" or (dtype == "int4" and w.shape[1] % GROUP):
-        return quantize_int8(w)
-    if dtype == "int4":
-        q = quantize_int4(w)
-        return q.packed() if q.packable() else q
-    raise ValueError(f"resident dtype must be one of {', '.join(RESIDENT_DTYPES)}, not {dtype!r}")
+    if dtype not in RESIDENT_DTYPES:
+        raise ValueError(f"resident dtype must be one of {', '.join(RESIDENT_DTYPES)}, not "
+                         f"{dtype!r}")
+    if quantized_kind(tuple(w.shape), dtype) == "int8":
+        return held(*encode_int8(w))
+    return held(*encode_int4(w))
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
