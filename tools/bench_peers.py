@@ -11,10 +11,11 @@
         less the 16 experts' bytes is its footprint with no expert held; the larger one counts
     per cap (baseline + 5 %, 25 %, 100 % of the expert bytes): a memory cgroup with that hard
         limit (page cache included), the models' pages evicted first, each engine run as a child
-        in it: ours with --memory-budget = cap; llama.cpp as users run it (mmap, default repack),
-        mmap without repack, and --no-mmap.
+        in it: ours with --memory-budget = cap, cold (empty cache) and then warm (the next start:
+        the cache filled before the prompt from the counts the cold run wrote, --warm); llama.cpp
+        as users run it (mmap, default repack), mmap without repack, and --no-mmap.
 
-One line per (cap, engine); then one ratio line per cap. Every engine gets the same prompt ids
+One line per (cap, engine); then per cap the ratio of each of our runs to llama.cpp's best. Every engine gets the same prompt ids
 (tokenized once by our tokenizer), greedy, the same number of tokens, 2 threads. Disk bytes come
 from /proc/self/io read_bytes inside each engine, split at the end of load, prefill and decode;
 peak RSS from getrusage; the cgroup's peak from its max_usage (v1) or memory.peak (v2).
@@ -170,6 +171,7 @@ class Run:
     read_decode: int = 0
     maxrss: int = 0  # bytes
     cgroup_peak: int = 0
+    wall_s: float = 0.0  # the child's whole life
 
     @property
     def tok_s(self) -> float:
@@ -220,7 +222,8 @@ def run_line(r: Run, ref: list[int]) -> str:
             f"decode_read_gb_per_tok={gb(r.read_per_token)} prefill_read_gb={gb(r.read_prefill)} "
             f"load_read_gb={gb(r.read_load)} load_s={r.load_s:.1f} peak_rss_gb={gb(r.maxrss)} "
             f"cgroup_peak_gb={gb(r.cgroup_peak)} same_first_ids={agreement(r.ids, ref)}/"
-            f"{len(ref)} ids={','.join(map(str, r.ids))} load={os.getloadavg()[0]:.1f}")
+            f"{len(ref)} wall_s={r.wall_s:.0f} ids={','.join(map(str, r.ids))} "
+            f"load={os.getloadavg()[0]:.1f}")
 
 
 # ---- the peer: build ----
@@ -352,8 +355,10 @@ def check_experts(gguf_path: Path, art: Path, src_llama: Path, layer: int,
 
 # ---- runs ----
 
-def ours_child(art: str, cap: str, n: int, ids: list[int]) -> None:
-    """Our engine, timed like the driver: load, prefill, decode; /proc/self/io at each end."""
+def ours_child(art: str, cap: str, warm: str, n: int, ids: list[int]) -> None:
+    """Our engine, timed like the driver: load, prefill, decode; /proc/self/io at each end.
+    `warm`: a warm-start file; when it exists the cache is filled from it before the prompt,
+    and that counts as load (as --no-mmap's whole read counts as llama.cpp's load)."""
     import resource
 
     import torch
@@ -370,7 +375,9 @@ def ours_child(art: str, cap: str, n: int, ids: list[int]) -> None:
     torch.set_num_threads(THREADS)
     t0 = time.perf_counter()
     rt = mtplx_runtime.load(art, memory_budget=None if cap == "none" else int(cap),
-                            kernels="cpu", warm="off", tokenizer=False)
+                            kernels="cpu", warm=warm, tokenizer=False)
+    if rt.provider.warm is not None:
+        rt.provider.warm.wait()
     load_s, r_load = time.perf_counter() - t0, read_bytes()
     stats = GenerationStats()
     out, r_prefill = [], 0
@@ -393,6 +400,7 @@ def run_engine(engine: str, argv: list[str], cap: int | None, files: list[Path],
     cg = MemoryCgroup(f"mtplx_peers_{os.getpid()}_{time.monotonic_ns()}", cg_root)
     try:
         cg.set_limit(cap)
+        t0 = time.perf_counter()
         try:
             p = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                                preexec_fn=in_cgroup(cg.procs_file()), env=env)
@@ -404,17 +412,22 @@ def run_engine(engine: str, argv: list[str], cap: int | None, files: list[Path],
             why = (p.stderr.strip().splitlines() or ["?"])[-1][:160]
             return Run(engine, cap, f"error: {why}", [])
         r = parse_report(engine, cap, p.stdout)
-        r.cgroup_peak = cg.peak()
+        r.cgroup_peak, r.wall_s = cg.peak(), time.perf_counter() - t0
         return r
     finally:
         cg.remove()
 
 
-def engines(art: Path, gguf_path: Path, driver: Path, n: int, ids: list[int], cap: int | None):
-    """(name, argv, files it reads) per engine configuration at `cap`."""
+def engines(art: Path, gguf_path: Path, driver: Path, n: int, ids: list[int], cap: int | None,
+            warm: Path):
+    """(name, argv, files it reads) per engine configuration at `cap`. Ours runs twice: cold
+    (the cache starts empty and `warm` does not exist; the run writes its expert counts there)
+    and warm (the next start, filled from `warm` before the prompt)."""
     budget = "none" if cap is None else str(cap)
-    yield ("mtplx", [sys.executable, __file__, "--child-ours", str(art), budget, str(n),
-                     *map(str, ids)], model_files(art))
+    warm.unlink(missing_ok=True)
+    for name in ("mtplx", "mtplx warm"):
+        yield (name, [sys.executable, __file__, "--child-ours", str(art), budget, str(warm),
+                      str(n), *map(str, ids)], model_files(art))
     for name, mode, repack in LLAMA_CONFIGS:
         yield (name, [str(driver), str(gguf_path), mode, str(repack), str(THREADS), str(n),
                       *map(str, ids)], [gguf_path])
@@ -446,7 +459,7 @@ def main(argv=None) -> int:
         convert_child(*argv[1:4])
         return 0
     if argv[:1] == ["--child-ours"]:
-        ours_child(argv[1], argv[2], int(argv[3]), [int(x) for x in argv[4:]])
+        ours_child(argv[1], argv[2], argv[3], int(argv[4]), [int(x) for x in argv[5:]])
         return 0
     a = build_parser().parse_args(argv)
     try:  # fail before an hour of building and converting
@@ -472,7 +485,8 @@ def main(argv=None) -> int:
           f"{check_experts(gguf_path, art, src, 1, [0, 1, a.experts - 1])}", flush=True)
 
     foot = {}
-    for name, cmd, files in engines(base_art, base_gguf, driver, a.tokens, ids, None):
+    warm = a.work / "counts.warm"
+    for name, cmd, files in engines(base_art, base_gguf, driver, a.tokens, ids, None, warm):
         r = run_engine(name, cmd, None, files, a.cgroup_root, env)
         if r.status != "ok":
             raise SystemExit(f"bench_peers: baseline run of {name} failed: {r.status}")
@@ -483,14 +497,16 @@ def main(argv=None) -> int:
     for pct in a.caps:
         cap = baseline + expert_bytes * pct // 100
         runs = []
-        for name, cmd, files in engines(art, gguf_path, driver, a.tokens, ids, cap):
+        for name, cmd, files in engines(art, gguf_path, driver, a.tokens, ids, cap, warm):
             runs.append(run_engine(name, cmd, cap, files, a.cgroup_root, env))
             print(run_line(runs[-1], runs[0].ids), flush=True)
-        ours = runs[0]
-        best = max((r for r in runs[1:] if r.status == "ok"), key=lambda r: r.tok_s, default=None)
-        if ours.status == "ok" and best is not None:
-            print(f"peers ratio cap_pct={pct} cap_gb={gb(cap)} mtplx_over_best_llama="
-                  f"{ours.tok_s / best.tok_s:.2f} (best: {best.engine})", flush=True)
+        best = max((r for r in runs if r.status == "ok" and r.engine.startswith("llama")),
+                   key=lambda r: r.tok_s, default=None)
+        for ours in runs[:2]:
+            if ours.status == "ok" and best is not None:
+                print(f"peers ratio cap_pct={pct} cap_gb={gb(cap)} engine={ours.engine!r} "
+                      f"over_best_llama={ours.tok_s / best.tok_s:.2f} (best: {best.engine!r} "
+                      f"{best.tok_s:.3f} tok/s)", flush=True)
     return 0
 
 
