@@ -17,6 +17,7 @@ from mtplx_runtime.checkpoint import ModelConfig
 from mtplx_runtime.cli import plan as plan_cli
 from mtplx_runtime.engine.plan import (
     ITEMS,
+    KERNEL_HEADROOM_BYTES,
     RESERVE_FRACTION,
     RUNTIME_BASELINE_BYTES,
     PlanError,
@@ -60,7 +61,8 @@ def adds_up(p) -> None:
     assert p.record_stride % 4096 == 0 and p.record_stride >= p.record_bytes
     assert p.compute_slots >= p.working_set_records == p.top_k
     assert p.items["prefill_pool"] == p.transient_slots * p.record_stride
-    assert p.planned_peak_bytes == sum(p.items.values()) + p.compute_slots * p.record_stride
+    assert p.planned_peak_bytes == (sum(p.items.values()) - p.items["headroom"]
+                                    + p.compute_slots * p.record_stride)
 
 
 def torch_held(p) -> int:
@@ -248,10 +250,11 @@ def test_k3_160gib(k3):
     assert p.items["mla_cache"] == 27_648 * 4096
     assert p.items["io_buffers"] == 0 and p.items["prefill_pool"] == 16 * 7_741_440
     assert p.items["reserve"] == RUNTIME_BASELINE_BYTES + int(torch_held(p) * RESERVE_FRACTION)
+    assert p.items["headroom"] == KERNEL_HEADROOM_BYTES
     assert p.slack_bytes < p.record_stride
     assert p.compute_slots == (160 * GiB - sum(p.items.values())) // 7_741_440
     assert p.host_slots == 64 * GiB // 7_741_440 == 8876
-    assert p.compute_slots == 6660 and p.slots_per_layer == 72
+    assert p.compute_slots == 6634 and p.slots_per_layer == 72
     assert p.total_records == 82_432
     ctx = plan_for(k3, memory_budget="160GiB", context=1_048_576, prefill_chunk=1)
     assert ctx.items["mla_cache"] == 28_991_029_248  # ≈ 29.0 GB ("MLA")
@@ -261,11 +264,12 @@ def test_k3_160gib(k3):
     assert auto.minimum_chunk == 1 and auto.minimum_budget == p.minimum_budget
     gpu = plan_for(k3, memory_budget="160GiB", prefill_chunk=1, kernels="cuda")
     assert gpu.items["io_buffers"] == 16 * 7_741_440 and gpu.items["prefill_pool"] == 0
+    assert gpu.items["headroom"] == 0  # no page cache in a GPU budget
     text = format_plan(p)
     for needle in ("resident tensors", "KDA state", "MLA latent cache", "I/O buffers",
                    "prefill pool", "compute-tier slots", "host-tier slots: 8876",
                    "slots per layer: device 72", "105.71 GiB", "cpu kernels",
-                   "minimum budget: 111.98 GiB (120,240,326,912 B) at prefill chunk 1, largest "
+                   "minimum budget: 112.17 GiB (120,441,653,504 B) at prefill chunk 1, largest "
                    "part first:\n  resident tensors 105.71 GiB: fixed by the model"):
         assert needle in text
 

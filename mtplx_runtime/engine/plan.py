@@ -2,8 +2,8 @@
 
     model dir (manifest + config, or a plain checkpoint) + kernel backend -> ModelFacts
         -> fixed items (residents, KDA state, MLA cache, workspace, I/O buffers, prefill pool,
-           reserve) -> what is left / record stride = compute-tier slots; host budget / stride
-           = host slots
+           reserve, kernel headroom) -> what is left / record stride = compute-tier slots;
+           host budget / stride = host slots
 
 Every item is computed from the config, the record geometry and the kernel backend, never from
 this process, so `mtplx plan` and `load` agree and the same arithmetic checks the full-size K3
@@ -56,6 +56,11 @@ RUNTIME_BASELINE_BYTES = 320 * 2**20
 # Of the torch-held items (residents, state, workspace), for allocator fragmentation. Expert
 # slots are one mmap per tier and fragment nothing, so the fraction never touches them.
 RESERVE_FRACTION = 0.05
+# Room a host budget leaves for what a memory cgroup charges beside the process's RSS (page
+# cache of the libraries and files it reads, page tables, slab): 0.13-0.29 GB measured on a
+# K3-geometry slice. Planned up to the limit instead, every page fault reclaims and decode
+# slowed 1.3-2x (BENCHMARKS.md "bench_peers"). GPU budgets have no page cache: none there.
+KERNEL_HEADROOM_BYTES = 192 * 2**20
 DEFAULT_CONTEXT = 4096  # tokens, when nothing else decides
 # An afforded context (afforded_context) grows in powers of two up to here, and only while the
 # expert cache keeps this share of its slots: long contexts where memory has room, never bought
@@ -68,10 +73,11 @@ _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 
           "GB": 10**9, "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
           "TIB": 2**40}
 ITEMS = ("residents", "kda_state", "mla_cache", "workspace", "io_buffers", "prefill_pool",
-         "reserve")
+         "reserve", "headroom")
 LABELS = {"residents": "resident tensors", "kda_state": "KDA state",
           "mla_cache": "MLA latent cache", "workspace": "workspace", "io_buffers": "I/O buffers",
           "prefill_pool": "prefill pool", "reserve": "runtime reserve",
+          "headroom": "kernel headroom",
           "working_set": "expert working set"}
 # What lowers each part of the minimum, in the user's terms (`mtplx plan`, the PlanError).
 LOWERED_BY = {
@@ -83,6 +89,7 @@ LOWERED_BY = {
     "io_buffers": "GPU staging: one record per read in flight (the read depth)",
     "prefill_pool": "the reference kernels' prefill window; --kernels cpu needs none",
     "reserve": "fixed: the measured runtime baseline + 5% of residents, state and workspace",
+    "headroom": "fixed: page cache and kernel memory a memory limit counts beside the RSS",
     "working_set": "one layer's top-k records; fixed by the bank's codec",
 }
 
@@ -232,8 +239,9 @@ class MemoryPlan:
 
     @property
     def planned_peak_bytes(self) -> int:
-        """What the process holds once every planned slot is in use: the budget less slack."""
-        return self.memory_budget - self.slack_bytes
+        """The process's RSS once every planned slot is in use: the budget less slack and the
+        kernel headroom (page cache and kernel memory fill that, not the process)."""
+        return self.memory_budget - self.slack_bytes - self.items["headroom"]
 
     @property
     def slots_per_layer(self) -> int:
@@ -399,6 +407,7 @@ def _plan(facts, budget, host, context, dtype, resident_dtype, batch, kernels, r
     }
     torch_held = items["residents"] + items["kda_state"] + items["mla_cache"] + items["workspace"]
     items["reserve"] = baseline + int(torch_held * frac)
+    items["headroom"] = 0 if on_gpu else KERNEL_HEADROOM_BYTES
     parts = dict(items, working_set=k * stride)
     minimum = sum(parts.values())
     left = budget - sum(items.values())
@@ -486,6 +495,8 @@ def format_plan(plan: MemoryPlan) -> str:
                         if p.transient_slots else "none: prefill windows through the compute tier",
         "reserve": f"runtime baseline {fmt_bytes(p.runtime_baseline)} + "
                    f"{RESERVE_FRACTION:.0%} of residents, state and workspace",
+        "headroom": "page cache and kernel memory beside the RSS, so a hard limit never "
+                    "reclaims" if p.items["headroom"] else "none on a GPU",
     }
     rows = [(LABELS[n], p.items[n], notes[n]) for n in ITEMS]
     rows += [("compute-tier slots", p.compute_slots * p.record_stride,
