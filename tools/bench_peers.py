@@ -15,10 +15,11 @@
         the cache filled before the prompt from the counts the cold run wrote, --warm); llama.cpp
         as users run it (mmap, default repack), mmap without repack, and --no-mmap.
 
-One line per (cap, engine); then per cap the ratio of each of our runs to llama.cpp's best. Every engine gets the same prompt ids
-(tokenized once by our tokenizer), greedy, the same number of tokens, 2 threads. Disk bytes come
-from /proc/self/io read_bytes inside each engine, split at the end of load, prefill and decode;
-peak RSS from getrusage; the cgroup's peak from its max_usage (v1) or memory.peak (v2).
+One line per (cap, engine); then per cap the ratio of each of our runs to llama.cpp's best.
+Every engine gets the same prompt ids (tokenized once by our tokenizer), greedy, the same number
+of tokens, 2 threads. Disk bytes come from /proc/self/io read_bytes inside each engine, split at
+the end of load, prefill and decode; peak RSS from getrusage; the cgroup's peak from its
+max_usage (v1) or memory.peak (v2).
 
     python tools/bench_peers.py --work /work/peers            # build, convert, run, print
     python tools/bench_peers.py --work /work/peers --caps 5   # one cap
@@ -361,6 +362,7 @@ def ours_child(art: str, cap: str, warm: str, n: int, ids: list[int]) -> None:
     and that counts as load (as --no-mmap's whole read counts as llama.cpp's load)."""
     import resource
 
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the mtplx command sets it
     import torch
 
     import mtplx_runtime
