@@ -58,8 +58,8 @@ RUNTIME_BASELINE_BYTES = 320 * 2**20
 RESERVE_FRACTION = 0.05
 # Room a host budget leaves for what a memory cgroup charges beside the process's RSS (page
 # cache of the libraries and files it reads, page tables, slab): 0.13-0.29 GB measured on a
-# K3-geometry slice. Planned up to the limit instead, every page fault reclaims and decode
-# slowed 1.3-2x (BENCHMARKS.md "bench_peers"). GPU budgets have no page cache: none there.
+# K3-geometry slice. Planned up to the limit instead, page faults reclaim: decode slowed 1.3x
+# and a warm fill 4x (BENCHMARKS.md "bench_peers"). GPU budgets have no page cache: none there.
 KERNEL_HEADROOM_BYTES = 192 * 2**20
 DEFAULT_CONTEXT = 4096  # tokens, when nothing else decides
 # An afforded context (afforded_context) grows in powers of two up to here, and only while the
