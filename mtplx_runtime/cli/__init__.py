@@ -100,8 +100,9 @@ def _command(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # torch's OpenMP workers spin after every op by libgomp's default and crowd the native expert
-    # kernels' threads off the cores: all-cached decode ran ~20 % faster with them sleeping
-    # (BENCHMARKS.md "bench_peers"). A default only, and set before any subcommand loads torch.
+    # kernels' threads off the cores: all-cached decode took 40.3 ms per token with them sleeping
+    # against 50.1 (medians of 3, BENCHMARKS.md "bench_peers"). A default only, set before any
+    # subcommand loads torch.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         args = parse_args(argv)
