@@ -10,10 +10,11 @@
     baseline: each engine decodes a 16-expert slice with the same trunk, uncapped; its cgroup peak
         less the 16 experts' bytes is its footprint with no expert held; the larger one counts
     per cap (baseline + 5 %, 25 %, 100 % of the expert bytes): a memory cgroup with that hard
-        limit (page cache included), the models' pages evicted first, each engine run as a child
-        in it: ours with --memory-budget = cap, cold (empty cache) and then warm (the next start:
-        the cache filled before the prompt from the counts the cold run wrote, --warm); llama.cpp
-        as users run it (mmap, default repack), mmap without repack, and --no-mmap.
+        limit (page cache included), the models' pages evicted first (checked with mincore),
+        each engine run as a child in it: ours with --memory-budget = cap, cold (empty cache)
+        and then warm (the next start: the cache filled before the prompt from the counts the
+        cold run wrote, --warm); llama.cpp as users run it (mmap, default repack), mmap without
+        repack, and --no-mmap.
 
 One line per (cap, engine); then per cap the ratio of each of our runs to llama.cpp's best.
 Every engine gets the same prompt ids (tokenized once by our tokenizer), greedy, the same number
@@ -30,6 +31,7 @@ Needs root for the cgroup and a Linux memory controller; not part of `make test`
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -134,19 +136,17 @@ def in_cgroup(procs: Path):
 
 # ---- the page cache ----
 
-def evict(paths: list[Path]) -> None:
-    """Drop these files' pages from the page cache (a cold start): fsync + POSIX_FADV_DONTNEED on
-    each, and the whole clean cache too where this process may (root)."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("1")
-    except OSError:
-        pass  # not root: the per-file eviction above is the cold start
+def _bench_io():
+    """tools/bench_io.py as a module (tools/ is no package), for its checked eviction."""
+    spec = importlib.util.spec_from_file_location("bench_io", Path(__file__).with_name(
+        "bench_io.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# A cold start: the files dropped from the page cache, checked empty with mincore.
+evict = _bench_io().evict
 
 
 def model_files(path: Path) -> list[Path]:
