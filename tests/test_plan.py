@@ -95,19 +95,26 @@ def test_tiny_artifact_adds_up(tiny):
 
 def test_tiny_slots_scale_with_budget(tiny):
     """Past the fixed items every record of budget is a slot: compute slots plus the prefill
-    pool the packed-byte kernels take from spare slots (at most one window, at most the records
-    the compute tier misses), the rest slack."""
+    pool the packed-byte kernels take from spare slots (at most one window, and only while the
+    compute tier would miss more than a window's records), the rest slack; more budget never
+    gives fewer compute slots, and a tier one window short of the bank holds all it can."""
     _, art = tiny
     kw = dict(runtime_baseline=0, reserve_fraction=0, prefill_chunk=1)
     low = make_plan(art, memory_budget="1GiB", **kw)
     fixed = sum(low.items.values()) - low.items["prefill_pool"]
     total, k = low.total_records, low.top_k
+    window = max(k, 4)
+    last = 0
     for extra in range(k, total + 2):
         p = make_plan(art, memory_budget=fixed + extra * low.record_stride + 123, **kw)
         adds_up(p)
         assert p.compute_slots + p.transient_slots == min(extra, total)
-        assert p.transient_slots == min(4, extra - k, max(0, total - extra))
+        assert p.transient_slots == min(window, extra - k, max(0, total - extra - window))
         assert p.slack_bytes == 123 + max(0, extra - total) * p.record_stride
+        assert p.compute_slots >= last
+        last = p.compute_slots
+        if extra >= total - window:
+            assert p.compute_slots == min(extra, total)
 
 
 def test_refusal_below_the_minimum(tiny):
@@ -269,7 +276,7 @@ def test_k3_160gib(k3):
     for needle in ("resident tensors", "KDA state", "MLA latent cache", "I/O buffers",
                    "prefill pool", "compute-tier slots", "host-tier slots: 8876",
                    "slots per layer: device 72", "105.71 GiB", "cpu kernels",
-                   "minimum budget: 112.17 GiB (120,441,653,504 B) at prefill chunk 1, largest "
+                   "minimum budget: 112.17 GiB (120,441,459,968 B) at prefill chunk 1, largest "
                    "part first:\n  resident tensors 105.71 GiB: fixed by the model"):
         assert needle in text
 

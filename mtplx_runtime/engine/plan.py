@@ -301,9 +301,11 @@ def mla_token_bytes(cfg: ModelConfig, dtype: str) -> int:
 
 
 def workspace_bytes(cfg: ModelConfig, dtype: str, tokens: int, context: int,
-                    decoded_experts: int) -> int:
+                    decoded_experts: int, grouped: bool = False) -> int:
     """Estimate of one step's live activations for `tokens` (chunk x batch) tokens, fp32, plus
-    `decoded_experts` experts decoded to the model dtype. Conservative: the terms are summed."""
+    `decoded_experts` experts decoded to the model dtype. Conservative: the terms are summed.
+    `grouped`: the routed experts' intermediates are held for every (token, k) pair at once (the
+    CUDA grouped GEMM's h [T*K, I]); the host backends run one expert's tokens at a time."""
     t, d = tokens, cfg.hidden_size
     blocks = len(cfg.attn_res_block_starts)
     stream = (blocks + 4) * t * d  # AttnRes bank + running sum + mixed input + normed input
@@ -312,8 +314,8 @@ def workspace_bytes(cfg: ModelConfig, dtype: str, tokens: int, context: int,
     attn = max(10 * t * kda_w,  # q, k, v, g, beta, gates and their convolved copies
                t * cfg.num_attention_heads * (mla_head + 2 * context))  # q/k/v + scores, probs
     inner, shared = cfg.moe_intermediate_size, cfg.num_shared_experts * cfg.moe_intermediate_size
-    mlp = 3 * t * max(cfg.intermediate_size if cfg.first_k_dense_replace else 0, shared,
-                      cfg.num_experts_per_token * inner)
+    routed = (cfg.num_experts_per_token if grouped else 1) * inner
+    mlp = 3 * t * max(cfg.intermediate_size if cfg.first_k_dense_replace else 0, shared, routed)
     logits = t * cfg.vocab_size
     expert = 3 * inner * cfg.routed_expert_hidden_size * DTYPE_SIZES[dtype]
     return (stream + attn + mlp + logits) * ACT_BYTES + decoded_experts * expert
@@ -400,7 +402,8 @@ def _plan(facts, budget, host, context, dtype, resident_dtype, batch, kernels, r
         "residents": resident_bytes(facts, dtype, resident_dtype),
         "kda_state": kda_state_bytes(cfg, dtype, batch),
         "mla_cache": mla_token_bytes(cfg, dtype) * context * batch,
-        "workspace": workspace_bytes(cfg, dtype, chunk * batch, context, window if decodes else 0),
+        "workspace": workspace_bytes(cfg, dtype, chunk * batch, context, window if decodes else 0,
+                                     grouped=on_gpu),
         # On the host reads land in the slots; the GPU reader stages each read in flight.
         "io_buffers": read_depth * stride if on_gpu else 0,
         "prefill_pool": pool * stride,
@@ -415,10 +418,12 @@ def _plan(facts, budget, host, context, dtype, resident_dtype, batch, kernels, r
     if not decodes and not on_gpu and spare < total:
         # Slots beyond one decode step's go first to a prefill pool (up to one window), so a
         # prompt does not evict the decode experts; none at the minimum (prefill then windows
-        # through the compute tier), none when the compute tier holds the whole bank (prefill
-        # hits), and no more than the records the compute tier misses, so more budget never
-        # gives fewer compute slots.
-        pool = min(window, max(0, spare - k), total - spare)
+        # through the compute tier). Near the whole bank the pool gives way: a tier that misses
+        # at most a window's records prefills through itself (a prompt can evict only what it
+        # misses, and a pool would cost the cache that many records for good); between one and
+        # two windows short it shrinks a slot per slot of budget, so more budget never gives
+        # fewer compute slots.
+        pool = min(window, max(0, spare - k), max(0, total - spare - window))
         items["prefill_pool"] = pool * stride
         left -= pool * stride
         spare -= pool
