@@ -149,6 +149,7 @@ class Prefetcher:
         """
         out: dict[ExpertKey, Future] = {}
         landed: list[ExpertKey] = []
+        wake = False  # only new or promoted work needs the dispatcher (a wake costs the GIL)
         with self._cond:
             self._check_open()
             for key in keys:
@@ -163,6 +164,7 @@ class Prefetcher:
                 if job is not None:
                     if job.speculative:
                         self._promote_locked(job)
+                        wake = True
                     out[key] = job.future
                     continue
                 ref = self._ready_ref(key)
@@ -179,7 +181,9 @@ class Prefetcher:
                 self.stats.demand_reads += 1
                 self.stats.demand_bytes += job.length
                 out[key] = job.future
-            self._cond.notify_all()
+                wake = True
+            if wake:
+                self._cond.notify_all()
         if landed:
             self.note_used(landed)
         return out
