@@ -23,6 +23,9 @@ AttnRes mixes and everything fp32 stay as stored, so the router sees what a bf16
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -176,8 +179,32 @@ def quantize(w: torch.Tensor, dtype: str):
     return held(*encode_int4(w))
 
 
+# A CPU matrix-vector product over at most this many weight bytes runs on one torch thread: a
+# parallel region wakes the sleeping OpenMP workers (~70-100 us), more than splitting saves on
+# a product one core does in ~100 us (BENCHMARKS.md "Small products on one thread").
+ONE_THREAD_BYTES = 4 << 20
+
+
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """`F.linear(x, w)` for a tensor or a quantized weight."""
     if isinstance(w, torch.Tensor):
+        if x.device.type == "cpu" and x.numel() == x.shape[-1] and \
+                w.numel() * w.element_size() <= ONE_THREAD_BYTES:
+            with one_thread():
+                return F.linear(x, w)
         return F.linear(x, w)
     return w.linear(x)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's CPU ops on one intra-op thread inside (setting the count costs < 1 us)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
