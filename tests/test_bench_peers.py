@@ -150,3 +150,11 @@ def test_the_tool_refuses_a_machine_without_a_memory_cgroup(tmp_path):
                         "--cgroup-root", str(tmp_path)], capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(TOOL.parents[1])))
     assert p.returncode != 0 and "no memory cgroup controller" in p.stderr
+
+
+def test_caps_take_percentages_and_none(bench):
+    assert bench.build_parser().parse_args(["--work", "w"]).caps == [5, 25, 100]
+    assert bench.build_parser().parse_args(["--work", "w", "--caps", "100,none"]).caps \
+        == [100, None]
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--work", "w", "--caps", "100,all"])

@@ -24,6 +24,7 @@ max_usage (v1) or memory.peak (v2).
 
     python tools/bench_peers.py --work /work/peers            # build, convert, run, print
     python tools/bench_peers.py --work /work/peers --caps 5   # one cap
+    python tools/bench_peers.py --work /work/peers --caps 100,none   # and without a cap
 
 Needs root for the cgroup and a Linux memory controller; not part of `make test`.
 """
@@ -441,6 +442,14 @@ def commit() -> str:
     return r.stdout.strip() or "?"
 
 
+def parse_caps(text: str) -> list[int | None]:
+    """'5,25,100,none' -> [5, 25, 100, None] (None: no cap)."""
+    try:
+        return [None if x.strip() == "none" else int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"caps: percentages or 'none', not {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, required=True,
@@ -449,8 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="llama.cpp source and build (reused)")
     ap.add_argument("--experts", type=int, default=896)
     ap.add_argument("--tokens", type=int, default=16, help="greedy tokens per run")
-    ap.add_argument("--caps", type=lambda s: [int(x) for x in s.split(",")],
-                    default=list(CAP_PERCENTS), help="caps, %% of the expert bytes over baseline")
+    ap.add_argument("--caps", type=parse_caps, default=list(CAP_PERCENTS),
+                    help="caps, %% of the expert bytes over baseline; 'none' runs every engine "
+                         "without a cap (llama.cpp's --no-mmap needs more than 100 %%)")
     ap.add_argument("--cgroup-root", default="/sys/fs/cgroup")
     return ap
 
@@ -497,7 +507,7 @@ def main(argv=None) -> int:
               f"footprint_gb={gb(foot[name])}", flush=True)
     baseline = max(foot.values())
     for pct in a.caps:
-        cap = baseline + expert_bytes * pct // 100
+        cap = None if pct is None else baseline + expert_bytes * pct // 100
         runs = []
         for name, cmd, files in engines(art, gguf_path, driver, a.tokens, ids, cap, warm):
             runs.append(run_engine(name, cmd, cap, files, a.cgroup_root, env))
@@ -506,7 +516,8 @@ def main(argv=None) -> int:
                    key=lambda r: r.tok_s, default=None)
         for ours in runs[:2]:
             if ours.status == "ok" and best is not None:
-                print(f"peers ratio cap_pct={pct} cap_gb={gb(cap)} engine={ours.engine!r} "
+                where = "none" if cap is None else gb(cap)
+                print(f"peers ratio cap_pct={pct or 'none'} cap_gb={where} engine={ours.engine!r} "
                       f"over_best_llama={ours.tok_s / best.tok_s:.2f} (best: {best.engine!r} "
                       f"{best.tok_s:.3f} tok/s)", flush=True)
     return 0
