@@ -658,3 +658,41 @@ def test_real_reader_reads_record_bytes_into_slots(tmp_path, monkeypatch):
     assert len(landed) - len(slots) in (0, 1)
     assert sorted((k, n) for k, n, _ in cache.records) == sorted(
         (k, recs[k].sidecar_length) for k in half + issued)
+
+
+class ManualClock:
+    """The prefetch module's clock, moved only by the test."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_busy_seconds_count_only_time_with_a_read_in_the_reader(make, monkeypatch):
+    from mtplx_runtime.offload import prefetch
+
+    clock = ManualClock()
+    monkeypatch.setattr(prefetch, "time", clock)
+    pf, reader, cache = make(reader=FakeReader(gated=True), read_depth=4)
+    clock.now += 5.0  # idle: not counted
+    assert pf.busy_seconds() == 0.0
+    futs = pf.demand(keys(1, 3))
+    until(lambda: pf.inflight()["inflight_reads"] == 3)  # all three handed to the reader
+    clock.now += 2.0
+    assert pf.busy_seconds() == pytest.approx(2.0)  # the spell now running counts
+    reader.gate.set()
+    pf.wait(futs, timeout=T_OUT)
+    until(lambda: pf.inflight()["inflight_reads"] == 0)
+    clock.now += 7.0  # idle again
+    assert pf.busy_seconds() == pytest.approx(2.0) == pf.stats.busy_ms / 1e3
+    # A second spell adds to the first.
+    reader.gate.clear()
+    futs = pf.demand(keys(1, 1, start=3))
+    until(lambda: pf.inflight()["inflight_reads"] == 1)
+    clock.now += 0.5
+    reader.gate.set()
+    pf.wait(futs, timeout=T_OUT)
+    until(lambda: pf.inflight()["inflight_reads"] == 0)
+    assert pf.busy_seconds() == pytest.approx(2.5)

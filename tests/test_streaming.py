@@ -81,6 +81,9 @@ def check_counters(provider):
     assert dev["lookups"] > 0 and dev["misses"] > 0
     assert st["prefetch"]["failed_reads"] == 0
     assert st["stall_ms"] >= 0.0 and st["prefetch"]["stall_ms"] >= 0.0
+    # Kernel time ran (host slots), and only part of it can have overlapped reads.
+    assert st["kernel_ms"] > 0.0 and 0.0 <= st["kernel_overlap_ms"] <= st["kernel_ms"] + 1e-6
+    assert provider.prefetcher.busy_seconds() * 1e3 >= st["prefetch"]["busy_ms"] > 0.0
     assert dev["bytes_read"] > 0
     assert st["prefill_dedup"]["factor"] >= 1.0
     return st

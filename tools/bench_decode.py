@@ -18,7 +18,10 @@ bytes per token), the compute bound (1 / (MoE layers x top-k x time per expert))
 ratio of the smaller bound, the check share (seconds the reader threads spent hashing in decode,
 summed over threads, / decode time: the cost if none of it overlapped anything), the record
 checks passed by XXH3 alone / by SHA-256, and the bytes actually read per second of decode
-(`read_gbps`) next to the raw sequential and best random-read rates of the same round. Before
+(`read_gbps`) next to the raw sequential and best random-read rates of the same round, and where
+decode time went: `kernel_share` (in the kernel backend's calls), `overlap_share` (of that, with
+a read in the reader: compute the drive overlapped) and `drive_busy_share` (with a read in the
+reader, its check included: the drive's duty; an I/O-bound decode needs it near 1). Before
 each measurement the bank is written back (sync) and dropped from the page cache
 (posix_fadvise DONTNEED), and mincore checks it really left (the run stops otherwise). A
 configuration whose decode beats its own I/O bound is marked INVALID=ratio_above_1 and the run
@@ -202,6 +205,8 @@ def snapshot(provider) -> dict:
     st = provider.stats()
     dev, pf = st["totals"]["compute"], st["prefetch"]
     return {"hits": dev["hits"], "lookups": dev["lookups"], "stall_ms": st["stall_ms"],
+            "kernel_ms": st["kernel_ms"], "overlap_ms": st["kernel_overlap_ms"],
+            "busy_ms": provider.prefetcher.busy_seconds() * 1e3,
             "bytes": pf["demand_bytes"] + pf["spec_bytes"],
             "check_s": (st["checks"] or {}).get("seconds", 0.0),
             **{k: pf[k] for k in PREFETCH}}
@@ -388,6 +393,9 @@ def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens:
             "bytes_per_token": d["bytes"] / n,
             "read_bps": d["bytes"] / stats.decode_s,
             "stall_share": d["stall_ms"] / 1e3 / stats.decode_s,
+            "kernel_share": d["kernel_ms"] / 1e3 / stats.decode_s,
+            "overlap_share": d["overlap_ms"] / 1e3 / stats.decode_s,
+            "drive_busy_share": d["busy_ms"] / 1e3 / stats.decode_s,
             "check_share": d["check_s"] / stats.decode_s,
             "checks": "/".join(str(checks.get(k, 0)) for k in ("xxh3", "sha256"))}
 
@@ -547,7 +555,10 @@ def main(argv=None) -> int:
                           f"checks_xxh3/sha256={r['checks']} "
                           f"read_gbps={r['read_bps'] / 1e9:.3f} "
                           f"raw_odirect_seq_gbps={disk / 1e9:.3f} "
-                          f"random_read_gbps={best / 1e9:.3f}"
+                          f"random_read_gbps={best / 1e9:.3f} "
+                          f"kernel_share={r['kernel_share']:.3f} "
+                          f"overlap_share={r['overlap_share']:.3f} "
+                          f"drive_busy_share={r['drive_busy_share']:.3f}"
                           + (" INVALID=ratio_above_1" if ratio > 1.0 else "")
                           + " " + route_fields(r, trace, la, how, a.slots_per_layer, a.experts),
                           flush=True)

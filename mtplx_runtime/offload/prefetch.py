@@ -72,6 +72,7 @@ class PrefetchStats:
     stall_ms: float = 0.0      # time callers spent blocked in wait()
     peak_inflight_bytes: int = 0  # high-water mark of bytes handed to the reader
     peak_inflight_reads: int = 0  # high-water mark of reads handed to the reader (<= read_depth)
+    busy_ms: float = 0.0       # time with a read in the reader, over finished busy spells
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +125,7 @@ class Prefetcher:
         self._spec_q: deque[_Job] = deque()
         self._inflight_bytes = 0   # handed to the reader, not yet completed
         self._inflight_reads = 0
+        self._busy_since: float | None = None  # time.monotonic() the reader last went busy
         self._spec_running = 0     # speculative reads handed to the reader (<= spec_depth)
         self._spec_bytes = 0       # speculative bytes queued or running (the cap counts both)
         # Speculative reads committed, not yet settled: key -> time.monotonic() at landing.
@@ -310,6 +312,13 @@ class Prefetcher:
                 self._record(key, fut, stall_ms if i == 0 else 0.0)
                 yield key, fut.result()  # raises PrefetchError / CancelledError / NoSlotError
 
+    def busy_seconds(self) -> float:
+        """Seconds so far with at least one read in the reader, the spell now running included:
+        the difference over an interval is how long the drive had work in it."""
+        with self._cond:
+            now = 0.0 if self._busy_since is None else time.monotonic() - self._busy_since
+            return self.stats.busy_ms / 1e3 + now
+
     def inflight(self) -> dict[str, int]:
         """Snapshot: bytes and reads handed to the reader (all, speculative), queued demand /
         speculative counts."""
@@ -415,6 +424,8 @@ class Prefetcher:
                     self._drop_queued_locked(job)
                     continue
                 job.state = "running"
+                if not self._inflight_reads:
+                    self._busy_since = time.monotonic()
                 self._inflight_bytes += job.length
                 self._inflight_reads += 1
                 self._spec_running += job.speculative
@@ -459,6 +470,9 @@ class Prefetcher:
         with self._cond:
             self._inflight_bytes -= job.length
             self._inflight_reads -= 1
+            if not self._inflight_reads:
+                self.stats.busy_ms += (time.monotonic() - self._busy_since) * 1e3
+                self._busy_since = None
             if job.speculative:
                 self._spec_bytes -= job.length
                 self._spec_running -= 1

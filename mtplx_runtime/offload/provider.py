@@ -133,6 +133,10 @@ class StreamingExpertProvider:
         self.last_predictions: dict[int, dict[int, torch.Tensor]] = {}
         self._spec_keys: set[ExpertKey] = set()  # guesses issued and not yet consumed
         self.stall_ms = 0.0       # time forwards spent blocked on reads (this provider's view)
+        # Time in the kernel backend's calls, and the part of it with a read in the reader: how
+        # much of the compute the drive overlapped (on a GPU, enqueue time only).
+        self.kernel_ms = 0.0
+        self.kernel_overlap_ms = 0.0
         self.prefill_uses = 0     # (token, expert) pairs in multi-token calls
         self.prefill_unique = 0   # distinct experts read for them
         self.warm: WarmStart | None = None  # set by engine.runtime.load: counts uses, warms
@@ -284,8 +288,12 @@ class StreamingExpertProvider:
             self.guard.mark([storage.view(s) for s in slots.values()], event)
         else:  # host slots: the backends take {expert: record bytes}
             storage = {k[1]: self.cache.buffer(ref) for k, ref in refs.items()}
+            t0, busy0 = time.monotonic(), self.prefetcher.busy_seconds()
             part = self.kernels.expert_mlp(*args, {e: e for e in storage}, storage,
                                            self.layout, acc=acc[rows], **self._kernel_args)
+            # busy read inside the kernel's own interval, so the overlap never exceeds it
+            self.kernel_overlap_ms += (self.prefetcher.busy_seconds() - busy0) * 1e3
+            self.kernel_ms += (time.monotonic() - t0) * 1e3
         acc[rows] = part.to(acc.device)
         return acc
 
@@ -324,8 +332,10 @@ class StreamingExpertProvider:
 
     def stats(self) -> dict:
         """Cache counters per layer and tier, totals, prefetch counters, lookahead scores per
-        depth, stall time, the prefill dedup factor (expert uses / unique experts) and the warm
-        start (`offload.warm.WarmStart.stats`; None without one)."""
+        depth, stall time, time in the host kernels and the part of it that reads overlapped
+        (`kernel_ms`, `kernel_overlap_ms`; GPU runs count neither), the prefill dedup factor
+        (expert uses / unique experts) and the warm start (`offload.warm.WarmStart.stats`; None
+        without one)."""
         totals = self.cache.totals()
         dev = totals["compute"]
         return {
@@ -335,6 +345,8 @@ class StreamingExpertProvider:
             "prefetch": self.prefetcher.stats.as_dict(),
             "lookahead": self.score.summary(),
             "stall_ms": self.stall_ms,
+            "kernel_ms": self.kernel_ms,
+            "kernel_overlap_ms": self.kernel_overlap_ms,
             "prefill_dedup": {"uses": self.prefill_uses, "unique": self.prefill_unique,
                               "factor": (self.prefill_uses / self.prefill_unique
                                          if self.prefill_unique else 0.0)},
