@@ -13,6 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mtplx_runtime import load_model
+from mtplx_runtime.cli import main as cli
+from mtplx_runtime.cli.demo import TRAINED
+from mtplx_runtime.engine.generate import generate
+from mtplx_runtime.engine.tokenizer import load_tokenizer
 from mtplx_runtime.formats.resident_quant import encode_fp8
 from mtplx_runtime.formats.residents import FP8_MAX, quantized_bytes, stored_tensors
 from mtplx_runtime.model import quant
@@ -184,6 +189,24 @@ def _cuda_fp8() -> str | None:
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="int8/int4 CUDA kernels: no CUDA device of compute capability >= 8.0")
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("dtype,kernel", [("int8", "int8pack_cuda"), ("int4", "int4pack_cuda")])
+def test_int8_int4_kernels_on_the_gpu(dtype, kernel, tokens):
+    """torch's CUDA weight-only matmuls (the int4 one after the nibble swap and tiling of
+    `Int4Weight.packed`) against the reference, within a bf16 dot product's bound."""
+    w = bf16(2048, 7168, seed=13).cuda()
+    held = quantize(w, dtype)
+    assert held.kernel == kernel
+    stated = quant.quantize_int8(w) if dtype == "int8" else quant.quantize_int4(w)
+    x = bf16(tokens, 7168, seed=14).cuda()
+    deq = stated.dequantize().double()
+    y = linear(x, held).double()
+    assert torch.all((y - x.double() @ deq.T).abs() <= (x.double().abs() @ deq.abs().T) * 2 ** -8)
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(_cuda_fp8() is not None, reason=f"fp8 fast path: {_cuda_fp8()}")
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_fp8_fast_path_on_the_gpu(tokens):
@@ -195,3 +218,17 @@ def test_fp8_fast_path_on_the_gpu(tokens):
     assert refused.kernel == REFERENCE
     x = bf16(tokens, 96, seed=12).cuda()
     assert torch.equal(linear(x, refused), F.linear(x, refused.dequantize()))
+
+
+def test_the_cli_takes_fp8(capsys):
+    prompt = "In the beginning"
+    assert cli(["generate", "--model", str(TRAINED), "--prompt", prompt, "--max-tokens", "4",
+                "--resident-dtype", "fp8"]) == 0
+    tok = load_tokenizer(TRAINED)
+    model = load_model(TRAINED, dtype="bfloat16", resident_dtype="fp8")
+    assert isinstance(model.top["lm_head.weight"], Fp8Weight)
+    ids, _ = generate(model, tok.encode(prompt), max_tokens=4)
+    assert capsys.readouterr().out == tok.decode(ids) + "\n"
+    assert cli(["plan", "--model", str(TRAINED), "--memory-budget", "8GiB", "--json",
+                "--resident-dtype", "fp8"]) == 0
+    assert '"resident_dtype": "fp8"' in capsys.readouterr().out
