@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from ..formats.resident_quant import encode_fp8, encode_int4, encode_int8
 from ..formats.residents import GROUP, RESIDENT_DTYPES, quantized_kind
 
-__all__ = ["Fp8Weight", "Int4Packed", "Int4Weight", "Int8Weight", "held", "kernel_for", "linear",
-           "quantize", "quantize_fp8", "quantize_int4", "quantize_int8"]
+__all__ = ["KERNEL_OPS", "REFERENCE", "Fp8Weight", "Int4Packed", "Int4Weight", "Int8Weight",
+           "device_kernel", "held", "kernel_for", "linear", "quantize", "quantize_fp8",
+           "quantize_int4", "quantize_int8", "scaled_mm_rowwise", "shape_refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ class Int4Packed:
     inner k-tiles); scale_zero bf16 [K // GROUP, N, 2] for both."""
 
     def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, shape: torch.Size,
-                 kernel: str = "int4pack_cpu"):
+                 kernel: str):
         self.packed_q, self.scale_zero, self.kernel = packed, scale_zero, kernel
         self.shape, self.device, self.dtype = shape, packed.device, scale_zero.dtype
 
