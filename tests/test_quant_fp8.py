@@ -196,6 +196,9 @@ def _cuda_fp8() -> str | None:
 def test_int8_int4_kernels_on_the_gpu(dtype, kernel, tokens):
     """torch's CUDA weight-only matmuls (the int4 one after the nibble swap and tiling of
     `Int4Weight.packed`) against the reference, within a bf16 dot product's bound."""
+    op = quant.KERNEL_OPS[kernel]
+    if not quant._registered(op, "cuda"):
+        pytest.skip(f"torch {torch.__version__} has no CUDA {op}: the reference runs instead")
     w = bf16(2048, 7168, seed=13).cuda()
     held = quantize(w, dtype)
     assert held.kernel == kernel
