@@ -46,8 +46,8 @@ def encode_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def encode_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 (or fp32) [N, K] -> (q float8_e4m3fn [N, K], scale fp32 [N]): scale = max|w_n| /
     FP8_MAX in fp32, q = w / scale clamped to ±FP8_MAX and rounded to e4m3 (nearest even; the
-    clamp keeps a quotient that rounds past 448 from becoming NaN); a zero row gets scale 1 and
-    q 0. model/quant.py also quantizes activations per row with it (the fp8 fast path)."""
+    clamp makes how a device's cast treats values past 448 irrelevant); a zero row gets scale 1
+    and q 0. model/quant.py also quantizes activations per row with it (the fp8 fast path)."""
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
     for r, w32 in _row_blocks(w):
