@@ -32,22 +32,29 @@ from mtplx_runtime.cli import main as cli
 from mtplx_runtime.engine.plan import PlanError, make_plan
 from mtplx_runtime.fixtures.tiny import make_tiny
 from mtplx_runtime.formats.residents import GROUP, quantizable
-from mtplx_runtime.model.quant import Int4Packed, Int4Weight, Int8Weight, quantize_int4
+from mtplx_runtime.model.quant import (
+    Fp8Weight,
+    Int4Packed,
+    Int4Weight,
+    Int8Weight,
+    quantize_fp8,
+    quantize_int4,
+)
 
 IDS = [1, 5, 9, 2, 7, 3, 11, 4]
-DTYPES = ("int8", "int4")
+DTYPES = ("int8", "int4", "fp8")
 
 
 @pytest.fixture(scope="module")
 def arts(tmp_path_factory):
     """The tiny K3 (matrices of every kind: int4 packed for torch's kernel, int4 in the stated
-    layout for rows % 16 != 0, int8 for inputs not a multiple of 32) built three ways; int4
+    layout for rows % 16 != 0, int8 for inputs not a multiple of 32) built four ways; int4
     through the CLI."""
     root = tmp_path_factory.mktemp("qbuild")
     src = root / "src"
     make_tiny(src, "bf16")
     out = {"src": src}
-    for d in ("bf16", "int8"):
+    for d in ("bf16", "int8", "fp8"):
         out[d] = root / d
         build_artifact(src, out[d], resident_dtype=d, progress=False)
     out["int4"] = root / "int4"
@@ -83,7 +90,8 @@ def test_built_residents_equal_load_time_quantization_bit_for_bit(arts, dtype):
     bad = [k for k in wa if not same(wa[k], wb[k])]
     assert not bad
     kinds = {type(w) for w in wb.values()}
-    want = {Int8Weight} if dtype == "int8" else {Int8Weight, Int4Weight, Int4Packed}
+    want = {"int8": {Int8Weight}, "int4": {Int8Weight, Int4Weight, Int4Packed},
+            "fp8": {Fp8Weight}}[dtype]
     assert want <= kinds  # every layout took part
     assert torch.equal(at_load.logits(IDS), stored.logits(IDS))
 
@@ -111,7 +119,10 @@ def test_the_shards_hold_the_stated_layout_and_the_manifest_says_which(arts):
                 assert name + "_scale" not in got
                 continue
             (n, k), codes, scale = s.shape, got[name], got[name + "_scale"]
-            if dtype == "int8" or k % GROUP:
+            if dtype == "fp8":
+                assert (codes[0], codes[1].shape, scale[0], scale[1].shape) == \
+                    ("F8_E4M3", (n, k), "F32", (n,))
+            elif dtype == "int8" or k % GROUP:
                 assert (codes[0], codes[1].shape, scale[0], scale[1].shape) == \
                     ("I8", (n, k), "BF16", (n,))
                 assert name + "_zero" not in got
@@ -137,6 +148,20 @@ def test_int4_codes_are_the_reference_nibbles(arts):
     w = (codes.reshape(n, k // GROUP, GROUP) - 8) * scale[..., None] + zero[..., None]
     want = quantize_int4(w_bf16).dequantize()  # the reference, fp32 rounded once to bf16
     assert torch.equal(torch.from_numpy(w.reshape(n, k)).to(torch.bfloat16), want)
+
+
+def test_fp8_codes_are_the_stated_bytes(arts):
+    """The stored F8_E4M3 bytes and F32 scales are the load-time encoder's, and dequantize by
+    FORMAT.md's formula (q · scale in fp32, rounded once to bf16) to its reference."""
+    tensors = stored_tensors_of(arts["fp8"])
+    w_bf16 = load_model(arts["bf16"], dtype="bfloat16").top["lm_head.weight"]
+    name = "language_model.lm_head.weight"
+    want = quantize_fp8(w_bf16)
+    q = torch.from_numpy(tensors[name][1]).view(torch.float8_e4m3fn)
+    scale = torch.from_numpy(tensors[name + "_scale"][1])
+    assert torch.equal(q.view(torch.uint8), want.q.view(torch.uint8))
+    assert torch.equal(scale, want.scale)
+    assert torch.equal((q.float() * scale[:, None]).to(torch.bfloat16), want.dequantize())
 
 
 def test_another_resident_dtype_than_built_is_a_clear_error(arts):
@@ -207,7 +232,7 @@ def test_extending_with_another_resident_dtype_is_refused(arts):
     with pytest.raises(BuildError, match="int8 residents and this build writes bf16"):
         build_artifact(arts["src"], arts["int8"], progress=False)
     with pytest.raises(BuildError, match="resident dtype"):
-        build_artifact(arts["src"], arts["int8"].parent / "x", resident_dtype="fp8",
+        build_artifact(arts["src"], arts["int8"].parent / "x", resident_dtype="fp4",
                        progress=False)
 
 
@@ -224,7 +249,7 @@ def test_verify_and_the_shard_hash_cover_quantized_shards(arts, tmp_path):
 
 def test_manifest_resident_dtype_value_rules(arts):
     m = load_manifest(arts["int8"] / MANIFEST_NAME)
-    for bad in ("fp8", 8, None):
+    for bad in ("fp4", 8, None):
         d = m.to_dict()
         d.pop("manifest_sha256")
         d["resident_dtype"] = bad

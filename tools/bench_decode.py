@@ -457,8 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "[N,L,K]) or a synth: spec, e.g. synth:k3 (default: the slice's random "
                          "routers)")
     ap.add_argument("--resident-dtype", default="bf16", metavar="LIST",
-                    help="comma list of resident dtypes (bf16,int8,int4), each quantized at load; "
-                         "one line per dtype per configuration (default bf16)")
+                    help="comma list of resident dtypes (bf16,int8,int4,fp8), each quantized at "
+                         "load; one line per dtype per configuration (default bf16)")
     ap.add_argument("--guess-recall", type=float, default=None, metavar="P",
                     help="with --routes: synthetic lookahead guesses keeping each true expert "
                          "with probability P (default: the trace's own guesses, else "

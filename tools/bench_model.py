@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(d not in RESIDENT_DTYPES for d in resident_dtypes):
         p.error(f"--resident-dtype takes {', '.join(RESIDENT_DTYPES)}, not {args.resident_dtype}")
     if resident_dtypes != ["bf16"] and args.dtype != "bfloat16":
-        p.error("int8/int4 residents need --dtype bfloat16")
+        p.error("quantized residents need --dtype bfloat16")
     topks = [int(k) for k in args.topk.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     if args.decode_steps < 1 or args.prefill < 1:

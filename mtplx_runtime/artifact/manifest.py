@@ -30,8 +30,8 @@ MANIFEST_NAME = "expert-manifest.json"
 MAX_MANIFEST_BYTES = 128 * 2**20  # FORMAT.md "Manifest file"
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()  # header_sha256 of a sidecar shard
 SHARD_KINDS = ("safetensors", "preserved-safetensors", "sidecar")
-DTYPE_BYTES = {"BOOL": 1, "I8": 1, "U8": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4,
-               "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+DTYPE_BYTES = {"BOOL": 1, "I8": 1, "U8": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 _TOP_REQ = {"format", "model_key", "source_repo", "source_revision", "quantization", "artifact",

@@ -11,6 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..formats.residents import RESIDENT_DTYPES
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", type=Path, metavar="SRC",
@@ -24,11 +26,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "a finished OUT holds extend it")
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="layers built in parallel; memory holds at most N records (default 1)")
-    parser.add_argument("--resident-dtype", default="bf16", choices=("bf16", "int8", "int4"),
+    parser.add_argument("--resident-dtype", default="bf16", choices=RESIDENT_DTYPES,
                         help="resident matrices (attention, shared experts, latent projections, "
                              "lm_head) as stored (bf16, default) or quantized into the artifact: "
-                             "int8 per channel, int4 in groups of 32; loading it reads them as "
-                             "they are (FORMAT.md \"Quantized residents\")")
+                             "int8 per channel, int4 in groups of 32, fp8 (e4m3) per channel; "
+                             "loading it reads them as they are (FORMAT.md \"Quantized "
+                             "residents\")")
     parser.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
                         help="no progress on stderr (default: a bar on a terminal, else a line "
                              "every 5 s)")

@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..formats.residents import RESIDENT_DTYPES
 from .model_dir import add_model_dir
 
 PROG = "mtplx generate"
@@ -29,12 +30,13 @@ class CliError(Exception):
 
 def add_resident_dtype(p: argparse.ArgumentParser) -> None:
     """--resident-dtype, shared by every command that loads or plans a model."""
-    p.add_argument("--resident-dtype", default=None, choices=("bf16", "int8", "int4"),
+    p.add_argument("--resident-dtype", default=None, choices=RESIDENT_DTYPES,
                    help="resident weights (attention, shared experts, latent projections, "
-                        "lm_head): bf16, or quantized at load to int8 (per channel) or int4 "
-                        "(groups of 32); router, norms and embeddings stay as stored; needs "
-                        "--dtype bfloat16 (default: as the model stores them, bf16 or what "
-                        "build-manifest --resident-dtype wrote)")
+                        "lm_head): bf16, or quantized at load to int8 (per channel), int4 "
+                        "(groups of 32) or fp8 (e4m3 per channel; fast on CUDA >= 8.9); "
+                        "router, norms and embeddings stay as stored; needs --dtype bfloat16 "
+                        "(default: as the model stores them, bf16 or what build-manifest "
+                        "--resident-dtype wrote)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -81,7 +81,7 @@ LABELS = {"residents": "resident tensors", "kda_state": "KDA state",
           "working_set": "expert working set"}
 # What lowers each part of the minimum, in the user's terms (`mtplx plan`, the PlanError).
 LOWERED_BY = {
-    "residents": "fixed by the model; --resident-dtype int8/int4 shrinks them, --dtype "
+    "residents": "fixed by the model; --resident-dtype int8/int4/fp8 shrinks them, --dtype "
                  "float32 doubles the BF16 ones",
     "kda_state": "grows with --batch",
     "mla_cache": "grows with --context",
@@ -205,7 +205,7 @@ class MemoryPlan:
     context: int
     batch: int
     prefill_chunk: int
-    resident_dtype: str  # bf16 | int8 | int4 (FORMAT.md "Quantized residents")
+    resident_dtype: str  # bf16 | int8 | int4 | fp8 (FORMAT.md "Quantized residents")
     mode: str
     source: str
     kernels: str  # the expert kernel backend planned for: reference | cpu | cuda
@@ -271,7 +271,7 @@ class MemoryPlan:
 
 def resident_bytes(facts: ModelFacts, dtype: str, resident_dtype: str | None = None) -> int:
     """BF16 residents load in the model dtype (double in float32), or quantized where
-    `resident_dtype` int8/int4 takes them (None: as the model stores them); F32 ones stay
+    `resident_dtype` int8/int4/fp8 takes them (None: as the model stores them); F32 ones stay
     F32."""
     resident_dtype = resident_dtype or facts.resident_dtype
     size = DTYPE_SIZES[dtype]

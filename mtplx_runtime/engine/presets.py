@@ -25,9 +25,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser as a package (pyproject's marker)
     import tomli as tomllib
 
+from ..formats.residents import RESIDENT_DTYPES
+
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 SIZES = ("memory_budget", "host_budget")
-CHOICES = {"dtype": ("bfloat16", "float32"), "resident_dtype": ("bf16", "int8", "int4"),
+CHOICES = {"dtype": ("bfloat16", "float32"), "resident_dtype": RESIDENT_DTYPES,
            "cache_policy": ("lru", "freq"),
            "kernels": ("auto", "reference", "cpu", "cuda")}
 INTS = {"context": 1, "prefill_chunk": 1, "lookahead": 0, "batch": 1, "max_tokens": 0,

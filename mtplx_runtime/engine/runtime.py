@@ -103,8 +103,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     resident (tiny models, tests).
     `dtype`: "bfloat16" | "float32". `resident_dtype`: None (as the model stores them: bf16, or
     what an artifact was built with by `mtplx build-manifest --resident-dtype`) | "bf16" (every
-    exactness guarantee) | "int8" | "int4": the large resident matrices quantized at load from
-    bf16 ones (`model.quant`), or read quantized from such an artifact (another dtype than it
+    exactness guarantee) | "int8" | "int4" | "fp8": the large resident matrices quantized at load
+    from bf16 ones (`model.quant`), or read quantized from such an artifact (another dtype than it
     holds is a ValueError); needs dtype bfloat16. `tokenizer=False` skips the tokenizer
     (logits-only use).
     `verify` (streamed experts): every record read is checked (its manifest SHA-256 the first

@@ -24,6 +24,7 @@ ST_DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
     "U8": np.dtype(np.uint8),
     "I8": np.dtype(np.int8),
+    "F8_E4M3": np.dtype(np.uint8),  # raw e4m3 bytes (numpy has no fp8)
     "U16": np.dtype("<u2"),
     "I16": np.dtype("<i2"),
     "F16": np.dtype("<f2"),

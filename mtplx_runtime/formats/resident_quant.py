@@ -1,9 +1,10 @@
-"""The int8 and int4 encoders of quantized resident matrices (FORMAT.md "Quantized residents"):
-a bf16 torch matrix -> the stated tensors, the same bytes whether a model quantizes at load or
-`mtplx build-manifest --resident-dtype` stores them.
+"""The int8, int4 and fp8 encoders of quantized resident matrices (FORMAT.md "Quantized
+residents"): a bf16 torch matrix -> the stated tensors, the same bytes whether a model quantizes
+at load or `mtplx build-manifest --resident-dtype` stores them.
 
     bf16 [N, K] --encode_int8--> q int8 [N, K], scale bf16 [N]
                 --encode_int4--> q uint8 [N, K/2] (0..15, even k low), scale, zero bf16 [K/32, N]
+                --encode_fp8---> q float8_e4m3fn [N, K], scale fp32 [N]
 
 Rows are encoded in blocks so a whole lm_head (163840 x 7168: 4.7 GB per fp32 copy) never exists
 in fp32. model/quant.py wraps the tensors in the weights a model computes with.
@@ -14,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .residents import GROUP, quantized_kind
+from .residents import FP8_MAX, GROUP, quantized_kind
 
-__all__ = ["encode_int4", "encode_int8", "encode_stored"]
+__all__ = ["encode_fp8", "encode_int4", "encode_int8", "encode_stored"]
 
 # Rows are quantized in blocks of this many weights: the fp32 temporaries of one block, not of a
 # whole lm_head, bound the transient memory of a load or a build.
@@ -38,6 +39,21 @@ def encode_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         amax = w32.abs().amax(dim=1)
         s = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(torch.bfloat16)
         q[r:r + len(w32)] = torch.round(w32 / s.float()[:, None]).clamp(-127, 127)
+        scale[r:r + len(w32)] = s
+    return q, scale
+
+
+def encode_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 (or fp32) [N, K] -> (q float8_e4m3fn [N, K], scale fp32 [N]): scale = max|w_n| /
+    FP8_MAX in fp32, q = w / scale clamped to ±FP8_MAX and rounded to e4m3 (nearest even; the
+    clamp makes how a device's cast treats values past 448 irrelevant); a zero row gets scale 1
+    and q 0. model/quant.py also quantizes activations per row with it (the fp8 fast path)."""
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for r, w32 in _row_blocks(w):
+        amax = w32.abs().amax(dim=1)
+        s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        q[r:r + len(w32)] = (w32 / s[:, None]).clamp(-FP8_MAX, FP8_MAX)
         scale[r:r + len(w32)] = s
     return q, scale
 
@@ -70,12 +86,16 @@ def encode_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def encode_stored(name: str, bits: np.ndarray, resident_dtype: str) -> dict[str, np.ndarray]:
     """One quantizable BF16 matrix, given as its uint16 bit patterns [N, K], as the tensors
-    `formats.residents.stored_tensors` names: {name: int8 or uint8 codes, name_scale (and
-    name_zero for int4): uint16 bf16 bits}."""
+    `formats.residents.stored_tensors` names: {name: int8 or uint8 codes (fp8: the e4m3 bytes),
+    name_scale (and name_zero for int4): uint16 bf16 bits (fp8: float32)}."""
     w = torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
-    if quantized_kind(tuple(w.shape), resident_dtype) == "int8":
+    kind = quantized_kind(tuple(w.shape), resident_dtype)
+    if kind == "int8":
         q, scale = encode_int8(w)
         return {name: q.numpy(), name + "_scale": _bits(scale)}
+    if kind == "fp8":
+        q, scale = encode_fp8(w)
+        return {name: q.view(torch.uint8).numpy(), name + "_scale": scale.numpy()}
     q, scale, zero = encode_int4(w)
     return {name: q.numpy(), name + "_scale": _bits(scale), name + "_zero": _bits(zero)}
 

@@ -65,7 +65,7 @@ def group_residents(cfg, make):
 
 
 def check_resident_dtype(resident_dtype: str | None, dtype: torch.dtype) -> None:
-    """int8/int4 residents compute through bf16 matmuls: they need a bfloat16 model. None (as
+    """int8/int4/fp8 residents compute through bf16 matmuls: they need a bfloat16 model. None (as
     the model stores them) is checked once the model's own dtype is known."""
     if resident_dtype is None:
         return
@@ -82,7 +82,7 @@ def load_residents(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu",
     """The checkpoint's residents grouped by `group_residents`, in the model dtype. The matrices
     of `formats.residents.quantizable` are read as stored by an artifact built with
     `--resident-dtype` (then `resident_dtype` must be None or that dtype), or, from bf16 ones,
-    quantized one at a time as they load when `resident_dtype` is int8/int4 (peak: the
+    quantized one at a time as they load when `resident_dtype` is int8/int4/fp8 (peak: the
     quantized total + one bf16 tensor + one row block). None: as the model stores them."""
     stored = ckpt.resident_dtype
     resident_dtype = resolve_resident_dtype(resident_dtype, stored, ckpt.path)
@@ -102,11 +102,16 @@ def load_residents(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu",
 
 
 def _stored(ckpt: Checkpoint, name: str, st_dtype: str, device: str) -> torch.Tensor:
-    """One stored tensor of a quantized matrix as is: I8/U8 codes, BF16 scales and zeros (the
-    checkpoint reader checked dtype and shape against the table at open)."""
+    """One stored tensor of a quantized matrix as is: I8/U8 codes, F8_E4M3 codes (read as their
+    bytes), BF16 scales and zeros, F32 scales (the checkpoint reader checked dtype and shape
+    against the table at open)."""
     a = np.ascontiguousarray(ckpt.tensor(name))
-    t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if st_dtype == "BF16" else \
-        torch.from_numpy(a)
+    if st_dtype == "BF16":
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    elif st_dtype == "F8_E4M3":
+        t = torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
+    else:
+        t = torch.from_numpy(a)
     return t.to(device)
 
 
