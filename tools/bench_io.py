@@ -11,9 +11,14 @@ records/s (iops), the range, and `ratio` = median over the raw median. Cold read
 vary up to 2x run to run (BENCHMARKS.md "bench_io"). The file is deleted at the end.
 `random_reads` and `evict` are also bench_decode's (its I/O bound).
 
+The `reader-window` lines issue `--window` records at once at each depth, like a decode
+window's misses, and say when they land: the first and the mean landing as a share of the last
+(near 1: all together at the end; lower: one after another, which lets the kernels start while
+the rest stream in).
+
 Usage: python tools/bench_io.py [--size-gib 3] [--record-bytes 7741440]
-                                [--depths 1,2,4,8,16,32] [--buffered] [--records N]
-                                [--repeat 3] [--path DIR]
+                                [--depths 1,2,4,8,16,32] [--window 14]
+                                [--buffered] [--records N] [--repeat 3] [--path DIR]
 """
 
 from __future__ import annotations
@@ -138,6 +143,25 @@ def random_reads(root: Path, parts: list[tuple], extents: list[tuple[int, int]],
         return time.perf_counter() - t0
 
 
+def window_landings(root: Path, parts: list[tuple], extents: list[tuple[int, int]],
+                    length: int, depth: int) -> list[float]:
+    """Seconds from issuing every read of `extents` at once (a decode window's misses) to each
+    one landing, in issue order, `depth` reads in flight. The caller evicts the page cache
+    first."""
+    bufs = [aligned_buffer(length) for _ in extents]
+    for b in bufs:
+        b.fill(1)
+    landed = [0.0] * len(extents)
+    with RecordReader(root, parts, direct=True, read_depth=depth) as r:
+        t0 = time.perf_counter()
+        futs = r.read_many([(p, o, length, b) for (p, o), b in zip(extents, bufs)])
+        for i, f in enumerate(futs):
+            f.add_done_callback(lambda _f, i=i: landed.__setitem__(i, time.perf_counter() - t0))
+        for f in futs:
+            f.result()
+    return landed
+
+
 def header(path: Path, size: int, record_bytes: int) -> str:
     fs = "?"
     best = ""
@@ -169,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="bytes per record, a multiple of 4096 (default: K3 t158)")
     p.add_argument("--depths", type=int_list, default=[1, 2, 4, 8, 16, 32],
                    help="reads in flight to sweep (RecordReader read_depth)")
+    p.add_argument("--window", type=int, default=14,
+                   help="records issued at once for the landing-order lines (a K3 decode "
+                        "window's misses: 14 of top-16 at a 5%% hit rate); 0: none")
     p.add_argument("--buffered", action="store_true",
                    help="also run every depth buffered (page cache) instead of O_DIRECT")
     p.add_argument("--records", type=int, default=0, help="records per run (0: every record)")
@@ -198,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                    for n in args.depths]
         raws: list[float] = []
         runs: dict[tuple[bool, int], list[float]] = {c: [] for c in configs}
+        windows: dict[int, list] = {n: [] for n in args.depths} if args.window else {}
+        rng = np.random.default_rng(2)
         for _ in range(args.repeat):  # rounds interleave configurations: drift hits all alike
             dt, total = raw_sequential(path)
             raws.append(total / dt / 1e9)
@@ -205,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
                 evict([path])
                 dt = random_reads(tmp, [(path.name, size)], extents, rec, depth, direct)
                 runs[direct, depth].append(len(order) * rec / dt / 1e9)
+            for depth in windows:
+                picks = rng.choice(n_records, size=min(args.window, n_records), replace=False)
+                evict([path])
+                windows[depth].append(window_landings(
+                    tmp, [(path.name, size)], [(0, int(i) * rec) for i in picks], rec, depth))
             dt, total = raw_sequential(path)  # raw at both ends of a round: no position bias
             raws.append(total / dt / 1e9)
         raw = statistics.median(raws)
@@ -217,6 +251,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"threads={depth} records={len(order)} bytes={len(order) * rec} "
                   f"gbps={gbps:.3f} iops={gbps * 1e9 / rec:.1f} "
                   f"range={min(v):.3f}-{max(v):.3f} ratio={gbps / raw:.2f}")
+        for depth, rounds in windows.items():
+            # when each record of a window lands, as a share of the last one's time: near 1,
+            # all land together at the end; near 0.5, one after another (compute can overlap)
+            firsts = [min(w) / max(w) for w in rounds]
+            means = [statistics.mean(w) / max(w) for w in rounds]
+            lasts = [max(w) * 1e3 for w in rounds]
+            print(f"reader-window direct   depth={depth} records={len(rounds[0])} "
+                  f"first_over_last={statistics.median(firsts):.2f} "
+                  f"mean_over_last={statistics.median(means):.2f} "
+                  f"last_ms={statistics.median(lasts):.1f} "
+                  f"gbps={len(rounds[0]) * rec / statistics.median(lasts) / 1e6:.3f}")
         best = max(runs, key=lambda c: statistics.median(runs[c]))
         print(f"# best: {'direct' if best[0] else 'buffered'} depth={best[1]} "
               f"gbps={statistics.median(runs[best]):.3f}")
