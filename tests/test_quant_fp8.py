@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_quant import bf16  # the same random bf16 matrices as the int8/int4 tests
 
 from mtplx_runtime import load_model
 from mtplx_runtime.cli import main as cli
@@ -30,11 +31,6 @@ from mtplx_runtime.model.quant import (
     quantize_fp8,
     scaled_mm_rowwise,
 )
-
-
-def bf16(*shape, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
 
 
 def e4m3(v: float) -> float:
