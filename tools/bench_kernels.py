@@ -11,7 +11,11 @@ and scaled to 16 (its cost is the decode, so it barely depends on T); the line s
 it timed.
 
     python tools/bench_kernels.py [--quick] [--repeat 3] [--threads N] [--ref-experts 2]
-                                  [--tokens 1,8,64]
+                                  [--tokens 1,8,64] [--dtype bfloat16|float32]
+
+The activations are in the model dtype (`--dtype`, default bfloat16 as the runtime's default
+model): bf16 rows are what the backend gets from a bf16 model, and the mxfp4 kernel has a path
+for them (FORMAT.md "mxfp4"); float32 times the fp32-model path.
 
 --quick: a smoke run (smaller geometry, 2 experts, T = 1 and 8) that finishes in seconds.
 The records sit in `offload.buffers.aligned_buffer` memory, as the runtime's expert slots do
@@ -69,9 +73,9 @@ def memory_bandwidth(nbytes, repeat=5):
     return 2 * nbytes / best_time(lambda: np.copyto(dst, src), repeat)  # read + write
 
 
-def layer_call(backend, layout, store, shapes, T, experts, rng):
+def layer_call(backend, layout, store, shapes, T, experts, rng, dtype=torch.bfloat16):
     R = shapes["down"][0]
-    x = torch.from_numpy(rng.standard_normal((T, R)).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((T, R)).astype(np.float32)).to(dtype)
     ids = torch.arange(experts).repeat(T, 1)  # [T, experts]: every token uses every expert
     w = torch.full((T, experts), 1.0 / experts)
     slots = {e: e for e in range(experts)}
@@ -85,6 +89,10 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (0: all cores)")
     ap.add_argument("--ref-experts", type=int, default=2, help="experts the reference times")
     ap.add_argument("--tokens", help="comma-separated token counts (default 1,8,64)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the model dtype: the activations' (bf16 rows take the mxfp4 "
+                         "avx512bf16 path where the CPU has it) and the rounding the backend "
+                         "applies (default bfloat16, as a bf16 model runs)")
     args = ap.parse_args(argv)
     why = cpu_native.unavailable_reason()
     if why:
@@ -102,9 +110,11 @@ def main(argv=None) -> None:
     if args.threads:
         os.environ["MTPLX_CPU_THREADS"] = str(args.threads)  # read by cpu_native per call
     rng = np.random.default_rng(0)
+    dtype = getattr(torch, args.dtype)
     bw = memory_bandwidth(bw_bytes)
     print(f"machine: memory bandwidth (numpy copy, read+write) {bw / 1e9:.2f} GB/s; ISA "
-          f"{cpu_native.isa()}; {cpu_native.default_threads()} threads; layer = {experts} "
+          f"{cpu_native.isa()}; {cpu_native.default_threads()} threads; {args.dtype} model; "
+          f"layer = {experts} "
           f"experts {R}->{I}->{R}; reference timed at T=1 on {ref_experts} experts, x"
           f"{experts / ref_experts:g}")
     for mode, bits in CODECS:
@@ -112,9 +122,10 @@ def main(argv=None) -> None:
         name = mode + (f"-{bits}" if bits else "")
         nbytes = store.nbytes  # packed record bytes of the layer
         ref = best_time(layer_call(reference, layout, store[:ref_experts], shapes, 1,
-                                   ref_experts, rng), 1) * experts / ref_experts
+                                   ref_experts, rng, dtype), 1) * experts / ref_experts
         for T in tokens:
-            sec = best_time(layer_call(cpu, layout, store, shapes, T, experts, rng), repeat)
+            sec = best_time(layer_call(cpu, layout, store, shapes, T, experts, rng, dtype),
+                            repeat)
             print(f"{name:<9s} T={T:<3d} cpu {sec * 1e3:9.2f} ms/layer {nbytes / sec / 1e9:7.2f} "
                   f"GB/s {nbytes / sec / bw:7.1%} of mem bw | reference(T=1) "
                   f"{ref * 1e3:9.1f} ms/layer  speedup {ref / sec:7.1f}x")
