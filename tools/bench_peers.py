@@ -377,8 +377,10 @@ def ours_child(art: str, cap: str, warm: str, n: int, ids: list[int]) -> None:
 
     torch.set_num_threads(THREADS)
     t0 = time.perf_counter()
+    # The context llama.cpp's driver sizes (n_ctx = prompt + tokens + 16): the default
+    # afforded context (up to 32K) would spend cache slots on attention room this run never uses.
     rt = mtplx_runtime.load(art, memory_budget=None if cap == "none" else int(cap),
-                            kernels="cpu", warm=warm, tokenizer=False)
+                            kernels="cpu", warm=warm, tokenizer=False, context=len(ids) + n + 16)
     if rt.provider.warm is not None:
         rt.provider.warm.wait()
     load_s, r_load = time.perf_counter() - t0, read_bytes()
