@@ -329,9 +329,10 @@ def quantize(w: torch.Tensor, dtype: str):
 
 
 # A CPU matrix-vector product over at most this many weight bytes runs on one torch thread: a
-# parallel region wakes the sleeping OpenMP workers (~70-100 us), more than splitting saves on
-# a product one core does in ~100 us (BENCHMARKS.md "Small products on one thread").
-ONE_THREAD_BYTES = 4 << 20
+# parallel region wakes the sleeping OpenMP workers, which costs more than splitting saves up to
+# a few MiB (one thread took 0.27-0.79x the time of two up to 8 MiB, two won from 21 MiB on a
+# quiet run: BENCHMARKS.md "Small products on one thread").
+ONE_THREAD_BYTES = 8 << 20
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
