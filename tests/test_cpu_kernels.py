@@ -120,6 +120,81 @@ def test_token_counts_equal_one_token_calls(codec, isa):
         np.testing.assert_array_equal(cpu_native.gemm(m, X[:n], threads=2), one[:n])
 
 
+def _bf16_values(a):
+    """a rounded toward zero to bf16 values, kept as float32."""
+    return (np.asarray(a, np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
+
+
+def _mxfp4_bf16_emulation(packed, scale, X):
+    """The avx512bf16 mxfp4 path in NumPy fp32, for token rows of bf16 values: per 32-column
+    group, lane l of 16 adds the exact E2M1 * x products of its two columns (vdpbf16ps into
+    zero: one rounding), then adds that times the group's scale into its accumulator (an FMA:
+    the scaled product is exact here, as no group after the first has a subnormal scale); the
+    16 lanes are then summed in hsum512's order."""
+    rows, cols = packed.shape[0], 2 * packed.shape[1]
+    q = decode_mxfp4(packed, np.full_like(scale, 127))  # unscaled E2M1 values
+    s = np.ldexp(np.float32(1), scale.astype(np.int32) - 127).astype(np.float32)
+    # word 4i + k of a group holds column 16(i & 1) + 4(i >> 1) + k (mxfp4.c)
+    order = np.array([16 * (i & 1) + 4 * (i >> 1) + k for i in range(8) for k in range(4)])
+    acc = np.zeros((X.shape[0], rows, 16), np.float32)
+    for g in range(cols // 32):
+        a, b = 32 * g + order[0::2], 32 * g + order[1::2]
+        pair = q[None, :, a] * X[:, None, a] + q[None, :, b] * X[:, None, b]
+        acc = acc + pair * s[None, :, g, None]
+    half = acc[..., :8] + acc[..., 8:]
+    quad = half[..., :4] + half[..., 4:]
+    return (quad[..., 0] + quad[..., 2]) + (quad[..., 1] + quad[..., 3])
+
+
+needs_bf16 = pytest.mark.skipif("avx512bf16" not in ISAS, reason="no AVX-512 BF16 and VBMI")
+
+
+@needs_bf16
+def test_mxfp4_bf16_rows_follow_their_summation_order():
+    """bf16-valued token rows take the avx512bf16 path: bit for bit its NumPy emulation (which
+    differs from the avx512 path's order), inside the float64 bound, tiles of 4 and a tail."""
+    rng = np.random.default_rng(21)
+    m, W = _mxfp4(rng, 70, 192)  # scale[0, 0] = 0: a subnormal scale, exact on this path too
+    X = _bf16_values(rng.standard_normal((6, 192)))
+    try:
+        assert cpu_native.set_isa("avx512bf16") == "avx512bf16"
+        Y = cpu_native.gemm(m, X, threads=2)
+        assert cpu_native.set_isa("avx512") == "avx512"
+        fp32_path = cpu_native.gemm(m, X, threads=2)
+    finally:
+        cpu_native.set_isa(None)
+    np.testing.assert_array_equal(Y, _mxfp4_bf16_emulation(m.packed, m.scale, X))
+    assert (Y != fp32_path).any()
+    ref = X.astype(np.float64) @ W.T.astype(np.float64)
+    bound = 1e-5 * (np.abs(X).astype(np.float64) @ np.abs(W.T).astype(np.float64))
+    assert (np.abs(Y - ref) <= bound).all()
+
+
+@needs_bf16
+def test_mxfp4_mixed_rows_take_their_own_paths():
+    """In one call, bf16 rows (the emulation) and the others (the avx512 path: fp32 inputs, and
+    bf16 rows with an input too small for vdpbf16ps) each get their own path's bits, and n
+    tokens equal one-token calls."""
+    rng = np.random.default_rng(23)
+    m, _ = _mxfp4(rng, 70, 192)
+    X = rng.standard_normal((70, 192)).astype(np.float32)
+    kind = rng.integers(0, 3, 70)  # 0 fp32, 1 bf16, 2 bf16 with a 2^-120 input
+    X[kind > 0] = _bf16_values(X[kind > 0])
+    X[kind == 2, 5] = 2.0**-120
+    try:
+        assert cpu_native.set_isa("avx512") == "avx512"
+        fp32_path = cpu_native.gemm(m, X, threads=1)
+        assert cpu_native.set_isa("avx512bf16") == "avx512bf16"
+        one = np.stack([cpu_native.gemm(m, X[t:t + 1], threads=1)[0] for t in range(70)])
+        for n in (*range(2, 10), 70):
+            np.testing.assert_array_equal(cpu_native.gemm(m, X[:n], threads=2), one[:n])
+    finally:
+        cpu_native.set_isa(None)
+    bf16 = kind == 1
+    np.testing.assert_array_equal(one[bf16], _mxfp4_bf16_emulation(m.packed, m.scale, X[bf16]))
+    np.testing.assert_array_equal(one[~bf16], fp32_path[~bf16])
+
+
 def _torch_expert(W, x, beta, beta_lin):
     g, u = x @ W[0].T, x @ W[1].T
     h = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))

@@ -7,7 +7,8 @@
  * decoder rejects it). Per 32-column group the kernel builds the 16 decoded values
  * E2M1[nibble] * 2^(e-127) in fp32, exactly formats/mxfp4.py's `values * scale`, and looks the
  * nibbles up in it. Paths: scalar, avx2 (two 8-entry permutes), avx512 (one 16-entry permute,
- * columns in split order: nib_split.h).
+ * columns in split order: nib_split.h), avx512bf16 (token rows of bf16 values: unscaled E2M1
+ * weights on vdpbf16ps, the scale in an fp32 FMA per group; other rows: avx512).
  * Requires cols % 64 == 0 (the driver's block; K3's 3584 and 3072 are).
  */
 #include "block_rows.h"
@@ -77,6 +78,188 @@ __attribute__((target(AVX512_TARGET))) static void rows_avx512(const mat_t *m, c
     split_rows(lut2_avx512, decode_split_avx512, rows_avx2, m, X, ldx, n, Y, ldy, r0, r1, w);
 }
 
+/* ---- avx512bf16 (isa 3): token rows whose inputs are all bf16 values ----
+ * A bf16 input times an E2M1 value is exact in fp32, so a row of bf16 inputs can run on
+ * vdpbf16ps, 32 multiply-adds per instruction. Per 32-column group: the 16 bytes, broadcast to
+ * each 128-bit lane, go through vpmultishiftqb (each word gets one nibble in its low bits) and
+ * vpermw into the group's 32 unscaled E2M1 values as bf16; vdpbf16ps into a zero register adds
+ * each lane's two products (one rounding), and an fp32 FMA by the group's scale 2^(e-127) adds
+ * that into the lane's accumulator; hsum512 at the end. Every (row, token) is that one chain
+ * whatever the token count or tile, so n tokens == n one-token calls bit for bit. Scales never
+ * go through bf16, so every E8M0 byte (0, the subnormal 2^-127, too) is exact here.
+ * Word p = 4i + k of a group holds column 16(i & 1) + 4(i >> 1) + k (the qwords of one lane
+ * come from the same 8 bytes); bf16_inputs puts the inputs in that order. */
+
+/* Words 0..15 the E2M1 values as bf16; 16..31 again: vpermw reads index bits 4:0 and bit 4 is
+ * the next nibble's low bit. */
+static const uint16_t E2M1_BF16[32] __attribute__((aligned(64))) = {
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+
+/* The bit offset of word k's nibble in qword i (both bytes of a word read the same 8 bits). */
+#define MS4(o) (o), (o), (o) + 4, (o) + 4, (o) + 8, (o) + 8, (o) + 12, (o) + 12
+static const uint8_t NIB_SHIFTS[64] __attribute__((aligned(64))) = {
+    MS4(0), MS4(0), MS4(16), MS4(16), MS4(32), MS4(32), MS4(48), MS4(48)};
+#undef MS4
+
+/* The lowest and past-the-highest |x| bit patterns a bf16-path input may have besides ±0:
+ * exponents 9..250. Products with E2M1 are then multiples of 2^-126, so no sum of them is an
+ * fp32 subnormal (vdpbf16ps treats subnormal inputs as zero and flushes subnormal results), and
+ * a lane's two products and their sum are finite: vdpbf16ps is then exact products, one RNE
+ * add, as the tests' NumPy emulation assumes. */
+#define BF16_X_LO (9u << 23)
+#define BF16_X_HI (251u << 23)
+
+/* 1 when every input of x[0..cols) is ±0 or a bf16 value with an exponent in 9..250. */
+__attribute__((target(BF16_TARGET))) static int bf16_row(const float *x, int cols) {
+    const __m512i low = _mm512_set1_epi32(0xFFFF), abs = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i lo = _mm512_set1_epi32(BF16_X_LO);
+    const __m512i span = _mm512_set1_epi32(BF16_X_HI - BF16_X_LO);
+    __mmask16 bad = 0;
+    for (int k = 0; k < cols; k += 16) {
+        __m512i v = _mm512_load_si512(x + k), a = _mm512_and_si512(v, abs);
+        bad |= _mm512_test_epi32_mask(v, low) |
+               (_mm512_cmpge_epu32_mask(_mm512_sub_epi32(a, lo), span) &
+                _mm512_test_epi32_mask(a, a));
+    }
+    return !bad;
+}
+
+/* Rows of X [n, cols] (bf16 values, checked) into xb [n, cols] as bf16 in the words' order. */
+__attribute__((target(BF16_TARGET))) static void bf16_inputs(const float *X, int ldx, int n,
+                                                             int cols, uint16_t *xb) {
+    uint16_t idx[32] __attribute__((aligned(64)));
+    for (int p = 0; p < 32; p++) /* the high half of float c: word 2c + 1 of the pair */
+        idx[p] = (uint16_t)(2 * (16 * ((p >> 2) & 1) + 4 * (p >> 3) + (p & 3)) + 1);
+    const __m512i pick = _mm512_load_si512(idx);
+    for (int t = 0; t < n; t++)
+        for (int k = 0; k < cols; k += 32) {
+            const float *x = X + (size_t)t * ldx + k;
+            _mm512_store_si512(xb + (size_t)t * cols + k,
+                               _mm512_permutex2var_epi16(_mm512_load_si512(x), pick,
+                                                         _mm512_load_si512(x + 16)));
+        }
+}
+
+/* The scales of rows [r, r + nr) as fp32, s[i * G + g] for group g of row r + i. */
+__attribute__((target(BF16_TARGET))) static void bf16_scales(const mat_t *m, int r, int nr,
+                                                             float *s) {
+    int G = m->cols / 32;
+    for (int i = 0; i < nr; i++) {
+        const uint8_t *e = m->scale + (size_t)(r + i) * m->scale_row_bytes;
+        float *o = s + (size_t)i * G;
+        int g = 0;
+        for (; g + 16 <= G; g += 16) {
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(e + g)));
+            __m512i f = _mm512_mask_mov_epi32(_mm512_slli_epi32(v, 23),
+                                              _mm512_testn_epi32_mask(v, v),
+                                              _mm512_set1_epi32(0x00400000));
+            _mm512_storeu_si512(o + g, f);
+        }
+        for (; g < G; g++) o[g] = e8m0(e[g]);
+    }
+}
+
+/* NR rows from r x TT tokens of xb (row stride cols words), scales s (stride G): see above. */
+__attribute__((target(BF16_TARGET))) static inline __attribute__((always_inline)) void
+bf16_direct(const mat_t *m, const uint16_t *xb, int TT, int NR, const float *s, float *Y,
+            int ldy, int r, const uint8_t *next) {
+    const __m512i tab = _mm512_load_si512(E2M1_BF16), sh = _mm512_load_si512(NIB_SHIFTS);
+    int G = m->cols / 32;
+    /* prefetch_slice's slices, one per group: the division hoisted out of the loop */
+    size_t per = RB * m->row_bytes / (size_t)G;
+    __m512 acc[RB][4];
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        if (next)
+            for (size_t o = g * per; o < (g + 1) * per; o += 64)
+                _mm_prefetch((const char *)next + o, _MM_HINT_T0);
+        __m512bh x[4];
+        for (int j = 0; j < TT; j++)
+            x[j] = (__m512bh)_mm512_load_si512(xb + (size_t)j * m->cols + 32 * (size_t)g);
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *p = m->packed + (size_t)(r + i) * m->row_bytes + 16 * (size_t)g;
+            __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+            __m512bh w = (__m512bh)_mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(sh, q),
+                                                            tab);
+            __m512 sc = _mm512_set1_ps(s[(size_t)i * G + g]);
+            for (int j = 0; j < TT; j++)
+                acc[i][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w, x[j]), sc,
+                                            acc[i][j]);
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < TT; j++) Y[(size_t)j * ldy + r + i] = hsum512(acc[i][j]);
+}
+
+/* Up to 4 tokens of xb over NR rows (NR a constant at each call site). */
+__attribute__((target(BF16_TARGET))) static inline __attribute__((always_inline)) void
+bf16_tile(const mat_t *m, const uint16_t *xb, int tt, int NR, const float *s, float *Y, int ldy,
+          int r, const uint8_t *next) {
+    switch (tt) {
+    case 1: bf16_direct(m, xb, 1, NR, s, Y, ldy, r, next); break;
+    case 2: bf16_direct(m, xb, 2, NR, s, Y, ldy, r, next); break;
+    case 3: bf16_direct(m, xb, 3, NR, s, Y, ldy, r, next); break;
+    default: bf16_direct(m, xb, 4, NR, s, Y, ldy, r, next);
+    }
+}
+
+/* n tokens of xb over rows [r0, r1): per RB-row block (scales converted once), tiles of up to
+ * 4 tokens; the block's bytes stay in L1 for the later tiles, the first prefetches the next
+ * block's bytes, and its scales are prefetched here. */
+__attribute__((target(BF16_TARGET))) static void bf16_rows(const mat_t *m, const uint16_t *xb,
+                                                           int n, float *Y, int ldy, int r0,
+                                                           int r1, float *s) {
+    int G = m->cols / 32;
+    for (int r = r0; r < r1; r += RB) {
+        int nr = r1 - r < RB ? r1 - r : RB;
+        bf16_scales(m, r, nr, s);
+        if (next_block(m, r, r1))
+            for (size_t o = 0; o < RB * m->scale_row_bytes; o += 64)
+                _mm_prefetch((const char *)m->scale + (r + RB) * m->scale_row_bytes + o,
+                             _MM_HINT_T0);
+        for (int t = 0; t < n; t += 4) {
+            const uint16_t *x = xb + (size_t)t * m->cols;
+            float *y = Y + (size_t)t * ldy;
+            int tt = n - t < 4 ? n - t : 4;
+            if (nr == RB) {
+                bf16_tile(m, x, tt, RB, s, y, ldy, r, t ? NULL : next_block(m, r, r1));
+                continue;
+            }
+            for (int i = 0; i < nr; i++)
+                bf16_tile(m, x, tt, 1, s + (size_t)i * G, y, ldy, r + i, NULL);
+        }
+    }
+}
+
+/* The isa 3 row kernel: runs of consecutive tokens that all pass bf16_row take the bf16 path,
+ * the others rows_avx512, so a token's path depends on its own inputs only. */
+__attribute__((target(BF16_TARGET))) static void rows_avx512_bf16(const mat_t *m, const float *X,
+                                                                  int ldx, int n, float *Y,
+                                                                  int ldy, int r0, int r1,
+                                                                  float *w) {
+    int tc = n < SPLIT_TOKENS ? n : SPLIT_TOKENS;
+    uint16_t *xb = (uint16_t *)thread_floats(THREAD_BUF_BF16_INPUTS, (size_t)tc * m->cols / 2);
+    int t = 0, ok = xb && bf16_row(X, m->cols);
+    while (t < n) {
+        int u = t + 1, next = 0;
+        while (u < n && (next = xb && bf16_row(X + (size_t)u * ldx, m->cols)) == ok) u++;
+        if (!ok) {
+            rows_avx512(m, X + (size_t)t * ldx, ldx, u - t, Y + (size_t)t * ldy, ldy, r0, r1, w);
+        } else {
+            for (int t0 = t; t0 < u; t0 += tc) {
+                int nt = u - t0 < tc ? u - t0 : tc;
+                bf16_inputs(X + (size_t)t0 * ldx, ldx, nt, m->cols, xb);
+                bf16_rows(m, xb, nt, Y + (size_t)t0 * ldy, ldy, r0, r1, w);
+            }
+        }
+        t = u, ok = next;
+    }
+}
+
 int mxfp4_prepare(mat_t *m) {
     m->row_bytes = (size_t)m->cols / 2;
     m->scale_row_bytes = (size_t)m->cols / 32;
@@ -87,5 +270,6 @@ int mxfp4_prepare(mat_t *m) {
 
 rows_fn mxfp4_rows(const mat_t *m, int isa) {
     (void)m;
-    return isa >= 2 ? rows_avx512 : isa == 1 ? rows_avx2 : rows_scalar;
+    return isa >= 3 ? rows_avx512_bf16 : isa == 2 ? rows_avx512 : isa == 1 ? rows_avx2
+                                                                          : rows_scalar;
 }
