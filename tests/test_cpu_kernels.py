@@ -126,27 +126,33 @@ def _bf16_values(a):
 
 
 def _mxfp4_bf16_emulation(packed, scale, X):
-    """The avx512bf16 mxfp4 path in NumPy fp32, for token rows of bf16 values: per 32-column
-    group, lane l of 16 adds the exact E2M1 * x products of its two columns (vdpbf16ps into
-    zero: one rounding), then adds that times the group's scale into its accumulator (an FMA:
-    the scaled product is exact here, as no group after the first has a subnormal scale); the
-    16 lanes are then summed in hsum512's order."""
+    """The avx512bf16 mxfp4 path in NumPy fp32, for token rows of bf16 values. Per 128-column
+    step and fp32 lane d (group L = d // 4 of the step's four), p adds 8 exact E2M1 * x
+    products one at a time (vdpbf16ps: 4 shifts k, odd word first), then the lane's accumulator
+    adds p times the group's scale (an FMA: the scaled product is exact here, as only a first
+    step has a subnormal scale); hsum512's order at the end. Columns past cols are zeros."""
     rows, cols = packed.shape[0], 2 * packed.shape[1]
-    q = decode_mxfp4(packed, np.full_like(scale, 127))  # unscaled E2M1 values
-    s = np.ldexp(np.float32(1), scale.astype(np.int32) - 127).astype(np.float32)
-    # word 4i + k of a group holds column 16(i & 1) + 4(i >> 1) + k (mxfp4.c)
-    order = np.array([16 * (i & 1) + 4 * (i >> 1) + k for i in range(8) for k in range(4)])
+    steps = -(-cols // 128)
+    pad = ((0, 0), (0, 128 * steps - cols))
+    q = np.pad(decode_mxfp4(packed, np.full_like(scale, 127)), pad)  # unscaled E2M1 values
+    x = np.pad(X, pad)
+    s = np.pad(np.ldexp(np.float32(1), scale.astype(np.int32) - 127).astype(np.float32),
+               ((0, 0), (0, 4 * steps - cols // 32)))
+    lane = np.arange(16) // 4
+    even = 32 * lane + 4 * (2 * (np.arange(16) % 4))  # word 8L + w holds column 32L + 4w + k
     acc = np.zeros((X.shape[0], rows, 16), np.float32)
-    for g in range(cols // 32):
-        a, b = 32 * g + order[0::2], 32 * g + order[1::2]
-        pair = q[None, :, a] * X[:, None, a] + q[None, :, b] * X[:, None, b]
-        acc = acc + pair * s[None, :, g, None]
+    for st in range(steps):
+        p = np.zeros_like(acc)
+        for k in range(4):
+            for c in (128 * st + even + 4 + k, 128 * st + even + k):  # odd word, then even
+                p = p + q[None, :, c] * x[:, None, c]
+        acc = acc + p * s[None, :, 4 * st + lane]
     half = acc[..., :8] + acc[..., 8:]
     quad = half[..., :4] + half[..., 4:]
     return (quad[..., 0] + quad[..., 2]) + (quad[..., 1] + quad[..., 3])
 
 
-needs_bf16 = pytest.mark.skipif("avx512bf16" not in ISAS, reason="no AVX-512 BF16 and VBMI")
+needs_bf16 = pytest.mark.skipif("avx512bf16" not in ISAS, reason="no AVX-512 BF16")
 
 
 @needs_bf16
@@ -176,8 +182,8 @@ def test_mxfp4_mixed_rows_take_their_own_paths():
     bf16 rows with an input too small for vdpbf16ps) each get their own path's bits, and n
     tokens equal one-token calls."""
     rng = np.random.default_rng(23)
-    m, _ = _mxfp4(rng, 70, 192)
-    X = rng.standard_normal((70, 192)).astype(np.float32)
+    m, _ = _mxfp4(rng, 70, 256)  # whole 128-column steps (192 above: a half step at the end)
+    X = rng.standard_normal((70, 256)).astype(np.float32)
     kind = rng.integers(0, 3, 70)  # 0 fp32, 1 bf16, 2 bf16 with a 2^-120 input
     X[kind > 0] = _bf16_values(X[kind > 0])
     X[kind == 2, 5] = 2.0**-120

@@ -17,8 +17,8 @@
 #define XPAD 16        /* zero floats after each input row: t158's SIMD paths read 8 past it */
 #define RB 4           /* rows per decoded block of the generic row kernels (block_rows.h) */
 #define AVX512_TARGET "avx512f,avx512dq,avx512bw,avx2,fma"
-/* isa 3: AVX-512 with BF16 dot products and VBMI byte shuffles (mxfp4's bf16-input path). */
-#define BF16_TARGET AVX512_TARGET ",avx512vbmi,avx512bf16"
+/* isa 3: AVX-512 with BF16 dot products (mxfp4's bf16-input path). */
+#define BF16_TARGET AVX512_TARGET ",avx512bf16"
 
 /* One quantized matrix [rows, cols] as the codec stores it (pointers into record bytes). */
 typedef struct {

@@ -19,7 +19,7 @@
  *   const char *mtplx_cpu_codec_name(int codec)
  *       The codec's name ("t158", "mxfp4", "ct-int"), NULL past the table.
  *   int mtplx_cpu_best_isa(void), mtplx_cpu_get_isa(void), mtplx_cpu_set_isa(int want)
- *       0 scalar, 1 avx2, 2 avx512, 3 avx512bf16 (2 plus BW, VBMI and BF16; the best the CPU
+ *       0 scalar, 1 avx2, 2 avx512, 3 avx512bf16 (2 plus BW and BF16; the best the CPU
  *       supports unless lowered); one choice for every codec.
  *   uint64_t mtplx_cpu_xxh3_64(const void *data, size_t n)
  *       XXH3-64 of n bytes, seed 0 and the default secret (the published xxHash algorithm;
