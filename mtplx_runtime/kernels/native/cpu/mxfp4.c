@@ -252,8 +252,17 @@ __attribute__((target(BF16_TARGET))) static void bf16_rows(const mat_t *m, const
             int tt = n - t < 4 ? n - t : 4;
             if (nr == RB) {
                 int f = r + (BF16_FAR_BLOCKS + 1) * RB <= r1;
-                bf16_tile(m, x, tt, RB, s, y, ldy, r, t ? NULL : next_block(m, r, r1),
-                          t || !f ? NULL : m->packed + (r + BF16_FAR_BLOCKS * RB) * m->row_bytes);
+                const uint8_t *next = t ? NULL : next_block(m, r, r1);
+                const uint8_t *far =
+                    t || !f ? NULL : m->packed + (r + BF16_FAR_BLOCKS * RB) * m->row_bytes;
+                if (tt < 3) {
+                    bf16_tile(m, x, tt, RB, s, y, ldy, r, next, far);
+                } else { /* 3-4 tokens: two half-block tiles (the accumulators stay in
+                          * registers; measured: BENCHMARKS.md, "CPU kernel notes") */
+                    bf16_tile(m, x, tt, RB / 2, s, y, ldy, r, next, far);
+                    bf16_tile(m, x, tt, RB / 2, s + RB / 2 * ld / 8, y, ldy, r + RB / 2, NULL,
+                              NULL);
+                }
                 continue;
             }
             for (int i = 0; i < nr; i++) /* row i's scale vectors: 16 S floats each */
