@@ -8,7 +8,7 @@
  * E2M1[nibble] * 2^(e-127) in fp32, exactly formats/mxfp4.py's `values * scale`, and looks the
  * nibbles up in it. Paths: scalar, avx2 (two 8-entry permutes), avx512 (one 16-entry permute,
  * columns in split order: nib_split.h), avx512bf16 (token rows of bf16 values: unscaled E2M1
- * weights on vdpbf16ps, the scale in an fp32 FMA per group; other rows: avx512).
+ * weights on vdpbf16ps, the scales in an fp32 FMA per 128 columns; other rows: avx512).
  * Requires cols % 64 == 0 (the driver's block; K3's 3584 and 3072 are).
  */
 #include "block_rows.h"
@@ -190,7 +190,7 @@ bf16_direct(const mat_t *m, const uint16_t *xb, int TT, int NR, const float *s, 
     for (int i = 0; i < NR; i++)
         for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
     for (int st = 0; st < S; st++) {
-        if (next) /* slices of 64 * RB bytes, the last one shorter when S steps are 1/2 */
+        if (next) /* 64 * RB bytes a step (fewer after a half step) */
             for (size_t o = (size_t)st * 64 * RB; o < (size_t)(st + 1) * 64 * RB && o < span;
                  o += 64) {
                 _mm_prefetch((const char *)next + o, _MM_HINT_T0);
@@ -238,7 +238,7 @@ bf16_tile(const mat_t *m, const uint16_t *xb, int tt, int NR, const float *s, fl
 __attribute__((target(BF16_TARGET))) static void bf16_rows(const mat_t *m, const uint16_t *xb,
                                                            int n, float *Y, int ldy, int r0,
                                                            int r1, float *s) {
-    size_t ld = (size_t)128 * bf16_steps(m->cols);
+    size_t ld = (size_t)128 * bf16_steps(m->cols), sv = ld / 8; /* sv: a row's scale floats */
     for (int r = r0; r < r1; r += RB) {
         int nr = r1 - r < RB ? r1 - r : RB;
         bf16_scales(m, r, nr, s);
@@ -260,13 +260,13 @@ __attribute__((target(BF16_TARGET))) static void bf16_rows(const mat_t *m, const
                 } else { /* 3-4 tokens: two half-block tiles (the accumulators stay in
                           * registers; measured: BENCHMARKS.md, "CPU kernel notes") */
                     bf16_tile(m, x, tt, RB / 2, s, y, ldy, r, next, far);
-                    bf16_tile(m, x, tt, RB / 2, s + RB / 2 * ld / 8, y, ldy, r + RB / 2, NULL,
+                    bf16_tile(m, x, tt, RB / 2, s + RB / 2 * sv, y, ldy, r + RB / 2, NULL,
                               NULL);
                 }
                 continue;
             }
-            for (int i = 0; i < nr; i++) /* row i's scale vectors: 16 S floats each */
-                bf16_tile(m, x, tt, 1, s + i * ld / 8, y, ldy, r + i, NULL, NULL);
+            for (int i = 0; i < nr; i++)
+                bf16_tile(m, x, tt, 1, s + i * sv, y, ldy, r + i, NULL, NULL);
         }
     }
 }
@@ -282,8 +282,8 @@ __attribute__((target(BF16_TARGET))) static void rows_avx512_bf16(const mat_t *m
                                              (size_t)tc * 64 * bf16_steps(m->cols));
     int t = 0, ok = xb && bf16_row(X, m->cols);
     while (t < n) {
-        int u = t + 1, next = 0;
-        while (u < n && (next = xb && bf16_row(X + (size_t)u * ldx, m->cols)) == ok) u++;
+        int u = t + 1, ok_u = 0; /* u: the first token of the next run, ok_u its kind */
+        while (u < n && (ok_u = xb && bf16_row(X + (size_t)u * ldx, m->cols)) == ok) u++;
         if (!ok) {
             rows_avx512(m, X + (size_t)t * ldx, ldx, u - t, Y + (size_t)t * ldy, ldy, r0, r1, w);
         } else {
@@ -293,7 +293,7 @@ __attribute__((target(BF16_TARGET))) static void rows_avx512_bf16(const mat_t *m
                 bf16_rows(m, xb, nt, Y + (size_t)t0 * ldy, ldy, r0, r1, w);
             }
         }
-        t = u, ok = next;
+        t = u, ok = ok_u;
     }
 }
 
