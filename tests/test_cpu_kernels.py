@@ -179,14 +179,15 @@ def test_mxfp4_bf16_rows_follow_their_summation_order():
 @needs_bf16
 def test_mxfp4_mixed_rows_take_their_own_paths():
     """In one call, bf16 rows (the emulation) and the others (the avx512 path: fp32 inputs, and
-    bf16 rows with an input too small for vdpbf16ps) each get their own path's bits, and n
-    tokens equal one-token calls."""
+    bf16 rows with an input too small or too large for vdpbf16ps) each get their own path's
+    bits, and n tokens equal one-token calls."""
     rng = np.random.default_rng(23)
     m, _ = _mxfp4(rng, 70, 256)  # whole 128-column steps (192 above: a half step at the end)
     X = rng.standard_normal((70, 256)).astype(np.float32)
-    kind = rng.integers(0, 3, 70)  # 0 fp32, 1 bf16, 2 bf16 with a 2^-120 input
+    kind = rng.integers(0, 4, 70)  # 0 fp32, 1 bf16, 2 / 3 bf16 with a 2^-120 / 2^125 input
     X[kind > 0] = _bf16_values(X[kind > 0])
     X[kind == 2, 5] = 2.0**-120
+    X[kind == 3, 9] = 2.0**125
     try:
         assert cpu_native.set_isa("avx512") == "avx512"
         fp32_path = cpu_native.gemm(m, X, threads=1)
