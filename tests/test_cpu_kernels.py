@@ -7,7 +7,9 @@ Every codec configuration runs on every ISA path this CPU has:
   64-token pass boundary);
 * gemm vs float64 "codec decode, then matmul": |err| <= 1e-5 · Σ|w·x| per output (fp32
   accumulation over <= 192 terms is far inside it; one wrong weight is ~1/cols of the sum);
-* n tokens == n one-token calls, for any thread count and n = 2..9 and 70, bit for bit.
+* n tokens == n one-token calls, for any thread count and n = 2..9 and 70, bit for bit;
+* mxfp4 on avx512bf16: token rows of bf16 values equal a NumPy emulation of that path's
+  summation order bit for bit, and in a call of mixed rows each row takes its own path.
 `cpu.expert_mlp` vs `reference.expert_mlp` on random banks: fp32 model to relative RMS 1e-5;
 bf16 model bit-identical except rare 1-ulp bf16 flips (fp32 summation order can move a value
 across a bf16 rounding boundary; at most 2% of outputs may differ and only by one ulp).
