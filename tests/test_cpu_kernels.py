@@ -158,12 +158,13 @@ needs_bf16 = pytest.mark.skipif("avx512bf16" not in ISAS, reason="no AVX-512 BF1
 
 
 @needs_bf16
-def test_mxfp4_bf16_rows_follow_their_summation_order():
+@pytest.mark.parametrize("rows,cols", [(70, 192), (9, 1088)])  # 1088: scales 16 at a time too
+def test_mxfp4_bf16_rows_follow_their_summation_order(rows, cols):
     """bf16-valued token rows take the avx512bf16 path: bit for bit its NumPy emulation (which
     differs from the avx512 path's order), inside the float64 bound, tiles of 4 and a tail."""
     rng = np.random.default_rng(21)
-    m, W = _mxfp4(rng, 70, 192)  # scale[0, 0] = 0: a subnormal scale, exact on this path too
-    X = _bf16_values(rng.standard_normal((6, 192)))
+    m, W = _mxfp4(rng, rows, cols)  # scale[0, 0] = 0: a subnormal scale, exact here too
+    X = _bf16_values(rng.standard_normal((6, cols)))
     try:
         assert cpu_native.set_isa("avx512bf16") == "avx512bf16"
         Y = cpu_native.gemm(m, X, threads=2)
