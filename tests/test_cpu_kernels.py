@@ -161,17 +161,20 @@ needs_bf16 = pytest.mark.skipif("avx512bf16" not in ISAS, reason="no AVX-512 BF1
 @pytest.mark.parametrize("rows,cols", [(70, 192), (9, 1088)])  # 1088: scales 16 at a time too
 def test_mxfp4_bf16_rows_follow_their_summation_order(rows, cols):
     """bf16-valued token rows take the avx512bf16 path: bit for bit its NumPy emulation (which
-    differs from the avx512 path's order), inside the float64 bound, tiles of 4 and a tail."""
+    differs from the avx512 path's order), inside the float64 bound, tiles of 4 and a tail;
+    X = identity (bf16 values too) decodes exactly."""
     rng = np.random.default_rng(21)
     m, W = _mxfp4(rng, rows, cols)  # scale[0, 0] = 0: a subnormal scale, exact here too
     X = _bf16_values(rng.standard_normal((6, cols)))
     try:
         assert cpu_native.set_isa("avx512bf16") == "avx512bf16"
+        eye = cpu_native.gemm(m, np.eye(cols, dtype=np.float32), threads=2)
         Y = cpu_native.gemm(m, X, threads=2)
         assert cpu_native.set_isa("avx512") == "avx512"
         fp32_path = cpu_native.gemm(m, X, threads=2)
     finally:
         cpu_native.set_isa(None)
+    np.testing.assert_array_equal(eye.T, W)
     np.testing.assert_array_equal(Y, _mxfp4_bf16_emulation(m.packed, m.scale, X))
     assert (Y != fp32_path).any()
     ref = X.astype(np.float64) @ W.T.astype(np.float64)
