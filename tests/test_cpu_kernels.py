@@ -7,7 +7,9 @@ Every codec configuration runs on every ISA path this CPU has:
   64-token pass boundary);
 * gemm vs float64 "codec decode, then matmul": |err| <= 1e-5 · Σ|w·x| per output (fp32
   accumulation over <= 192 terms is far inside it; one wrong weight is ~1/cols of the sum);
-* n tokens == n one-token calls, for any thread count and n = 2..9 and 70, bit for bit.
+* n tokens == n one-token calls, for any thread count and n = 2..9 and 70, bit for bit;
+* mxfp4 on avx512bf16: token rows of bf16 values equal a NumPy emulation of that path's
+  summation order bit for bit, and in a call of mixed rows each row takes its own path.
 `cpu.expert_mlp` vs `reference.expert_mlp` on random banks: fp32 model to relative RMS 1e-5;
 bf16 model bit-identical except rare 1-ulp bf16 flips (fp32 summation order can move a value
 across a bf16 rounding boundary; at most 2% of outputs may differ and only by one ulp).
@@ -118,6 +120,92 @@ def test_token_counts_equal_one_token_calls(codec, isa):
     one = np.stack([cpu_native.gemm(m, X[t:t + 1], threads=1)[0] for t in range(70)])
     for n in (*range(2, 10), 70):
         np.testing.assert_array_equal(cpu_native.gemm(m, X[:n], threads=2), one[:n])
+
+
+def _bf16_values(a):
+    """a rounded toward zero to bf16 values, kept as float32."""
+    return (np.asarray(a, np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
+
+
+def _mxfp4_bf16_emulation(packed, scale, X):
+    """The avx512bf16 mxfp4 path in NumPy fp32, for token rows of bf16 values. Per 128-column
+    step and fp32 lane d (group L = d // 4 of the step's four), p adds 8 exact E2M1 * x
+    products one at a time (vdpbf16ps: 4 shifts k, odd word first), then the lane's accumulator
+    adds p times the group's scale (an FMA: the scaled product is exact here, as only a first
+    step has a subnormal scale); hsum512's order at the end. Columns past cols are zeros."""
+    rows, cols = packed.shape[0], 2 * packed.shape[1]
+    steps = -(-cols // 128)
+    pad = ((0, 0), (0, 128 * steps - cols))
+    q = np.pad(decode_mxfp4(packed, np.full_like(scale, 127)), pad)  # unscaled E2M1 values
+    x = np.pad(X, pad)
+    s = np.pad(np.ldexp(np.float32(1), scale.astype(np.int32) - 127).astype(np.float32),
+               ((0, 0), (0, 4 * steps - cols // 32)))
+    lane = np.arange(16) // 4
+    even = 32 * lane + 4 * (2 * (np.arange(16) % 4))  # word 8L + w holds column 32L + 4w + k
+    acc = np.zeros((X.shape[0], rows, 16), np.float32)
+    for st in range(steps):
+        p = np.zeros_like(acc)
+        for k in range(4):
+            for c in (128 * st + even + 4 + k, 128 * st + even + k):  # odd word, then even
+                p = p + q[None, :, c] * x[:, None, c]
+        acc = acc + p * s[None, :, 4 * st + lane]
+    half = acc[..., :8] + acc[..., 8:]
+    quad = half[..., :4] + half[..., 4:]
+    return (quad[..., 0] + quad[..., 2]) + (quad[..., 1] + quad[..., 3])
+
+
+needs_bf16 = pytest.mark.skipif("avx512bf16" not in ISAS, reason="no AVX-512 BF16")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows,cols", [(70, 192), (9, 1088)])  # 1088: scales 16 at a time too
+def test_mxfp4_bf16_rows_follow_their_summation_order(rows, cols):
+    """bf16-valued token rows take the avx512bf16 path: bit for bit its NumPy emulation (which
+    differs from the avx512 path's order), inside the float64 bound, tiles of 4 and a tail;
+    X = identity (bf16 values too) decodes exactly."""
+    rng = np.random.default_rng(21)
+    m, W = _mxfp4(rng, rows, cols)  # scale[0, 0] = 0: a subnormal scale, exact here too
+    X = _bf16_values(rng.standard_normal((6, cols)))
+    try:
+        assert cpu_native.set_isa("avx512bf16") == "avx512bf16"
+        eye = cpu_native.gemm(m, np.eye(cols, dtype=np.float32), threads=2)
+        Y = cpu_native.gemm(m, X, threads=2)
+        assert cpu_native.set_isa("avx512") == "avx512"
+        fp32_path = cpu_native.gemm(m, X, threads=2)
+    finally:
+        cpu_native.set_isa(None)
+    np.testing.assert_array_equal(eye.T, W)
+    np.testing.assert_array_equal(Y, _mxfp4_bf16_emulation(m.packed, m.scale, X))
+    assert (Y != fp32_path).any()
+    ref = X.astype(np.float64) @ W.T.astype(np.float64)
+    bound = 1e-5 * (np.abs(X).astype(np.float64) @ np.abs(W.T).astype(np.float64))
+    assert (np.abs(Y - ref) <= bound).all()
+
+
+@needs_bf16
+def test_mxfp4_mixed_rows_take_their_own_paths():
+    """In one call, bf16 rows (the emulation) and the others (the avx512 path: fp32 inputs, and
+    bf16 rows with an input too small or too large for vdpbf16ps) each get their own path's
+    bits, and n tokens equal one-token calls."""
+    rng = np.random.default_rng(23)
+    m, _ = _mxfp4(rng, 70, 256)  # whole 128-column steps (192 above: a half step at the end)
+    X = rng.standard_normal((70, 256)).astype(np.float32)
+    kind = rng.integers(0, 4, 70)  # 0 fp32, 1 bf16, 2 / 3 bf16 with a 2^-120 / 2^125 input
+    X[kind > 0] = _bf16_values(X[kind > 0])
+    X[kind == 2, 5] = 2.0**-120
+    X[kind == 3, 9] = 2.0**125
+    try:
+        assert cpu_native.set_isa("avx512") == "avx512"
+        fp32_path = cpu_native.gemm(m, X, threads=1)
+        assert cpu_native.set_isa("avx512bf16") == "avx512bf16"
+        one = np.stack([cpu_native.gemm(m, X[t:t + 1], threads=1)[0] for t in range(70)])
+        for n in (*range(2, 10), 70):
+            np.testing.assert_array_equal(cpu_native.gemm(m, X[:n], threads=2), one[:n])
+    finally:
+        cpu_native.set_isa(None)
+    bf16 = kind == 1
+    np.testing.assert_array_equal(one[bf16], _mxfp4_bf16_emulation(m.packed, m.scale, X[bf16]))
+    np.testing.assert_array_equal(one[~bf16], fp32_path[~bf16])
 
 
 def _torch_expert(W, x, beta, beta_lin):

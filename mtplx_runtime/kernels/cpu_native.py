@@ -10,10 +10,11 @@
 One library serves every codec (C ABI: native/cpu/mtplx_cpu.h): each entry point takes the
 codec's index in CODECS, the library's codec table, as its first argument; it has one thread
 pool and one ISA switch. The weights stay packed: a call reads each matrix once for all n token
-rows of X. `isa()` names the SIMD path ("avx512", "avx2" or "scalar"), the best this CPU
-supports unless `MTPLX_CPU_ISA` or `set_isa` asks for a lower one; the choice applies to every
-codec. Arrays are checked for dtype, C-contiguity and shape before any call (TypeError for a wrong
-type or dtype, ValueError for layout and shape), because the C code trusts its pointers.
+rows of X. `isa()` names the SIMD path ("avx512bf16", "avx512", "avx2" or "scalar"), the best
+this CPU supports unless `MTPLX_CPU_ISA` or `set_isa` asks for a lower one; the choice applies to
+every codec ("avx512bf16" differs from "avx512" only for mxfp4 token rows of bf16 values).
+Arrays are checked for dtype, C-contiguity and shape before any call (TypeError for a wrong type
+or dtype, ValueError for layout and shape), because the C code trusts its pointers.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 
 from . import cpu_build
 
-ISAS = ("scalar", "avx2", "avx512")
+ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
 CODECS = ("t158", "mxfp4", "ct-int")  # index = the C codec enum (mtplx_cpu.h)
 LAYOUTS = ("dense", "legacy")
 BLOCK = 64  # the C driver decodes 64 columns at a time: cols must be a multiple
@@ -85,7 +86,7 @@ def unavailable_reason() -> str | None:
 
 
 def isa() -> str:
-    """The path in use: "avx512", "avx2" or "scalar"."""
+    """The path in use: one of ISAS."""
     return ISAS[_load().mtplx_cpu_get_isa()]
 
 

@@ -11,7 +11,9 @@
  * runtime's slots; 0: MADV_NOHUGEPAGE. Environment: TH threads (default 2), E experts (default
  * 16; 1 keeps one expert in L3), CPUT=1 times process CPU time instead of wall time: on a busy
  * machine that counts only the time the kernel threads ran (best with TH=1, since with 2
- * threads a spinning pool thread's CPU time counts too).
+ * threads a spinning pool thread's CPU time counts too). BF16=1 runs a bf16 model as the
+ * runtime does: inputs rounded to bf16 values and round_model = 1 (so the down projection's
+ * inputs are bf16 values too); the default is fp32 inputs, round_model = 0.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -64,6 +66,7 @@ int main(int argc, char **argv) {
     int T = atoi(argv[2]), rounds = atoi(argv[3]), huge = atoi(argv[4]), nlib = argc - 5;
     int threads = env_int("TH", 2), E = env_int("E", 16), R = 3584, I = 3072, codec, bits = 0;
     if (env_int("CPUT", 0)) clk = CLOCK_PROCESS_CPUTIME_ID;
+    int bf16 = env_int("BF16", 0);
     if (!strcmp(c, "t158")) codec = 0;
     else if (!strcmp(c, "mxfp4")) codec = 1;
     else if (!strcmp(c, "ct3") || !strcmp(c, "ct4")) codec = 2, bits = c[2] - '0';
@@ -95,7 +98,15 @@ int main(int argc, char **argv) {
     for (int e = 0; e <= E; e++) off[e] = e * T;
     for (int j = 0; j < E * T; j++) idx[j] = j % T, wt[j] = 1.0f / E;
     float *X = malloc((size_t)T * R * 4), *acc = malloc((size_t)T * R * 4);
-    for (int i = 0; i < T * R; i++) X[i] = ((int)(rnd() % 2000) - 1000) / 1000.0f;
+    for (int i = 0; i < T * R; i++) {
+        X[i] = ((int)(rnd() % 2000) - 1000) / 1000.0f;
+        if (bf16) { /* nearest-even bf16 */
+            uint32_t u;
+            memcpy(&u, &X[i], 4);
+            u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+            memcpy(&X[i], &u, 4);
+        }
+    }
     layer_fn fn[16];
     if (nlib > 16) nlib = 16;
     for (int l = 0; l < nlib; l++) {
@@ -127,7 +138,7 @@ int main(int argc, char **argv) {
                 nanosleep(&(struct timespec){0, 2000000}, NULL);
                 double t0 = now();
                 int rc = fn[l](codec, mats, E, off, idx, wt, R, I, bits, 0, X, T, acc, 4.0f,
-                               25.0f, 0, threads);
+                               25.0f, bf16, threads);
                 double d = now() - t0;
                 if (rc) {
                     fprintf(stderr, "%s: mtplx_cpu_layer returned %d\n", argv[5 + l], rc);
@@ -138,9 +149,9 @@ int main(int argc, char **argv) {
             sum[l] = 0;
             for (int i = 0; i < T * R; i++) sum[l] += fabs(acc[i]);
         }
-    printf("%s T=%d experts=%d threads=%d huge=%d clock=%s: layer %.1f MB, memcpy %.2f GB/s\n", c,
-           T, E, threads, huge, clk == CLOCK_MONOTONIC ? "wall" : "cpu", total / 1e6,
-           2.0 * nb / copy / 1e9);
+    printf("%s T=%d experts=%d threads=%d huge=%d clock=%s inputs=%s: layer %.1f MB, memcpy "
+           "%.2f GB/s\n", c, T, E, threads, huge, clk == CLOCK_MONOTONIC ? "wall" : "cpu",
+           bf16 ? "bf16" : "fp32", total / 1e6, 2.0 * nb / copy / 1e9);
     for (int l = 0; l < nlib; l++)
         printf("  %8.2f ms/layer %6.2f GB/s %5.1f%% of copy  sum|out| %.6g  %s\n", best[l] * 1e3,
                total / best[l] / 1e9, 100 * total / best[l] / (2.0 * nb / copy), sum[l],

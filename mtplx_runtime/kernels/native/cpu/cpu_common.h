@@ -17,6 +17,8 @@
 #define XPAD 16        /* zero floats after each input row: t158's SIMD paths read 8 past it */
 #define RB 4           /* rows per decoded block of the generic row kernels (block_rows.h) */
 #define AVX512_TARGET "avx512f,avx512dq,avx512bw,avx2,fma"
+/* isa 3: AVX-512 with BF16 dot products (mxfp4's bf16-input path). */
+#define BF16_TARGET AVX512_TARGET ",avx512bf16"
 
 /* One quantized matrix [rows, cols] as the codec stores it (pointers into record bytes). */
 typedef struct {
@@ -35,7 +37,7 @@ typedef void (*decode_fn)(const mat_t *m, int r, int b, float *w);
 
 /* Codec hooks. <codec>_prepare checks bits/layout/shape and fills the row strides (0, or a
  * negative return code); <codec>_rows picks the row kernel for an ISA (0 scalar, 1 avx2,
- * 2 avx512). */
+ * 2 avx512, 3 avx512bf16: only mxfp4 has a kernel of its own there, the others run their 2). */
 int t158_prepare(mat_t *m);
 rows_fn t158_rows(const mat_t *m, int isa);
 int mxfp4_prepare(mat_t *m);
@@ -45,7 +47,7 @@ rows_fn ctint_rows(const mat_t *m, int isa);
 
 /* This thread's buffer `slot` with room for `floats` (64-byte aligned, contents unspecified,
  * kept across calls, freed at thread exit; thread_buf.c), or NULL when out of memory. */
-enum { THREAD_BUF_T158_TABLES, THREAD_BUF_SPLIT_INPUTS, THREAD_BUF_SLOTS };
+enum { THREAD_BUF_T158_TABLES, THREAD_BUF_SPLIT_INPUTS, THREAD_BUF_BF16_INPUTS, THREAD_BUF_SLOTS };
 float *thread_floats(int slot, size_t floats);
 
 /* One decoded row block of the generic kernels: the stride cols + 16 keeps the RB rows off a

@@ -36,7 +36,10 @@ static int g_isa = -1;
 
 int mtplx_cpu_best_isa(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return 2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) {
+        if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16")) return 3;
+        return 2;
+    }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
     return 0;
 }

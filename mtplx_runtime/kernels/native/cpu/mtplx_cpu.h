@@ -19,8 +19,8 @@
  *   const char *mtplx_cpu_codec_name(int codec)
  *       The codec's name ("t158", "mxfp4", "ct-int"), NULL past the table.
  *   int mtplx_cpu_best_isa(void), mtplx_cpu_get_isa(void), mtplx_cpu_set_isa(int want)
- *       0 scalar, 1 avx2, 2 avx512 (the best the CPU supports unless lowered); one choice for
- *       every codec.
+ *       0 scalar, 1 avx2, 2 avx512, 3 avx512bf16 (2 plus BW and BF16; the best the CPU
+ *       supports unless lowered); one choice for every codec.
  *   uint64_t mtplx_cpu_xxh3_64(const void *data, size_t n)
  *       XXH3-64 of n bytes, seed 0 and the default secret (the published xxHash algorithm;
  *       checksum.c, on the ISA switch's path): the fast per-record check of read-time
@@ -30,7 +30,8 @@
  *
  * Numerics: every dot product accumulates in fp32. The weights a kernel multiplies are the
  * exact values the NumPy codec decodes, so only the fp32 summation order differs from "decode,
- * then matmul". Per token the arithmetic does not depend on n, the thread count or the row
+ * then matmul" (mxfp4 on avx512bf16 multiplies a bf16 input row by the unscaled E2M1 values,
+ * exactly, and scales each 32-column group's partial sums by its exact power of two). Per token the arithmetic does not depend on n, the thread count or the row
  * chunking, so an n-token call equals n one-token calls bit for bit. round_model = 1 mirrors a
  * bf16 model (model/layers.py glu_mlp): gate·x and up·x rounded to bf16, SiTU-GLU in fp32 then
  * rounded, down·h rounded; round_model = 0 is an fp32 model (nothing rounded).
