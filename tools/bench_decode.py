@@ -60,7 +60,6 @@ used guess landing to its first use).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import platform
 import shutil
@@ -89,17 +88,9 @@ from mtplx_runtime.offload.reader import DEFAULT_READ_DEPTH
 from mtplx_runtime.profile import Trace, profile, replay_runtime
 from mtplx_runtime.profile import load as load_trace
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is no package
+import bench_io  # noqa: E402  (after the path fix)
 
-def _bench_io():
-    """tools/bench_io.py as a module (tools/ is no package; tests load this file by path)."""
-    spec = importlib.util.spec_from_file_location("bench_io", Path(__file__).with_name(
-        "bench_io.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench_io = _bench_io()
 evict = bench_io.evict  # drop the bank from the page cache, checked empty with mincore
 
 PROMPT = [3, 17]

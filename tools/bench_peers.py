@@ -32,7 +32,6 @@ Needs root for the cgroup and a Linux memory controller; not part of `make test`
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -137,17 +136,11 @@ def in_cgroup(procs: Path):
 
 # ---- the page cache ----
 
-def _bench_io():
-    """tools/bench_io.py as a module (tools/ is no package), for its checked eviction."""
-    spec = importlib.util.spec_from_file_location("bench_io", Path(__file__).with_name(
-        "bench_io.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is no package
+import bench_io  # noqa: E402  (after the path fix)
 
 # A cold start: the files dropped from the page cache, checked empty with mincore.
-evict = _bench_io().evict
+evict = bench_io.evict
 
 
 def model_files(path: Path) -> list[Path]:
