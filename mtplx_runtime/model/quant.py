@@ -6,7 +6,8 @@ output channel (FORMAT.md "Quantized residents").
                                           bf16 [K/32, N] each) --packed()--> Int4Packed
                        --quantize_fp8---> Fp8Weight (q float8_e4m3fn [N, K], scale fp32 [N])
     stated tensors (an artifact built with --resident-dtype) --held--> the same weights
-    linear(x, w): F.linear for a tensor, w.linear(x) for a quantized weight
+    linear(x, w): F.linear for a tensor (a small one-token product on one thread),
+                  w.linear(x) for a quantized weight
 
 The encoders are formats/resident_quant.py, shared with `mtplx build-manifest`.
 
