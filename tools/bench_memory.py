@@ -3,17 +3,27 @@ slice (real 3584/3072 t158 experts, 1 MoE layer by default).
 
     make_k3_slice -> build_artifact (keep) -> per budget (the plan's minimum, then more slots,
       then the whole bank): a fresh interpreter runs `mtplx generate --memory-budget B`
-      (default --prefill-chunk, a prompt of a few windows) and reads its own VmHWM
+      (default --prefill-chunk, a prompt of a few windows) and reads its own VmHWM, inside a
+      fresh memory cgroup with no limit when this process may make one (root), whose peak also
+      counts the page cache, page tables and kernel memory the process causes
 
 One line per budget: the budget, compute slots and prefill pool the plan gives, the planned peak
-(budget less slack: every planned byte in use), the measured peak RSS, measured / planned, the
-reserve and what it had to cover (unplanned: measured less every planned item but the reserve;
-RUNTIME_BASELINE_BYTES in engine/plan.py estimates it), the compute-tier hit
-rate and decode tok/s. A run whose peak exceeds its budget is marked OVER_BUDGET and the run
-exits 1. VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork + exec.
+(budget less slack and the kernel headroom: every planned byte in use), the measured peak RSS,
+measured / planned, the reserve and what it had to cover (unplanned: measured less every planned
+item but the reserve; RUNTIME_BASELINE_BYTES in engine/plan.py estimates it), the cgroup's peak
+and what it held above the RSS peak (`cgroup_extra`, which the plan's KERNEL_HEADROOM_BYTES
+covers; `kmem`: the kernel-memory part of the cgroup's peak), the compute-tier hit rate and
+decode tok/s. A run whose RSS or cgroup peak exceeds its budget is marked OVER_BUDGET and the
+run exits 1. VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork + exec.
 
     python tools/bench_memory.py [--experts 128] [--tokens 32] [--context 256]
                                  [--kernels auto|reference|cpu] [--dir DIR] [--keep]
+                                 [--cgroup-root /sys/fs/cgroup | --no-cgroup] [--drop-caches]
+
+`--drop-caches` (root) empties the whole page cache before each run, so the libraries the run
+maps are read again and charged to its cgroup, as on a host that just booted: a page is charged
+to the cgroup that first reads it, and with the libraries cached by an earlier process the
+cgroup's peak can be below the RSS. Pages other running processes map stay cached.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import time
 from pathlib import Path
 
 from bench_decode import commit  # tools/ is on sys.path when this script runs
+from bench_peers import CgroupError, MemoryCgroup, in_cgroup
 
 from mtplx_runtime.artifact.build import build_artifact
 from mtplx_runtime.artifact.manifest import MANIFEST_NAME
@@ -52,19 +63,51 @@ print(json.dumps({"rc": rc, "peak_rss_bytes": int(hwm.split()[1]) * 1024}), file
 
 
 def run_generate(art: Path, budget: int, a, kernels: str) -> dict:
-    """One `mtplx generate` in a fresh interpreter: its peak RSS, hit rate and decode tok/s."""
+    """One `mtplx generate` in a fresh interpreter: its peak RSS, hit rate and decode tok/s, and
+    with a cgroup root the peak of a fresh cgroup it ran in (`cgroup_peak`, `kmem_peak`)."""
     argv = [sys.executable, "-c", CHILD, "generate", str(art), "--prompt", PROMPT,
             "--max-tokens", str(a.tokens), "--memory-budget", str(budget), "--context",
             str(a.context), "--kernels", kernels]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    cg = (MemoryCgroup(f"mtplx_memory_{os.getpid()}_{time.monotonic_ns()}", a.cgroup_root)
+          if a.cgroup_root else None)
+    try:
+        if cg:
+            cg.set_limit(None)
+        if a.drop_caches:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3")
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=1800,
+                             preexec_fn=in_cgroup(cg.procs_file()) if cg else None)
+        peaks = {"cgroup_peak": cg.peak(), "kmem_peak": kmem_peak(cg)} if cg else {}
+    finally:
+        if cg:
+            cg.remove()
     lines = out.stderr.strip().splitlines()
     if out.returncode != 0 or not lines or not lines[-1].startswith("{"):
         raise SystemExit(f"bench_memory: generate at {budget:,} B failed:\n{out.stderr[-3000:]}")
-    res = json.loads(lines[-1])
+    res = json.loads(lines[-1]) | peaks
     stats = next((ln for ln in lines if ln.startswith("mtplx generate: prompt")), "")
     res["hit"] = _field(stats, "cache hit rate ")
     res["decode"] = _field(stats, "decode ")
     return res
+
+
+def kmem_peak(cg: MemoryCgroup) -> int | None:
+    """The kernel-memory part of a v1 cgroup's peak (page tables, slab); v2 keeps no such peak."""
+    f = cg.path / "memory.kmem.max_usage_in_bytes"
+    return int(f.read_text()) if cg.version == 1 and f.exists() else None
+
+
+def cgroup_root(arg: str | None) -> str | None:
+    """The cgroup mount to run children under, or None (with the reason) where none can be made."""
+    if arg is None:
+        return None
+    try:
+        MemoryCgroup(f"mtplx_memory_probe_{os.getpid()}", arg).remove()
+    except (CgroupError, OSError) as e:
+        print(f"# bench_memory: no cgroup peaks ({e}); RSS only", flush=True)
+        return None
+    return arg
 
 
 def _field(line: str, key: str) -> str:
@@ -81,7 +124,14 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="auto", choices=("auto", "reference", "cpu"))
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp)")
     ap.add_argument("--keep", action="store_true", help="keep the slice artifact")
+    ap.add_argument("--cgroup-root", default="/sys/fs/cgroup",
+                    help="memory cgroup mount the runs go under (needs root)")
+    ap.add_argument("--no-cgroup", dest="cgroup_root", action="store_const", const=None,
+                    help="RSS peaks only")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="empty the page cache before each run (root; see the module docstring)")
     a = ap.parse_args(argv)
+    a.cgroup_root = cgroup_root(a.cgroup_root)
     if a.experts < 2 * TOP_K:
         ap.error(f"--experts must be >= {2 * TOP_K}")
     kernels = name_of(select_backend(a.kernels))
@@ -114,13 +164,20 @@ def main(argv=None) -> int:
             r = run_generate(art, budget, a, kernels)
             peak, planned = r["peak_rss_bytes"], p.planned_peak_bytes
             unplanned = peak - (planned - p.items["reserve"])  # what the reserve must cover
-            flag = " OVER_BUDGET" if peak > budget else ""
-            over |= peak > budget
+            cg_peak = r.get("cgroup_peak")
+            cg = (f"cgroup_peak={cg_peak / MiB:.0f}MiB "
+                  f"cgroup_extra={(cg_peak - peak) / MiB:.0f}MiB "
+                  f"headroom={p.items['headroom'] / MiB:.0f}MiB " if cg_peak else "")
+            if r.get("kmem_peak") is not None:
+                cg += f"kmem={r['kmem_peak'] / MiB:.0f}MiB "
+            high = max(peak, cg_peak or 0)
+            flag = " OVER_BUDGET" if high > budget else ""
+            over |= high > budget
             print(f"budget={budget / MiB:.0f}MiB slots={p.compute_slots}/{p.total_records} "
                   f"pool={p.transient_slots} planned={planned / MiB:.0f}MiB "
                   f"measured={peak / MiB:.0f}MiB ratio={peak / planned:.2f} "
                   f"reserve={p.items['reserve'] / MiB:.0f}MiB "
-                  f"unplanned={unplanned / MiB:.0f}MiB hit={r['hit']} "
+                  f"unplanned={unplanned / MiB:.0f}MiB {cg}hit={r['hit']} "
                   f"decode_tok_s={r['decode']} load={os.getloadavg()[0]:.2f}{flag}", flush=True)
         return 1 if over else 0
     finally:
