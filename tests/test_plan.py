@@ -360,3 +360,27 @@ def test_the_default_context_is_what_the_plan_affords(tiny, monkeypatch, capsys)
                      "--kernels", "reference"]) == 0
     assert "mtplx: context 32,768 tokens: the longest this memory plan affords" in \
         capsys.readouterr().err
+
+
+def test_an_afforded_context_gives_up_no_record_of_a_whole_bank():
+    """A budget whose 4,096-token plan caches every record keeps them all: the context grows
+    only into bytes the cache cannot use; with 99 % cached it stops before the misses grow by
+    more than 1 / 0.9 (the K3-geometry MXFP4 slice of bench_peers)."""
+    from mtplx_runtime.engine import plan as plan_mod
+    from mtplx_runtime.fixtures.k3_slice import k3_slice_config
+
+    facts = facts_from_config(k3_slice_config(moe_layers=1), "mxfp4")
+    base = plan_for(facts, memory_budget="1TiB", context=4096)
+    whole = base.fixed_bytes + base.total_records * base.record_stride
+    assert plan_for(facts, memory_budget=whole, context=4096).compute_slots == 896
+    ctx = plan_mod.afforded_context(facts, memory_budget=whole)
+    assert plan_for(facts, memory_budget=whole, context=ctx).compute_slots == 896
+    assert plan_for(facts, memory_budget=whole, context=2 * ctx).compute_slots < 896
+    roomy = whole + 64 * 2**20  # bytes no record can use: the context grows into them
+    ctx = plan_mod.afforded_context(facts, memory_budget=roomy)
+    assert ctx > 4096 and plan_for(facts, memory_budget=roomy, context=ctx).compute_slots == 896
+    # 99 %: 8 records short of the bank at 4,096; a longer context may leave 8 / 0.9 uncached
+    near = whole - 8 * base.record_stride
+    ctx = plan_mod.afforded_context(facts, memory_budget=near)
+    assert 896 - plan_for(facts, memory_budget=near, context=ctx).compute_slots <= 8 / 0.9
+    assert ctx < plan_mod.CONTEXT_CEILING

@@ -63,9 +63,11 @@ RESERVE_FRACTION = 0.05
 KERNEL_HEADROOM_BYTES = 192 * 2**20
 DEFAULT_CONTEXT = 4096  # tokens, when nothing else decides
 # An afforded context (afforded_context) grows in powers of two up to here, and only while the
-# expert cache keeps this share of its slots: long contexts where memory has room, never bought
-# by starving the cache; the ceiling keeps a reply that never stops (max_tokens = the rest of
-# the context) from running for hours.
+# expert cache keeps this share of its slots and its uncached records grow by at most the same
+# factor's inverse: long contexts where memory has room, never bought by starving the cache (a
+# cache that holds the whole bank gives up no record for context; one that holds 99 % gives up
+# few, since each one lost there is a miss on every use). The ceiling keeps a reply that never
+# stops (max_tokens = the rest of the context) from running for hours.
 CONTEXT_CEILING = 32768
 CONTEXT_KEEP_SLOTS = 0.9
 MAX_AUTO_CHUNK = 256
@@ -460,15 +462,18 @@ def minimum_reasons(parts: dict[str, int], sep: str = "; ") -> str:
 def afforded_context(facts: ModelFacts, *, memory_budget: int | str, **kwargs) -> int:
     """The longest context, a power of two from DEFAULT_CONTEXT up to CONTEXT_CEILING (and the
     model's max positions), whose plan keeps CONTEXT_KEEP_SLOTS of the compute slots the
-    DEFAULT_CONTEXT plan gets. Raises PlanError when even DEFAULT_CONTEXT does not plan."""
+    DEFAULT_CONTEXT plan gets and leaves at most 1 / CONTEXT_KEEP_SLOTS times its uncached
+    records uncached. Raises PlanError when even DEFAULT_CONTEXT does not plan."""
     base = plan_for(facts, memory_budget=memory_budget, context=DEFAULT_CONTEXT, **kwargs)
+    base_uncached = base.total_records - base.compute_slots
     best, ctx = DEFAULT_CONTEXT, 2 * DEFAULT_CONTEXT
     while ctx <= min(CONTEXT_CEILING, facts.cfg.max_position_embeddings):
         try:
             p = plan_for(facts, memory_budget=memory_budget, context=ctx, **kwargs)
         except PlanError:
             break
-        if p.compute_slots < CONTEXT_KEEP_SLOTS * base.compute_slots:
+        if (p.compute_slots < CONTEXT_KEEP_SLOTS * base.compute_slots
+                or (p.total_records - p.compute_slots) * CONTEXT_KEEP_SLOTS > base_uncached):
             break
         best, ctx = ctx, 2 * ctx
     return best
