@@ -289,3 +289,37 @@ def test_a_record_in_a_transient_slot_is_not_counted_as_warm(art, manifest, tmp_
         assert cache.where((layer, 4)) == ref  # left where the prefill put it
         assert cache.where((layer, 6)).tier == "compute"
         assert st["skipped"] == 1 and st["records"] == st["planned"] - 1
+
+
+def test_the_warm_reads_nothing_while_a_prefill_runs(art, manifest, tmp_path, monkeypatch):
+    """While the provider says a prefill runs (`prefill_hold_until` ahead), the warm issues no
+    read; once the hold ends it warms everything it planned. A multi-token forward sets the
+    hold, a one-token (decode) forward ends it."""
+    import time
+
+    from mtplx_runtime.offload.warm import WarmStart
+
+    _, root = art
+    layer = manifest.records[0].layer
+    path = tmp_path / "t.warm"
+    assert write_counts(path, manifest, _counts_for(manifest, {layer: [4, 6]}))
+    with _load(root, "off") as rt:
+        p = rt.provider
+        p.prefill_hold_until = time.monotonic() + 3600.0  # a prefill that never ends
+        w = WarmStart(p, path)
+        w.start()
+        assert not w.wait(0.5)
+        assert w.stats()["records"] == 0 and p.prefetcher.stats.demand_reads == 0
+        p.prefill_hold_until = 0.0
+        assert w.wait(60) and w.stats()["records"] == w.stats()["planned"] >= 2
+
+    from mtplx_runtime.offload import provider as provider_module
+
+    monkeypatch.setattr(provider_module, "PREFILL_HOLD_S", 3600.0)  # no race with the clock
+    with _load(root, "off") as rt:
+        p = rt.provider
+        gen = generate_module.generate_step(rt.model, PROMPT, max_tokens=2)
+        next(gen)  # the prompt's forward ran: a prefill, so the hold runs past it
+        assert p.prefill_hold_until > time.monotonic()
+        next(gen)  # one decode forward
+        assert p.prefill_hold_until == 0.0

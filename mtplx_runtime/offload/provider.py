@@ -38,6 +38,10 @@ from .prefetch import Prefetcher
 from .reader import DEFAULT_READ_DEPTH, from_manifest
 from .warm import WarmStart
 
+# How long after a prefill layer's experts the prefill still counts as running: longer than the
+# attention between two MoE layers, short enough that a prompt-only request soon frees the warm.
+PREFILL_HOLD_S = 0.1
+
 __all__ = ["StreamingExpertProvider"]
 
 log = logging.getLogger(__name__)
@@ -140,6 +144,9 @@ class StreamingExpertProvider:
         self.prefill_uses = 0     # (token, expert) pairs in multi-token calls
         self.prefill_unique = 0   # distinct experts read for them
         self.warm: WarmStart | None = None  # set by engine.runtime.load: counts uses, warms
+        # Monotonic time until which a prefill counts as running: the warm start issues no read
+        # before it (`offload.warm`), so a prompt's reads and checks get the drive and the cores.
+        self.prefill_hold_until = 0.0
         self._closed = False
 
     # ---- the ExpertProvider contract -----------------------------------------------------
@@ -186,9 +193,11 @@ class StreamingExpertProvider:
         if self.warm is not None:
             self.warm.add(layer, ids)
         if ids.shape[0] == 1:
+            self.prefill_hold_until = 0.0  # decoding: the prompt is done
             out = self._decode_sum(layer, x, ids, weights, keys)
             self._spec_keys.difference_update(keys)
             return out
+        self.prefill_hold_until = time.monotonic() + PREFILL_HOLD_S
         transient = self._transient_slots > 0
         self.prefill_uses += int((ids >= 0).sum())
         self.prefill_unique += len(keys)
@@ -199,6 +208,7 @@ class StreamingExpertProvider:
             with self._landed(keys[i:i + room], transient) as refs:
                 acc = self._compute(x, ids, weights, refs, acc)
         self._spec_keys.difference_update(keys)
+        self.prefill_hold_until = time.monotonic() + PREFILL_HOLD_S
         return acc.to(x.dtype)
 
     def _decode_sum(self, layer: int, x, ids, weights, keys: list[ExpertKey]) -> torch.Tensor:

@@ -12,7 +12,9 @@ like any miss, so the read-time checks apply, and a missing, stale or hostile fi
 cold start. Warming runs beside the first prompt: it keeps one read depth of reads outstanding
 and refills as each lands, so the reader stays busy and a forward's own demand reads queue
 behind no warm read, only wait for one in flight to finish; a forward that needs a record being
-warmed shares that read.
+warmed shares that read. While a prefill runs (the provider's `prefill_hold_until`) the warm
+issues no new read: its reads and their checks would take the drive and the cores from the
+prompt, and the first token would wait for most of the warm (BENCHMARKS.md "bench_warm").
 """
 
 from __future__ import annotations
@@ -235,7 +237,8 @@ class WarmStart:
             while True:
                 if self._stop.is_set():
                     return
-                while len(pending) < limit and todo:
+                held = p.prefill_hold_until - time.monotonic()  # a prompt's reads go first
+                while held <= 0 and len(pending) < limit and todo:
                     key = todo.popleft()
                     ref = p.cache.where(key)
                     if ref is not None:  # a forward read it first
@@ -247,6 +250,9 @@ class WarmStart:
                     except RuntimeError:  # the prefetcher shut down between checks
                         return
                 if not pending:
+                    if held > 0 and (todo or later):
+                        self._stop.wait(min(held, STOP_POLL_S))
+                        continue
                     if todo:
                         continue
                     if later and not retried:
@@ -256,7 +262,9 @@ class WarmStart:
                     self._stats["skipped"] = len(later)
                     break
                 # woken now and then to see a stop (close) while reads run
-                done, _ = concurrent.futures.wait(pending, timeout=STOP_POLL_S,
+                # (a held warm wakes when the hold may end, to refill)
+                wake = min(STOP_POLL_S, held) if held > 0 else STOP_POLL_S
+                done, _ = concurrent.futures.wait(pending, timeout=wake,
                                                   return_when=concurrent.futures.FIRST_COMPLETED)
                 for fut in done:
                     key = pending.pop(fut)
