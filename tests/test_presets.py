@@ -100,7 +100,7 @@ def test_flags_win_over_the_preset_and_the_preset_over_defaults(art, capsys):
     plain = plan_json(capsys, "--model", art, "--memory-budget", "542MiB")
     assert plain["context"] == 4096 and plain["host_budget"] == 0  # the parser's defaults
     got = plan_json(capsys, "--config", "tiny-demo", "--model", art)
-    assert (got["memory_budget"], got["host_budget"]) == (527214 * 1024, 240 * 1024)
+    assert (got["memory_budget"], got["host_budget"]) == (461678 * 1024, 240 * 1024)
     assert (got["context"], got["prefill_chunk"]) == (512, 2)
     assert (got["compute_slots"], got["host_slots"]) == (17, 10)  # the preset's comment
     # Explicit flags win, also one equal to the parser's default (--context 4096), also when
@@ -110,13 +110,13 @@ def test_flags_win_over_the_preset_and_the_preset_over_defaults(art, capsys):
     assert (got["memory_budget"], got["context"]) == (GiB, 4096)
     assert (got["host_budget"], got["prefill_chunk"]) == (240 * 1024, 2)
     by_path = plan_json(capsys, "--config", ROOT / "configs/tiny-demo.toml", "--model", art)
-    assert by_path["memory_budget"] == 527214 * 1024
+    assert by_path["memory_budget"] == 461678 * 1024
 
 
 def test_generate_chat_serve_take_the_preset():
     a = parse_args(["generate", "--config", "tiny-demo", "--model", "m", "--prompt", "p",
                     "--lookahead", "0", "--kernels", "reference"])
-    assert (a.memory_budget, a.host_budget, a.context, a.max_tokens) == ("527214KiB", "240KiB",
+    assert (a.memory_budget, a.host_budget, a.context, a.max_tokens) == ("461678KiB", "240KiB",
                                                                          512, 16)
     assert (a.lookahead, a.kernels, a.top_k) == (0, "reference", 0)  # flags; a default
     a = parse_args(["chat", "--model", "m", "--config", "k3-t158-cpu-256g", "--lookahead", "1"])

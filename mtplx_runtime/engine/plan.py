@@ -47,20 +47,21 @@ DTYPE_SIZES = {"float32": 4, "bfloat16": 2}
 ACT_BYTES = 4  # workspace activations are estimated in fp32 (the reference's fp32 islands)
 # What a streamed run holds besides the plan's items: interpreter, torch, this package, the
 # native kernels, reader / prefetch / torch threads and their malloc arenas. Measured on Linux
-# x86-64 (torch 2.13 CPU, 2 cores): 279-289 MiB at four budgets of a K3-geometry slice after 32
-# tokens, rounded up by a tenth (BENCHMARKS.md "bench_memory"; tools/bench_memory.py
-# re-measures it; oneDNN's per-shape growth over long sequences is not in it). A constant, not
-# this process's RSS: a long-lived process may hold other models, and `mtplx plan` must agree
-# with `load`. A GPU run's CUDA context is not measured yet: the same figure stands in for it.
-RUNTIME_BASELINE_BYTES = 320 * 2**20
+# x86-64 (torch 2.13 CPU, 2 cores): 247-264 MiB at four budgets of a K3-geometry slice, 32 to
+# 1,000 tokens at contexts 256 and 2,048, rounded up by about a tenth (BENCHMARKS.md
+# "bench_memory"; tools/bench_memory.py re-measures it). A constant, not this process's RSS: a
+# long-lived process may hold other models, and `mtplx plan` must agree with `load`. A GPU
+# run's CUDA context is not measured yet: the same figure stands in for it.
+RUNTIME_BASELINE_BYTES = 288 * 2**20
 # Of the torch-held items (residents, state, workspace), for allocator fragmentation. Expert
 # slots are one mmap per tier and fragment nothing, so the fraction never touches them.
 RESERVE_FRACTION = 0.05
 # Room a host budget leaves for what a memory cgroup charges beside the process's RSS (page
-# cache of the libraries and files it reads, page tables, slab): 0.13-0.29 GB measured on a
-# K3-geometry slice. Planned up to the limit instead, page faults reclaim: decode slowed 1.3x
+# cache of the libraries and files it reads, page tables, slab): 140-143 MiB measured from a
+# cold page cache at every budget of a K3-geometry slice (bench_memory --drop-caches), rounded
+# up by about a tenth. Planned up to the limit instead, page faults reclaim: decode slowed 1.3x
 # and a warm fill 4x (BENCHMARKS.md "bench_peers"). GPU budgets have no page cache: none there.
-KERNEL_HEADROOM_BYTES = 192 * 2**20
+KERNEL_HEADROOM_BYTES = 160 * 2**20
 DEFAULT_CONTEXT = 4096  # tokens, when nothing else decides
 # An afforded context (afforded_context) grows in powers of two up to here, and only while the
 # expert cache keeps this share of its slots and its uncached records grow by at most the same
