@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import numpy as np
 import pytest
@@ -247,8 +248,10 @@ def test_cli_warm_auto_writes_beside_the_receipts_and_off_writes_nothing(cli, tm
     assert auto.exists() and "warm" not in err and out == off_out  # nothing to warm yet
     assert cli(_flags(root)) == 0
     out, err = capsys.readouterr()
-    n = len(manifest.records)  # 8 slots per layer hold every record
-    assert f"warm {n}/{n} records" in err and out == off_out
+    # 8 slots per layer hold every record: all of them planned. How many land before this
+    # 4-token run ends depends on the clock (the warm waits for the prompt's prefill).
+    n = len(manifest.records)
+    assert re.search(rf"warm \d+/{n} records", err) and out == off_out
 
 
 def test_ctrl_c_still_writes_the_counts(cli, art, manifest, tmp_path, monkeypatch, capsys):

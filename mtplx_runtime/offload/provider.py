@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -197,7 +198,15 @@ class StreamingExpertProvider:
             out = self._decode_sum(layer, x, ids, weights, keys)
             self._spec_keys.difference_update(keys)
             return out
-        self.prefill_hold_until = time.monotonic() + PREFILL_HOLD_S
+        self.prefill_hold_until = math.inf  # held while this layer's reads and compute run
+        try:
+            return self._prefill_sum(layer, x, ids, weights, keys)
+        finally:
+            self.prefill_hold_until = time.monotonic() + PREFILL_HOLD_S
+
+    def _prefill_sum(self, layer: int, x, ids, weights, keys: list[ExpertKey]) -> torch.Tensor:
+        """Several tokens' routed sum: windows of `keys` read, then computed into one fp32
+        accumulator."""
         transient = self._transient_slots > 0
         self.prefill_uses += int((ids >= 0).sum())
         self.prefill_unique += len(keys)
@@ -208,7 +217,6 @@ class StreamingExpertProvider:
             with self._landed(keys[i:i + room], transient) as refs:
                 acc = self._compute(x, ids, weights, refs, acc)
         self._spec_keys.difference_update(keys)
-        self.prefill_hold_until = time.monotonic() + PREFILL_HOLD_S
         return acc.to(x.dtype)
 
     def _decode_sum(self, layer: int, x, ids, weights, keys: list[ExpertKey]) -> torch.Tensor:
