@@ -19,11 +19,14 @@ run exits 1. VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork + exec.
     python tools/bench_memory.py [--experts 128] [--tokens 32] [--context 256]
                                  [--kernels auto|reference|cpu] [--dir DIR] [--keep]
                                  [--cgroup-root /sys/fs/cgroup | --no-cgroup] [--drop-caches]
+                                 [--hard-limit]
 
 `--drop-caches` (root) empties the whole page cache before each run, so the libraries the run
 maps are read again and charged to its cgroup, as on a host that just booted: a page is charged
 to the cgroup that first reads it, and with the libraries cached by an earlier process the
 cgroup's peak can be below the RSS. Pages other running processes map stay cached.
+`--hard-limit` gives each run's cgroup its budget as the limit, as a deployment's memory limit
+would: `limit_hits` counts the times it had to reclaim to stay under, and a run it kills is OOM.
 """
 
 from __future__ import annotations
@@ -72,16 +75,19 @@ def run_generate(art: Path, budget: int, a, kernels: str) -> dict:
           if a.cgroup_root else None)
     try:
         if cg:
-            cg.set_limit(None)
+            cg.set_limit(budget if a.hard_limit else None)
         if a.drop_caches:
             os.sync()
             Path("/proc/sys/vm/drop_caches").write_text("3")
         out = subprocess.run(argv, capture_output=True, text=True, timeout=1800,
                              preexec_fn=in_cgroup(cg.procs_file()) if cg else None)
-        peaks = {"cgroup_peak": cg.peak(), "kmem_peak": kmem_peak(cg)} if cg else {}
+        peaks = ({"cgroup_peak": cg.peak(), "kmem_peak": kmem_peak(cg),
+                  "limit_hits": limit_hits(cg), "oom": cg.oom_kills()} if cg else {})
     finally:
         if cg:
             cg.remove()
+    if peaks.get("oom"):
+        return peaks | {"peak_rss_bytes": 0, "hit": "?", "decode": "?"}
     lines = out.stderr.strip().splitlines()
     if out.returncode != 0 or not lines or not lines[-1].startswith("{"):
         raise SystemExit(f"bench_memory: generate at {budget:,} B failed:\n{out.stderr[-3000:]}")
@@ -96,6 +102,15 @@ def kmem_peak(cg: MemoryCgroup) -> int | None:
     """The kernel-memory part of a v1 cgroup's peak (page tables, slab); v2 keeps no such peak."""
     f = cg.path / "memory.kmem.max_usage_in_bytes"
     return int(f.read_text()) if cg.version == 1 and f.exists() else None
+
+
+def limit_hits(cg: MemoryCgroup) -> int:
+    """Times the cgroup's usage reached its limit and had to reclaim (v1 `memory.failcnt`, v2
+    the `max` count of `memory.events`): 0 when a hard limit never pressed the run."""
+    if cg.version == 1:
+        return int((cg.path / "memory.failcnt").read_text())
+    fields = dict(line.split() for line in (cg.path / "memory.events").read_text().splitlines())
+    return int(fields.get("max", 0))
 
 
 def cgroup_root(arg: str | None) -> str | None:
@@ -128,10 +143,15 @@ def main(argv=None) -> int:
                     help="memory cgroup mount the runs go under (needs root)")
     ap.add_argument("--no-cgroup", dest="cgroup_root", action="store_const", const=None,
                     help="RSS peaks only")
+    ap.add_argument("--hard-limit", action="store_true",
+                    help="each run's cgroup limited to its budget, as a deployment's memory "
+                         "limit: a run the limit kills is marked OOM")
     ap.add_argument("--drop-caches", action="store_true",
                     help="empty the page cache before each run (root; see the module docstring)")
     a = ap.parse_args(argv)
     a.cgroup_root = cgroup_root(a.cgroup_root)
+    if a.hard_limit and not a.cgroup_root:
+        ap.error("--hard-limit needs a memory cgroup (root, --cgroup-root)")
     if a.experts < 2 * TOP_K:
         ap.error(f"--experts must be >= {2 * TOP_K}")
     kernels = name_of(select_backend(a.kernels))
@@ -162,6 +182,11 @@ def main(argv=None) -> int:
         for budget in budgets:
             p = make_plan(art, memory_budget=budget, **kw)
             r = run_generate(art, budget, a, kernels)
+            if r.get("oom"):
+                over = True
+                print(f"budget={budget / MiB:.0f}MiB slots={p.compute_slots}/{p.total_records} "
+                      f"OOM (killed by the cgroup limit {budget / MiB:.0f}MiB)", flush=True)
+                continue
             peak, planned = r["peak_rss_bytes"], p.planned_peak_bytes
             unplanned = peak - (planned - p.items["reserve"])  # what the reserve must cover
             cg_peak = r.get("cgroup_peak")
@@ -170,6 +195,8 @@ def main(argv=None) -> int:
                   f"headroom={p.items['headroom'] / MiB:.0f}MiB " if cg_peak else "")
             if r.get("kmem_peak") is not None:
                 cg += f"kmem={r['kmem_peak'] / MiB:.0f}MiB "
+            if a.hard_limit:
+                cg += f"limit_hits={r['limit_hits']} "
             high = max(peak, cg_peak or 0)
             flag = " OVER_BUDGET" if high > budget else ""
             over |= high > budget
