@@ -136,6 +136,21 @@ __attribute__((target(AVX512_TARGET))) static void decode_split_avx512(const mat
     split_decode(lut2_avx512, m, r, b, w);
 }
 
+/* avx2, 4 bits: split order too (nib_split.h), one table per 64-column group. */
+__attribute__((target("avx2,fma"))) static inline void lut2_avx2(const mat_t *m, int r, int b,
+                                                                  __m256 lut[2][2]) {
+    int zero;
+    float s;
+    group_params(m, r, b, &zero, &s);
+    lut[0][0] = lut[1][0] = lut8_avx2(0, zero, s);
+    lut[0][1] = lut[1][1] = lut8_avx2(8, zero, s);
+}
+
+__attribute__((target("avx2,fma"))) static void decode_split_avx2(const mat_t *m, int r, int b,
+                                                                  float *w) {
+    split_decode_avx2(lut2_avx2, m, r, b, w);
+}
+
 static void rows_scalar(const mat_t *m, const float *X, int ldx, int n, float *Y, int ldy,
                         int r0, int r1, float *w) {
     rows_tpl_scalar(decode_scalar, m, X, ldx, n, Y, ldy, r0, r1, w);
@@ -146,10 +161,17 @@ static void rows_legacy_scalar(const mat_t *m, const float *X, int ldx, int n, f
     rows_tpl_scalar(decode_legacy, m, X, ldx, n, Y, ldy, r0, r1, w);
 }
 
+/* 3 bits; 4 bits in natural order: the split kernels' fallback when out of memory. */
 __attribute__((target("avx2,fma"))) static void rows_avx2(const mat_t *m, const float *X,
                                                           int ldx, int n, float *Y, int ldy,
                                                           int r0, int r1, float *w) {
     rows_tpl_avx2(decode_avx2, m, X, ldx, n, Y, ldy, r0, r1, w);
+}
+
+__attribute__((target("avx2,fma"))) static void rows4_avx2(const mat_t *m, const float *X,
+                                                           int ldx, int n, float *Y, int ldy,
+                                                           int r0, int r1, float *w) {
+    split_rows_avx2(lut2_avx2, decode_split_avx2, rows_avx2, m, X, ldx, n, Y, ldy, r0, r1, w);
 }
 
 __attribute__((target("avx2,fma"))) static void
@@ -190,5 +212,6 @@ rows_fn ctint_rows(const mat_t *m, int isa) {
     if (m->layout)
         return isa >= 2 ? rows_legacy_avx512 : isa == 1 ? rows_legacy_avx2 : rows_legacy_scalar;
     if (isa >= 2) return m->bits == 4 ? rows4_avx512 : rows3_avx512;
-    return isa == 1 ? rows_avx2 : rows_scalar;
+    if (isa == 1) return m->bits == 4 ? rows4_avx2 : rows_avx2;
+    return rows_scalar;
 }
