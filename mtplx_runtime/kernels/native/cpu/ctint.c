@@ -12,7 +12,7 @@
  * Dequant, exactly formats/ctint.py `dequantize`: w = bf16_rne(fp32(q - zp) * fp32(scale)).
  * Per (row, group) the kernel builds that value for each of the 2^b codes and looks codes up in
  * it, so its weights equal the NumPy decode bit for bit. Paths: scalar; avx2 and avx512 decode
- * the dense layout with permutes (avx512 4-bit in split order: nib_split.h); the legacy layout
+ * the dense layout with permutes (4-bit in split order on both: nib_split.h); the legacy layout
  * decodes with scalar code on every path (checkpoint conversion only) but still multiplies with
  * the path's SIMD dot.
  */

@@ -6,9 +6,10 @@
  * (E8M0 e: 2^(e-127), e = 0 is the subnormal 2^-127, 0xFF is rejected with -3 as the NumPy
  * decoder rejects it). Per 32-column group the kernel builds the 16 decoded values
  * E2M1[nibble] * 2^(e-127) in fp32, exactly formats/mxfp4.py's `values * scale`, and looks the
- * nibbles up in it. Paths: scalar, avx2 (two 8-entry permutes), avx512 (one 16-entry permute,
- * columns in split order: nib_split.h), avx512bf16 (token rows of bf16 values: unscaled E2M1
- * weights on vdpbf16ps, the scales in an fp32 FMA per 128 columns; other rows: avx512).
+ * nibbles up in it. Paths: scalar, avx2 (two 8-entry permutes) and avx512 (one 16-entry
+ * permute), both with columns in split order (nib_split.h), avx512bf16 (token rows of bf16
+ * values: unscaled E2M1 weights on vdpbf16ps, the scales in an fp32 FMA per 128 columns; other
+ * rows: avx512).
  * Requires cols % 64 == 0 (the driver's block; K3's 3584 and 3072 are).
  */
 #include "block_rows.h"

@@ -1,6 +1,6 @@
-/* Split-order nibble kernels (avx512) for the codecs whose codes are 4-bit nibbles, byte j
- * holding code 2j low and 2j+1 high: mxfp4 and ct-int 4-bit. Inline templates, instantiated by
- * each codec with its own per-block tables (lut2_fn).
+/* Split-order nibble kernels (avx512, then avx2 below) for the codecs whose codes are 4-bit
+ * nibbles, byte j holding code 2j low and 2j+1 high: mxfp4 and ct-int 4-bit. Inline templates,
+ * instantiated by each codec with its own per-block tables (lut2_fn, lut2_avx2_fn).
  *
  * Within each 32-column half of a 64-column block the kernels work on the 16 even columns (the
  * low nibbles) and then the 16 odd ones (the high nibbles): 16 bytes widen to 16 dwords, and
