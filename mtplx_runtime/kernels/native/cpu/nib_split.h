@@ -181,17 +181,17 @@ split_direct_avx2(lut2_avx2_fn lf, const mat_t *m, const float *xs, int NR, floa
     for (int i = 0; i < NR; i++) acc[i] = _mm256_setzero_ps();
     for (int b = 0; b < m->cols / BLOCK; b++) {
         prefetch_slice(m, next, b);
-        __m256 lut[RB][2][2];
-        for (int i = 0; i < NR; i++) lf(m, r + i, b, lut[i]);
-        for (int q = 0; q < 4; q++) {
-            __m256 xe = _mm256_load_ps(xs + (size_t)b * BLOCK + 16 * q);
-            __m256 xo = _mm256_load_ps(xs + (size_t)b * BLOCK + 16 * q + 8);
-            for (int i = 0; i < NR; i++) {
+        const float *x = xs + (size_t)b * BLOCK;
+        for (int i = 0; i < NR; i++) { /* a row at a time: its 4 table registers stay put */
+            __m256 lut[2][2];
+            lf(m, r + i, b, lut);
+            for (int q = 0; q < 4; q++) {
                 __m256i v = nib_piece_avx2(m, r + i, b, q);
-                const __m256 *t = lut[i][q / 2];
-                acc[i] = _mm256_fmadd_ps(lut16_avx2(v, t[0], t[1]), xe, acc[i]);
-                acc[i] = _mm256_fmadd_ps(lut16_avx2(_mm256_srli_epi32(v, 4), t[0], t[1]), xo,
-                                         acc[i]);
+                const __m256 *t = lut[q / 2];
+                acc[i] = _mm256_fmadd_ps(lut16_avx2(v, t[0], t[1]),
+                                         _mm256_load_ps(x + 16 * q), acc[i]);
+                acc[i] = _mm256_fmadd_ps(lut16_avx2(_mm256_srli_epi32(v, 4), t[0], t[1]),
+                                         _mm256_load_ps(x + 16 * q + 8), acc[i]);
             }
         }
     }
