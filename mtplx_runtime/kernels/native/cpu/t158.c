@@ -15,9 +15,9 @@
  *               zmm lanes, per-input-vector fp32 tables of every 5-trit partial dot product,
  *               looked up with vpermps / vpermi2ps. Needs AVX-512 F/BW/DQ (else avx2).
  * scalar: n tokens (prefill) loop over the tokens inside each row pair, so the weights are read
- * from memory once per call. avx2: see t158_rows_avx2; avx512: see t158_rows_avx512. This file supplies the codec's
- * hooks (t158_prepare, t158_rows); threads, SiTU-GLU, model rounding and the exported ABI are
- * the driver's (expert.c).
+ * from memory once per call. avx2: see t158_rows_avx2; avx512: see t158_rows_avx512. This file
+ * supplies the codec's hooks (t158_prepare, t158_rows); threads, SiTU-GLU, model rounding and
+ * the exported ABI are the driver's (expert.c).
  */
 #include <pthread.h>
 
@@ -137,7 +137,7 @@ t8_rows(const uint8_t *pk, const uint16_t *sc, int G, const float *xp, float *y,
             a0[i] = _mm256_mul_ps(t8_lut(w[i], 0), x0);
             a1[i] = _mm256_mul_ps(t8_lut(w[i], 1), x1);
         }
-#pragma GCC unroll 5
+#pragma GCC unroll 5 /* t8_lut's shifts need j as a constant */
         for (int j = 2; j < 12; j += 2) {
             x0 = _mm256_load_ps(xg + 8 * j), x1 = _mm256_load_ps(xg + 8 * j + 8);
             for (int i = 0; i < NR; i++) {
