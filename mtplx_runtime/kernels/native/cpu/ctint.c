@@ -12,9 +12,9 @@
  * Dequant, exactly formats/ctint.py `dequantize`: w = bf16_rne(fp32(q - zp) * fp32(scale)).
  * Per (row, group) the kernel builds that value for each of the 2^b codes and looks codes up in
  * it, so its weights equal the NumPy decode bit for bit. Paths: scalar; avx2 and avx512 decode
- * the dense layout with permutes (avx512 4-bit in split order: nib_split.h); the legacy layout
- * decodes with scalar code on every path (checkpoint conversion only) but still multiplies with
- * the path's SIMD dot.
+ * the dense layout with permutes (4-bit in split order on both: nib_split.h; 3-bit on avx2 for
+ * one token straight into the FMAs); the legacy layout decodes with scalar code on every path
+ * (checkpoint conversion only) but still multiplies with the path's SIMD dot.
  */
 #include "block_rows.h"
 #include "lut_decode.h"
@@ -136,6 +136,21 @@ __attribute__((target(AVX512_TARGET))) static void decode_split_avx512(const mat
     split_decode(lut2_avx512, m, r, b, w);
 }
 
+/* avx2, 4 bits: split order too (nib_split.h), one table per 64-column group. */
+__attribute__((target("avx2,fma"))) static inline void lut2_avx2(const mat_t *m, int r, int b,
+                                                                  __m256 lut[2][2]) {
+    int zero;
+    float s;
+    group_params(m, r, b, &zero, &s);
+    lut[0][0] = lut[1][0] = lut8_avx2(0, zero, s);
+    lut[0][1] = lut[1][1] = lut8_avx2(8, zero, s);
+}
+
+__attribute__((target("avx2,fma"))) static void decode_split_avx2(const mat_t *m, int r, int b,
+                                                                  float *w) {
+    split_decode_avx2(lut2_avx2, m, r, b, w);
+}
+
 static void rows_scalar(const mat_t *m, const float *X, int ldx, int n, float *Y, int ldy,
                         int r0, int r1, float *w) {
     rows_tpl_scalar(decode_scalar, m, X, ldx, n, Y, ldy, r0, r1, w);
@@ -146,10 +161,63 @@ static void rows_legacy_scalar(const mat_t *m, const float *X, int ldx, int n, f
     rows_tpl_scalar(decode_legacy, m, X, ldx, n, Y, ldy, r0, r1, w);
 }
 
+/* 3 bits; 4 bits in natural order: the split kernels' fallback when out of memory. */
 __attribute__((target("avx2,fma"))) static void rows_avx2(const mat_t *m, const float *X,
                                                           int ldx, int n, float *Y, int ldy,
                                                           int r0, int r1, float *w) {
     rows_tpl_avx2(decode_avx2, m, X, ldx, n, Y, ldy, r0, r1, w);
+}
+
+/* avx2, 3 bits, one token: NR rows from r with the codes going straight from the packed bytes
+ * into the FMAs (bits3_avx2's lookups, no decoded block in memory), 8 columns a step in natural
+ * order: the chains of rows_tpl_avx2, so the same bits as a call with more tokens. The next
+ * row block is prefetched as block_rows.h's few-token kernels do. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
+direct3_avx2(const mat_t *m, const float *x, int NR, float *y, int r, const uint8_t *next) {
+    const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), m7 = _mm256_set1_epi32(7);
+    __m256 acc[RB];
+    for (int i = 0; i < NR; i++) acc[i] = _mm256_setzero_ps();
+    for (int b = 0; b < m->cols / BLOCK; b++) {
+        prefetch_slice(m, next, b);
+        for (int i = 0; i < NR; i++) {
+            int zero;
+            float s;
+            group_params(m, r + i, b, &zero, &s);
+            __m256 lut = lut8_avx2(0, zero, s);
+            const uint8_t *p = block_bytes(m, r + i, b);
+            uint64_t q[3] = {load_u64(p), load_u64(p + 8), load_u64(p + 16)};
+            for (int c = 0; c < 4; c++) {
+                uint64_t v = trit3_chunk(q, c);
+                for (int h = 0; h < 2; h++) {
+                    __m256i idx = _mm256_and_si256(
+                        _mm256_srlv_epi32(_mm256_set1_epi32((int)((v >> (24 * h)) & 0xFFFFFF)),
+                                          sh), m7);
+                    acc[i] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(lut, idx),
+                                             _mm256_load_ps(x + (size_t)b * BLOCK + 16 * c + 8 * h),
+                                             acc[i]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++) y[r + i] = hsum256(acc[i]);
+}
+
+__attribute__((target("avx2,fma"))) static void rows3_avx2(const mat_t *m, const float *X,
+                                                           int ldx, int n, float *Y, int ldy,
+                                                           int r0, int r1, float *w) {
+    if (n > 1) {
+        rows_tpl_avx2(decode_avx2, m, X, ldx, n, Y, ldy, r0, r1, w);
+        return;
+    }
+    int r = r0;
+    for (; r + RB <= r1; r += RB) direct3_avx2(m, X, RB, Y, r, next_block(m, r, r1));
+    for (; r < r1; r++) direct3_avx2(m, X, 1, Y, r, NULL);
+}
+
+__attribute__((target("avx2,fma"))) static void rows4_avx2(const mat_t *m, const float *X,
+                                                           int ldx, int n, float *Y, int ldy,
+                                                           int r0, int r1, float *w) {
+    split_rows_avx2(lut2_avx2, decode_split_avx2, rows_avx2, m, X, ldx, n, Y, ldy, r0, r1, w);
 }
 
 __attribute__((target("avx2,fma"))) static void
@@ -190,5 +258,6 @@ rows_fn ctint_rows(const mat_t *m, int isa) {
     if (m->layout)
         return isa >= 2 ? rows_legacy_avx512 : isa == 1 ? rows_legacy_avx2 : rows_legacy_scalar;
     if (isa >= 2) return m->bits == 4 ? rows4_avx512 : rows3_avx512;
-    return isa == 1 ? rows_avx2 : rows_scalar;
+    if (isa == 1) return m->bits == 4 ? rows4_avx2 : rows3_avx2;
+    return rows_scalar;
 }

@@ -3,8 +3,9 @@
  * decode step serves every code value and the result is the codec's value bit for bit.
  *
  * Nibble streams (mxfp4, ct-int 4-bit): byte j holds code 2j in its low and 2j+1 in its high
- * nibble (ct-int 4-bit words are 8 nibbles LSB-first, which is the same byte order); on
- * AVX-512 they are decoded in split order instead (nib_split.h).
+ * nibble (ct-int 4-bit words are 8 nibbles LSB-first, which is the same byte order); on AVX2
+ * and AVX-512 they are decoded in split order instead (nib_split.h), these natural-order
+ * decoders serving the scalar path and the out-of-memory fallback.
  * 3-bit streams (ct-int dense): code i at bits 3i..3i+2 of a little-endian bit stream; a
  * 64-code block is 24 bytes, read as three u64 so no code needs a straddle test.
  */

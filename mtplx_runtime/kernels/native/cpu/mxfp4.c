@@ -6,9 +6,10 @@
  * (E8M0 e: 2^(e-127), e = 0 is the subnormal 2^-127, 0xFF is rejected with -3 as the NumPy
  * decoder rejects it). Per 32-column group the kernel builds the 16 decoded values
  * E2M1[nibble] * 2^(e-127) in fp32, exactly formats/mxfp4.py's `values * scale`, and looks the
- * nibbles up in it. Paths: scalar, avx2 (two 8-entry permutes), avx512 (one 16-entry permute,
- * columns in split order: nib_split.h), avx512bf16 (token rows of bf16 values: unscaled E2M1
- * weights on vdpbf16ps, the scales in an fp32 FMA per 128 columns; other rows: avx512).
+ * nibbles up in it. Paths: scalar, avx2 (two 8-entry permutes) and avx512 (one 16-entry
+ * permute), both with columns in split order (nib_split.h), avx512bf16 (token rows of bf16
+ * values: unscaled E2M1 weights on vdpbf16ps, the scales in an fp32 FMA per 128 columns; other
+ * rows: avx512).
  * Requires cols % 64 == 0 (the driver's block; K3's 3584 and 3072 are).
  */
 #include "block_rows.h"
@@ -61,21 +62,47 @@ __attribute__((target(AVX512_TARGET))) static void decode_split_avx512(const mat
     split_decode(lut2_avx512, m, r, b, w);
 }
 
+/* avx2: split order too (nib_split.h), two 8-entry halves per 32-column group. */
+__attribute__((target("avx2,fma"))) static inline void lut2_avx2(const mat_t *m, int r, int b,
+                                                                  __m256 lut[2][2]) {
+    const uint8_t *e = block_scales(m, r, b);
+    for (int h = 0; h < 2; h++) {
+        __m256 s = _mm256_set1_ps(e8m0(e[h]));
+        lut[h][0] = _mm256_mul_ps(_mm256_load_ps(E2M1), s);
+        lut[h][1] = _mm256_mul_ps(_mm256_load_ps(E2M1 + 8), s);
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void decode_split_avx2(const mat_t *m, int r, int b,
+                                                                  float *w) {
+    split_decode_avx2(lut2_avx2, m, r, b, w);
+}
+
 static void rows_scalar(const mat_t *m, const float *X, int ldx, int n, float *Y, int ldy,
                         int r0, int r1, float *w) {
     rows_tpl_scalar(decode_scalar, m, X, ldx, n, Y, ldy, r0, r1, w);
 }
 
+/* The natural-order avx2 kernel: the split kernels' fallback when out of memory. */
+__attribute__((target("avx2,fma"))) static void rows_avx2_plain(const mat_t *m, const float *X,
+                                                                int ldx, int n, float *Y,
+                                                                int ldy, int r0, int r1,
+                                                                float *w) {
+    rows_tpl_avx2(decode_avx2, m, X, ldx, n, Y, ldy, r0, r1, w);
+}
+
 __attribute__((target("avx2,fma"))) static void rows_avx2(const mat_t *m, const float *X,
                                                           int ldx, int n, float *Y, int ldy,
                                                           int r0, int r1, float *w) {
-    rows_tpl_avx2(decode_avx2, m, X, ldx, n, Y, ldy, r0, r1, w);
+    split_rows_avx2(lut2_avx2, decode_split_avx2, rows_avx2_plain, m, X, ldx, n, Y, ldy, r0, r1,
+                    w);
 }
 
 __attribute__((target(AVX512_TARGET))) static void rows_avx512(const mat_t *m, const float *X,
                                                                int ldx, int n, float *Y, int ldy,
                                                                int r0, int r1, float *w) {
-    split_rows(lut2_avx512, decode_split_avx512, rows_avx2, m, X, ldx, n, Y, ldy, r0, r1, w);
+    split_rows(lut2_avx512, decode_split_avx512, rows_avx2_plain, m, X, ldx, n, Y, ldy, r0, r1,
+               w);
 }
 
 /* ---- avx512bf16 (isa 3): token rows whose inputs are all bf16 values ----

@@ -1,6 +1,6 @@
-/* Split-order nibble kernels (avx512) for the codecs whose codes are 4-bit nibbles, byte j
- * holding code 2j low and 2j+1 high: mxfp4 and ct-int 4-bit. Inline templates, instantiated by
- * each codec with its own per-block tables (lut2_fn).
+/* Split-order nibble kernels (avx512, then avx2 below) for the codecs whose codes are 4-bit
+ * nibbles, byte j holding code 2j low and 2j+1 high: mxfp4 and ct-int 4-bit. Inline templates,
+ * instantiated by each codec with its own per-block tables (lut2_fn, lut2_avx2_fn).
  *
  * Within each 32-column half of a 64-column block the kernels work on the 16 even columns (the
  * low nibbles) and then the 16 odd ones (the high nibbles): 16 bytes widen to 16 dwords, and
@@ -122,6 +122,106 @@ split_rows(lut2_fn lf, decode_fn dec, rows_fn fallback, const mat_t *m, const fl
         case 4: split_few(lf, m, xs, ldx, 4, y, ldy, r0, r1); break;
         default: rows_tpl_avx512(dec, m, xs, ldx, nt, y, ldy, r0, r1, w);
         }
+    }
+}
+
+/* ---- avx2: the same idea on 8 lanes. Within each 16-column piece (8 bytes) the 8 even columns
+ * (low nibbles) come first, then the 8 odd ones (high nibbles); lut16_avx2 (two 8-entry
+ * permutes and a blend on index bit 3) reads the low nibble as it is and the high one after a
+ * shift. Each (row, token) is one chain of 8 lanes over the columns in that order, then hsum256,
+ * in the direct kernel (split_direct_avx2, one token) and in rows_tpl_avx2 over split_decode_avx2
+ * blocks alike. */
+
+/* The 16-entry tables of 64-column block b of row r: lut[h][0] entries 0..7, lut[h][1] 8..15,
+ * for its 32-column half h. */
+typedef void (*lut2_avx2_fn)(const mat_t *m, int r, int b, __m256 lut[2][2]);
+
+/* Rows of X [n, cols] (stride ldx, 32-byte aligned) into xs in the avx2 split order. */
+__attribute__((target("avx2,fma"))) static inline void split_inputs_avx2(const float *X, int ldx,
+                                                                          int n, int cols,
+                                                                          float *xs) {
+    for (int t = 0; t < n; t++)
+        for (int k = 0; k < cols; k += 16) {
+            const float *x = X + (size_t)t * ldx + k;
+            float *o = xs + (size_t)t * ldx + k;
+            __m256 a = _mm256_load_ps(x), b = _mm256_load_ps(x + 8);
+            /* shuffle_ps keeps 128-bit lanes: a0 a2 b0 b2 | a4 a6 b4 b6; 0xD8 orders the pairs */
+            _mm256_store_ps(o, _mm256_castpd_ps(_mm256_permute4x64_pd(
+                                   _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8)));
+            _mm256_store_ps(o + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(
+                                       _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8)));
+        }
+}
+
+/* The 8 bytes of piece q (16 columns) of block b of row r, widened to dwords. */
+__attribute__((target("avx2,fma"))) static inline __m256i nib_piece_avx2(const mat_t *m, int r,
+                                                                          int b, int q) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nib_block(m, r, b) + 8 * q)));
+}
+
+/* Block b of row r into w (64 floats) in the avx2 split order. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
+split_decode_avx2(lut2_avx2_fn lf, const mat_t *m, int r, int b, float *w) {
+    __m256 lut[2][2];
+    lf(m, r, b, lut);
+    for (int q = 0; q < 4; q++) {
+        __m256i v = nib_piece_avx2(m, r, b, q);
+        _mm256_store_ps(w + 16 * q, lut16_avx2(v, lut[q / 2][0], lut[q / 2][1]));
+        _mm256_store_ps(w + 16 * q + 8,
+                        lut16_avx2(_mm256_srli_epi32(v, 4), lut[q / 2][0], lut[q / 2][1]));
+    }
+}
+
+/* NR rows from r, one token, straight from the packed bytes (no decoded block in memory); the
+ * next row block is prefetched as block_rows.h's few-token kernels do. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
+split_direct_avx2(lut2_avx2_fn lf, const mat_t *m, const float *xs, int NR, float *y, int r,
+                  const uint8_t *next) {
+    __m256 acc[RB];
+    for (int i = 0; i < NR; i++) acc[i] = _mm256_setzero_ps();
+    for (int b = 0; b < m->cols / BLOCK; b++) {
+        prefetch_slice(m, next, b);
+        const float *x = xs + (size_t)b * BLOCK;
+        for (int i = 0; i < NR; i++) { /* a row at a time: its 4 table registers stay put */
+            __m256 lut[2][2];
+            lf(m, r + i, b, lut);
+            for (int q = 0; q < 4; q++) {
+                __m256i v = nib_piece_avx2(m, r + i, b, q);
+                const __m256 *t = lut[q / 2];
+                acc[i] = _mm256_fmadd_ps(lut16_avx2(v, t[0], t[1]),
+                                         _mm256_load_ps(x + 16 * q), acc[i]);
+                acc[i] = _mm256_fmadd_ps(lut16_avx2(_mm256_srli_epi32(v, 4), t[0], t[1]),
+                                         _mm256_load_ps(x + 16 * q + 8), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++) y[r + i] = hsum256(acc[i]);
+}
+
+/* The avx2 row kernel: one token runs split_direct_avx2 on RB-row blocks (then the tail a row
+ * at a time), more go through rows_tpl_avx2 with dec (split_decode_avx2 with lf); fallback runs
+ * when the per-thread input buffer cannot be had (correct, other summation order). */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
+split_rows_avx2(lut2_avx2_fn lf, decode_fn dec, rows_fn fallback, const mat_t *m, const float *X,
+                int ldx, int n, float *Y, int ldy, int r0, int r1, float *w) {
+    int tc = n < SPLIT_TOKENS ? n : SPLIT_TOKENS;
+    float *xs = thread_floats(THREAD_BUF_SPLIT_INPUTS, (size_t)tc * ldx);
+    if (!xs) {
+        fallback(m, X, ldx, n, Y, ldy, r0, r1, w);
+        return;
+    }
+    for (int t0 = 0; t0 < n; t0 += tc) {
+        int nt = n - t0 < tc ? n - t0 : tc;
+        float *y = Y + (size_t)t0 * ldy;
+        split_inputs_avx2(X + (size_t)t0 * ldx, ldx, nt, m->cols, xs);
+        if (nt > 1) {
+            rows_tpl_avx2(dec, m, xs, ldx, nt, y, ldy, r0, r1, w);
+            continue;
+        }
+        int r = r0;
+        for (; r + RB <= r1; r += RB)
+            split_direct_avx2(lf, m, xs, RB, y, r, next_block(m, r, r1));
+        for (; r < r1; r++) split_direct_avx2(lf, m, xs, 1, y, r, NULL);
     }
 }
 

@@ -8,14 +8,16 @@
  *
  * Paths (picked at run time with __builtin_cpu_supports, forced lower by mtplx_cpu_set_isa):
  *   0 scalar  : 256x5 float trit table, one row at a time.
- *   1 avx2    : 256x8 float table (5 trits + 3 zeros) times 8 unaligned inputs, FMA per byte.
+ *   1 avx2    : 256x8 float table (5 trits + 3 zeros) times the byte's 5 inputs, FMA per byte;
+ *               the inputs are laid out once per call as 8 aligned floats per byte, and 4 rows
+ *               share each input load (t158_rows_avx2).
  *   2 avx512  : t16f ("transposed T-MAC", t158_t16f.c, from tools/kernel_lab): 16 rows in the
  *               zmm lanes, per-input-vector fp32 tables of every 5-trit partial dot product,
  *               looked up with vpermps / vpermi2ps. Needs AVX-512 F/BW/DQ (else avx2).
- * scalar / avx2: n tokens (prefill) loop over the tokens inside each row pair, so the weights are
- * read from memory once per call. avx512: see t158_rows_avx512. This file supplies the codec's
- * hooks (t158_prepare, t158_rows); threads, SiTU-GLU, model rounding and the exported ABI are
- * the driver's (expert.c).
+ * scalar: n tokens (prefill) loop over the tokens inside each row pair, so the weights are read
+ * from memory once per call. avx2: see t158_rows_avx2; avx512: see t158_rows_avx512. This file
+ * supplies the codec's hooks (t158_prepare, t158_rows); threads, SiTU-GLU, model rounding and
+ * the exported ABI are the driver's (expert.c).
  */
 #include <pthread.h>
 
@@ -27,7 +29,6 @@
 
 static float LUT5[256][5];                        /* trit k of byte b */
 static float LUT8[256][8] __attribute__((aligned(32)));   /* digits 0..4, lanes 5..7 zero */
-static float LUT8L[256][8] __attribute__((aligned(32)));  /* byte 12: digits 0..3 only */
 static pthread_once_t lut_once = PTHREAD_ONCE_INIT;
 
 static void init_luts(void) {
@@ -37,9 +38,8 @@ static void init_luts(void) {
             float t = (float)(v % 3 - 1);
             LUT5[b][k] = t;
             LUT8[b][k] = t;
-            LUT8L[b][k] = k < 4 ? t : 0.0f;
         }
-        for (int k = 5; k < 8; k++) LUT8[b][k] = LUT8L[b][k] = 0.0f;
+        for (int k = 5; k < 8; k++) LUT8[b][k] = 0.0f;
     }
 }
 
@@ -67,29 +67,6 @@ static void rows_scalar(const uint8_t *pk, const uint16_t *sc, int G, const floa
     }
 }
 
-__attribute__((target("avx2,fma"))) static void rows_avx2(const uint8_t *pk, const uint16_t *sc,
-                                                          int G, const float *x, float *y,
-                                                          int r0, int r1) {
-    for (int r = r0; r < r1; r++) {
-        const uint8_t *p = pk + (size_t)r * G * GB;
-        const uint16_t *s = sc + (size_t)r * G;
-        __m256 acc = _mm256_setzero_ps();
-        for (int g = 0; g < G; g++, p += GB) {
-            const float *xg = x + (size_t)g * GE;
-            __m256 a0 = _mm256_mul_ps(_mm256_load_ps(LUT8[p[0]]), _mm256_loadu_ps(xg));
-            __m256 a1 = _mm256_mul_ps(_mm256_load_ps(LUT8[p[1]]), _mm256_loadu_ps(xg + 5));
-            for (int j = 2; j < 12; j += 2) {
-                a0 = _mm256_fmadd_ps(_mm256_load_ps(LUT8[p[j]]), _mm256_loadu_ps(xg + 5 * j), a0);
-                a1 = _mm256_fmadd_ps(_mm256_load_ps(LUT8[p[j + 1]]),
-                                     _mm256_loadu_ps(xg + 5 * j + 5), a1);
-            }
-            a0 = _mm256_fmadd_ps(_mm256_load_ps(LUT8L[p[12]]), _mm256_loadu_ps(xg + 60), a0);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(bf16f(s[g])), _mm256_add_ps(a0, a1), acc);
-        }
-        y[r] = hsum256(acc);
-    }
-}
-
 /* n tokens: each row pair's bytes are read from memory once and stay in L1 while every token
  * runs the single-vector kernel on them, so per token the arithmetic (and the result) is that
  * of a one-token call. */
@@ -109,10 +86,103 @@ static void t158_rows_scalar(const mat_t *m, const float *X, int ldx, int n, flo
     rows_tokens(rows_scalar, m, X, ldx, n, Y, ldy, r0, r1);
 }
 
-static void t158_rows_avx2(const mat_t *m, const float *X, int ldx, int n, float *Y, int ldy,
-                           int r0, int r1, float *scratch) {
-    (void)scratch;
-    rows_tokens(rows_avx2, m, X, ldx, n, Y, ldy, r0, r1);
+/* avx2. Per token, x is laid out as 8 floats per packed byte (xp[8c + k] = the input of digit k
+ * of byte column c = 13g + j, zeros past the byte's 5 digits, or its 4 for byte 12), so every
+ * lookup multiplies one aligned load, digit 4 of byte 12 meets a zero, and NR rows share each
+ * load. Per row the sums are those of one row at a time: per group two chains (even bytes, odd
+ * bytes) and one FMA by the scale. NR rows run at once so that the FMA chains overlap. While a
+ * block of rows runs (for the last token of a batch), the next block is prefetched into L1, one
+ * line per group: from DRAM, without it the kernel waits on memory (BENCHMARKS.md, "CPU kernel
+ * notes"). */
+#define T8_ROWS 4
+#define T8_TOKENS 8                       /* tokens whose layouts share a pass over the rows */
+/* one token's layout, 104G floats: always inside the driver's scratch_floats(64G) = 256G + 64 */
+#define T8_XP_FLOATS(G) ((size_t)(G) * GB * 8)
+
+__attribute__((target("avx2,fma"))) static void t8_layout(const float *x, int G, float *xp) {
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < GB; j++) /* x is XPAD-padded: byte 12 of the last group reads 4 past */
+            _mm256_store_ps(xp + ((size_t)g * GB + j) * 8,
+                            _mm256_blend_ps(_mm256_setzero_ps(),
+                                            _mm256_loadu_ps(x + (size_t)g * GE + 5 * j),
+                                            j < 12 ? 0x1F : 0x0F));
+}
+
+/* LUT8[byte j] of a row's group, whose 13 bytes are w[0] (bytes 0..7) and w[1] (5..12): a shift
+ * and a mask of the byte's offset in LUT8 (j is a constant), no load of the byte itself. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) __m256
+t8_lut(const uint64_t *w, int j) {
+    uint64_t off = j == 0 ? w[0] << 5 : j < 8 ? w[0] >> (8 * j - 5) : w[1] >> (8 * (j - 5) - 5);
+    return _mm256_load_ps((const float *)((const char *)LUT8 + (off & 0x1FE0)));
+}
+
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
+t8_rows(const uint8_t *pk, const uint16_t *sc, int G, const float *xp, float *y, int r,
+        int NR, const uint8_t *next) {
+    const uint8_t *p[T8_ROWS];
+    const uint16_t *s[T8_ROWS];
+    __m256 acc[T8_ROWS];
+    for (int i = 0; i < NR; i++) {
+        p[i] = pk + (size_t)(r + i) * G * GB, s[i] = sc + (size_t)(r + i) * G;
+        acc[i] = _mm256_setzero_ps();
+    }
+    for (int g = 0; g < G; g++) {
+        const float *xg = xp + (size_t)g * GB * 8;
+        __m256 a0[T8_ROWS], a1[T8_ROWS];
+        uint64_t w[T8_ROWS][2]; /* bytes 0..7, bytes 5..12 */
+        for (int i = 0; i < NR; i++) w[i][0] = load_u64(p[i]), w[i][1] = load_u64(p[i] + 5);
+        if (next && 64 * g < NR * G * GB) _mm_prefetch((const char *)next + 64 * g, _MM_HINT_T0);
+        __m256 x0 = _mm256_load_ps(xg), x1 = _mm256_load_ps(xg + 8);
+        for (int i = 0; i < NR; i++) {
+            a0[i] = _mm256_mul_ps(t8_lut(w[i], 0), x0);
+            a1[i] = _mm256_mul_ps(t8_lut(w[i], 1), x1);
+        }
+#pragma GCC unroll 5 /* t8_lut's shifts need j as a constant */
+        for (int j = 2; j < 12; j += 2) {
+            x0 = _mm256_load_ps(xg + 8 * j), x1 = _mm256_load_ps(xg + 8 * j + 8);
+            for (int i = 0; i < NR; i++) {
+                a0[i] = _mm256_fmadd_ps(t8_lut(w[i], j), x0, a0[i]);
+                a1[i] = _mm256_fmadd_ps(t8_lut(w[i], j + 1), x1, a1[i]);
+            }
+        }
+        x0 = _mm256_load_ps(xg + 96);
+        for (int i = 0; i < NR; i++) {
+            a0[i] = _mm256_fmadd_ps(t8_lut(w[i], 12), x0, a0[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(bf16f(s[i][g])), _mm256_add_ps(a0[i], a1[i]),
+                                     acc[i]);
+            p[i] += GB;
+        }
+    }
+    for (int i = 0; i < NR; i++) y[r + i] = hsum256(acc[i]);
+}
+
+__attribute__((target("avx2,fma"))) static void t158_rows_avx2(const mat_t *m, const float *X,
+                                                               int ldx, int n, float *Y, int ldy,
+                                                               int r0, int r1, float *scratch) {
+    const uint8_t *pk = m->packed;
+    const uint16_t *sc = (const uint16_t *)m->scale;
+    int G = m->cols / GE;
+    size_t xf = T8_XP_FLOATS(G);
+    int tc = n < T8_TOKENS ? n : T8_TOKENS;
+    float *xp = tc > 1 ? thread_floats(THREAD_BUF_T158_TABLES, tc * xf) : NULL;
+    if (!xp) xp = scratch, tc = 1; /* one token's layout fits the driver's scratch */
+    for (int t0 = 0; t0 < n; t0 += tc) {
+        int nt = n - t0 < tc ? n - t0 : tc;
+        for (int t = 0; t < nt; t++) t8_layout(X + (size_t)(t0 + t) * ldx, G, xp + t * xf);
+        for (int r = r0; r < r1; r += T8_ROWS) /* the block stays in L1 for the batch's tokens */
+            for (int t = 0; t < nt; t++) {
+                const float *x = xp + t * xf;
+                float *y = Y + (size_t)(t0 + t) * ldy;
+                const uint8_t *next = r + 2 * T8_ROWS <= r1 && t == nt - 1
+                                          ? pk + (size_t)(r + T8_ROWS) * G * GB : NULL;
+                switch (r1 - r < T8_ROWS ? r1 - r : T8_ROWS) {
+                case 4: t8_rows(pk, sc, G, x, y, r, 4, next); break;
+                case 3: t8_rows(pk, sc, G, x, y, r, 3, next); break;
+                case 2: t8_rows(pk, sc, G, x, y, r, 2, next); break;
+                default: t8_rows(pk, sc, G, x, y, r, 1, next);
+                }
+            }
+    }
 }
 
 /* avx512 (t16f). Each call builds the tables of its input vectors itself, per thread, into a
@@ -138,7 +208,7 @@ static void t158_rows_avx512(const mat_t *m, const float *X, int ldx, int n, flo
     float *tab = thread_floats(THREAD_BUF_T158_TABLES, tc * tabf);
     if (!tab && tc > 1) tab = thread_floats(THREAD_BUF_T158_TABLES, tabf), tc = 1;
     if (!tab) { /* out of memory for even one table (140 KB at K3): correct, other rounding */
-        rows_tokens(rows_avx2, m, X, ldx, n, Y, ldy, r0, r1);
+        t158_rows_avx2(m, X, ldx, n, Y, ldy, r0, r1, scratch);
         return;
     }
     for (int t0 = 0; t0 < n; t0 += tc) {
