@@ -256,6 +256,9 @@ def test_trace_records_provider_predictions(model, tmp_path):
             self.inner = inner
             self.last_predictions = {blocks[-1].layer: {1: torch.tensor([0, 1])}}
 
+        def begin_forward(self, tokens):
+            pass
+
         def hint(self, layer, actual, predicted):
             pass
 

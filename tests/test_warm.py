@@ -326,3 +326,9 @@ def test_the_warm_reads_nothing_while_a_prefill_runs(art, manifest, tmp_path, mo
         assert p.prefill_hold_until > time.monotonic()
         next(gen)  # one decode forward
         assert p.prefill_hold_until == 0.0
+        # A prompt's forward holds from its start, for a bounded time until its first MoE layer
+        t = time.monotonic()
+        p.begin_forward(3)
+        assert t < p.prefill_hold_until <= time.monotonic() + provider_module.PREFILL_BEGIN_HOLD_S
+        p.begin_forward(1)
+        assert p.prefill_hold_until == 0.0

@@ -172,6 +172,9 @@ class QATExperts:
         self.ternary = ({layer: {k: ternarize_t158_torch(v) for k, v in p.items()}
                          for layer, p in self.params.items()} if self.quantize else {})
 
+    def begin_forward(self, tokens: int) -> None:
+        pass
+
     def hint(self, layer, actual, predicted) -> None:
         pass
 

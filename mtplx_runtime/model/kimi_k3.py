@@ -126,6 +126,8 @@ class KimiK3:
     def run(self, token_ids: torch.Tensor, state: SequenceState | None) -> torch.Tensor:
         """`forward` outside inference mode, so autograd sees it (tools/train_tiny.py trains
         through this very code). `state` None: a fresh sequence whose state is not kept."""
+        for provider in {id(m.provider): m.provider for m in self.moe_blocks()}.values():
+            provider.begin_forward(int(token_ids.numel()))
         embed = self.top["embed_tokens.weight"]
         h = embed[token_ids.to(embed.device)]  # [T, D] plain lookup, no scaling
         bank: list[torch.Tensor] = []  # AttnRes blocks of these tokens; never crosses tokens

@@ -80,10 +80,13 @@ class ExpertProvider(Protocol):
     `hint(layer, actual ids [T, K], predicted {later layer: ids [T, K]})` comes right after
     routing, before `run_experts`: a streaming provider scores earlier guesses and prefetches
     the new ones. `lookahead`: how many later MoE layers the provider wants guesses for (the
-    block predicts only in one-token decode steps).
+    block predicts only in one-token decode steps). `begin_forward(tokens)`: the model starts a
+    forward of `tokens` tokens (a streaming provider holds its warm start for a prompt).
     """
 
     lookahead: int
+
+    def begin_forward(self, tokens: int) -> None: ...
 
     def hint(self, layer: int, actual: torch.Tensor, predicted: Mapping[int, torch.Tensor]
              ) -> None: ...
@@ -136,6 +139,9 @@ class ResidentExpertProvider:
                 self._cache[key] = self._load(*key)
             out[int(e)] = self._cache[key]
         return out
+
+    def begin_forward(self, tokens: int) -> None:
+        pass  # nothing streams: nothing to hold
 
     def run_experts(self, layer: int, r: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,8 @@ from .warm import WarmStart
 # How long after a prefill layer's experts the prefill still counts as running: longer than the
 # attention between two MoE layers, short enough that a prompt-only request soon frees the warm.
 PREFILL_HOLD_S = 0.1
+# ... and from a prompt's first layer to its first MoE layer: room for a long prompt's trunk.
+PREFILL_BEGIN_HOLD_S = 5.0
 
 __all__ = ["StreamingExpertProvider"]
 
@@ -152,6 +154,14 @@ class StreamingExpertProvider:
 
     # ---- the ExpertProvider contract -----------------------------------------------------
 
+    def begin_forward(self, tokens: int) -> None:
+        """A prompt's forward holds the warm start from its first layer (the layers before the
+        first MoE one would share the cores with it too); its first prefill layer holds it on,
+        a one-token forward ends it. Held for at most PREFILL_BEGIN_HOLD_S if no prefill layer
+        comes (a forward that fails early must not stop the warm for good)."""
+        self.prefill_hold_until = (time.monotonic() + PREFILL_BEGIN_HOLD_S if tokens > 1
+                                   else 0.0)
+
     def locate(self, key: ExpertKey) -> tuple[int, int, int, RecordCheck | None]:
         """(part, absolute offset, length, check) of one record, the check None when reads are
         not verified; KeyError if the bank holds no such record."""
@@ -194,7 +204,6 @@ class StreamingExpertProvider:
         if self.warm is not None:
             self.warm.add(layer, ids)
         if ids.shape[0] == 1:
-            self.prefill_hold_until = 0.0  # decoding: the prompt is done
             out = self._decode_sum(layer, x, ids, weights, keys)
             self._spec_keys.difference_update(keys)
             return out
