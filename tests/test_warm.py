@@ -253,6 +253,12 @@ def test_cli_warm_auto_writes_beside_the_receipts_and_off_writes_nothing(cli, tm
     n = len(manifest.records)
     assert re.search(rf"warm \d+/{n} records", err) and out == off_out
 
+    # --warm-wait: the whole warm before the prompt, so every planned record lands
+    assert cli([*_flags(root), "--warm-wait"]) == 0
+    out, err = capsys.readouterr()
+    assert f"warm start done before the prompt: {n} records" in err
+    assert f"warm {n}/{n} records" in err and out == off_out
+
 
 def test_ctrl_c_still_writes_the_counts(cli, art, manifest, tmp_path, monkeypatch, capsys):
     _, root = art

@@ -16,6 +16,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 from ..formats.residents import RESIDENT_DTYPES
@@ -88,6 +89,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="warm start (streaming): fill the expert cache at load with the experts "
                         "earlier runs used most, and record this run's for the next; auto keeps "
                         "the file in the user cache directory, FILE names one (default: auto)")
+    p.add_argument("--warm-wait", action="store_true",
+                   help="finish the warm start before the first prompt: the first token comes "
+                        "later, but decode runs from the full cache (by default the warm waits "
+                        "for the prompt's prefill, then fills the cache during decode)")
     p.add_argument("--trace-routes", default=None, metavar="FILE",
                    help="write the route of every token (mtplx-route-trace-v1 JSON lines)")
     from ..engine.presets import add_config_arg
@@ -180,6 +185,12 @@ def load_runtime(args):
                   resident_dtype=args.resident_dtype)
     except (PlanError, ValueError, RuntimeError) as e:  # budget, bank/kernel mismatch, kernels
         raise CliError(str(e)) from None
+    if args.warm_wait and rt.streamed and rt.provider.warm is not None:
+        t0 = time.monotonic()
+        rt.provider.warm.wait()
+        w = rt.provider.warm.stats()
+        print(f"mtplx: warm start done before the prompt: {w['records']:,} records in "
+              f"{time.monotonic() - t0:.2f} s (--warm-wait)", file=sys.stderr)
     if args.context is None:
         args.context = rt.context
         if rt.plan is not None:
