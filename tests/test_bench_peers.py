@@ -83,6 +83,10 @@ def test_cgroup_v1_on_a_fake_tree(bench, tmp_path):
     assert cg.oom_kills() == 0  # no oom_control file: none counted
     (cg.path / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
     assert cg.oom_kills() == 2
+    assert cg.limit_hits() == 0 and cg.kmem_peak() is None  # files absent: none counted
+    (cg.path / "memory.failcnt").write_text("3\n")
+    (cg.path / "memory.kmem.max_usage_in_bytes").write_text("8192\n")
+    assert cg.limit_hits() == 3 and cg.kmem_peak() == 8192
     cg.set_limit(None)
     assert (cg.path / "memory.limit_in_bytes").read_text() == "-1"
     # the child's pre-exec hook writes its own pid into cgroup.procs
@@ -101,6 +105,7 @@ def test_cgroup_v2_on_a_fake_tree(bench, tmp_path):
     assert cg.peak() == 777
     (cg.path / "memory.events").write_text("low 0\nhigh 0\nmax 5\noom 1\noom_kill 1\n")
     assert cg.oom_kills() == 1
+    assert cg.limit_hits() == 5 and cg.kmem_peak() is None  # v2 keeps no kernel-memory peak
     cg.set_limit(None)
     assert (cg.path / "memory.max").read_text() == "max"
 

@@ -81,8 +81,8 @@ def run_generate(art: Path, budget: int, a, kernels: str) -> dict:
             Path("/proc/sys/vm/drop_caches").write_text("3")
         out = subprocess.run(argv, capture_output=True, text=True, timeout=1800,
                              preexec_fn=in_cgroup(cg.procs_file()) if cg else None)
-        peaks = ({"cgroup_peak": cg.peak(), "kmem_peak": kmem_peak(cg),
-                  "limit_hits": limit_hits(cg), "oom": cg.oom_kills()} if cg else {})
+        peaks = ({"cgroup_peak": cg.peak(), "kmem_peak": cg.kmem_peak(),
+                  "limit_hits": cg.limit_hits(), "oom": cg.oom_kills()} if cg else {})
     finally:
         if cg:
             cg.remove()
@@ -96,21 +96,6 @@ def run_generate(art: Path, budget: int, a, kernels: str) -> dict:
     res["hit"] = _field(stats, "cache hit rate ")
     res["decode"] = _field(stats, "decode ")
     return res
-
-
-def kmem_peak(cg: MemoryCgroup) -> int | None:
-    """The kernel-memory part of a v1 cgroup's peak (page tables, slab); v2 keeps no such peak."""
-    f = cg.path / "memory.kmem.max_usage_in_bytes"
-    return int(f.read_text()) if cg.version == 1 and f.exists() else None
-
-
-def limit_hits(cg: MemoryCgroup) -> int:
-    """Times the cgroup's usage reached its limit and had to reclaim (v1 `memory.failcnt`, v2
-    the `max` count of `memory.events`): 0 when a hard limit never pressed the run."""
-    if cg.version == 1:
-        return int((cg.path / "memory.failcnt").read_text())
-    fields = dict(line.split() for line in (cg.path / "memory.events").read_text().splitlines())
-    return int(fields.get("max", 0))
 
 
 def cgroup_root(arg: str | None) -> str | None:

@@ -111,13 +111,30 @@ class MemoryCgroup:
     def peak(self) -> int:
         return int(self._file("memory.max_usage_in_bytes", "memory.peak").read_text().split()[0])
 
+    def _fields(self, name: str) -> dict[str, str]:
+        """A flat keyed file ("name value" lines) as a dict; {} when the kernel has none."""
+        f = self.path / name
+        if not f.exists():
+            return {}
+        return dict(line.split() for line in f.read_text().splitlines() if line.strip())
+
     def oom_kills(self) -> int:
         """OOM kills inside the cgroup (v1: under_oom/oom_kill in memory.oom_control)."""
-        f = self._file("memory.oom_control", "memory.events")
-        if not f.exists():
-            return 0
-        fields = dict(line.split() for line in f.read_text().splitlines() if line.strip())
-        return int(fields.get("oom_kill", 0))
+        name = "memory.oom_control" if self.version == 1 else "memory.events"
+        return int(self._fields(name).get("oom_kill", 0))
+
+    def limit_hits(self) -> int:
+        """Times usage reached the limit and had to reclaim (v1 `memory.failcnt`, v2 the `max`
+        count of `memory.events`): 0 when a limit never pressed the cgroup."""
+        if self.version == 1:
+            f = self.path / "memory.failcnt"
+            return int(f.read_text()) if f.exists() else 0
+        return int(self._fields("memory.events").get("max", 0))
+
+    def kmem_peak(self) -> int | None:
+        """The kernel-memory part of the peak (page tables, slab): v1 only, v2 keeps none."""
+        f = self.path / "memory.kmem.max_usage_in_bytes"
+        return int(f.read_text()) if self.version == 1 and f.exists() else None
 
     def procs_file(self) -> Path:
         return self.path / "cgroup.procs"
