@@ -302,6 +302,38 @@ def test_demand_and_lookahead_reads_share_the_read_depth():
                    for k in guesses + misses)
 
 
+def test_a_call_depth_caps_its_own_reads_below_the_read_depth():
+    """A decode step's reads (demand and guesses at depth 4) never have more than 4 in flight,
+    the guesses at most half of them, though the read depth is 16; a later call at the full
+    depth (a prefill window) fills the reader to 16."""
+    reader, cache = HeldReader(), SpyCache()
+    with Prefetcher(reader, locate, cache, read_depth=16, speculative_fraction=0.5,
+                    max_inflight_bytes=64 * REC) as pf:
+        guesses, misses, window = keys(2, 6), keys(1, 6), keys(3, 20)
+        assert pf.speculate(guesses, depth=4) == guesses
+        assert sorted(reader.wait_inflight(lambda ks: len(ks) == 2)) == guesses[:2]
+        futs = pf.demand(misses, depth=4)
+        assert sorted(reader.wait_inflight(lambda ks: len(ks) == 4)) == sorted(
+            guesses[:2] + misses[:2])
+        for key in misses:  # each landing frees one of the 4 places for the next miss
+            reader.wait_inflight(lambda ks, key=key: key in ks)
+            assert pf.inflight()["inflight_reads"] <= 4
+            reader.land(key)
+        assert pf.wait(futs, timeout=T_OUT).keys() == set(misses)
+        assert pf.stats.peak_inflight_reads == 4 and reader.peak_by_layer[2] == 2
+        big = pf.demand(window)  # the full read depth: 4 guesses queued, 16 places
+        on = reader.wait_inflight(lambda ks: len(ks) == 16)
+        assert sum(k[0] == 3 for k in on) == 14  # beside the 2 guesses still held
+        # queued guesses keep their depth of 4: they wait until the window has drained
+        for key in guesses[:2] + window + guesses[2:]:
+            reader.wait_inflight(lambda ks, key=key: key in ks)
+            reader.land(key)
+        assert pf.wait(big, timeout=T_OUT).keys() == set(window)
+        assert pf.stats.peak_inflight_reads == 16
+        with pytest.raises(ValueError, match="depth must be >= 1"):
+            pf.demand(keys(4, 1), depth=0)
+
+
 def test_a_guess_demanded_in_flight_gives_its_speculative_place_back():
     reader, cache = HeldReader(), SpyCache()
     with Prefetcher(reader, locate, cache, read_depth=4, speculative_fraction=0.5,

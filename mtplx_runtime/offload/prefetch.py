@@ -5,10 +5,12 @@
         -> commit|abort
 
 The ExpertCache owns slots and replacement; this module owns only the in-flight reads
-(ARCHITECTURE.md "Packages"). A read is queued until fewer than `read_depth` reads are in flight
-and the in-flight byte budget has room; queued demand reads always go before queued speculation,
-and speculation may only hold `speculative_fraction` of the budget and of the read depth, so a
-window's misses start at once beside the lookahead's reads instead of queueing behind them.
+(ARCHITECTURE.md "Packages"). A read is queued until fewer than its depth of reads are in flight
+(`read_depth`, or the smaller `depth` its demand / speculate call gave: a decode step asks for
+few, so its records land one after another instead of all together at the end) and the
+in-flight byte budget has room; queued demand reads always go before queued speculation, and
+speculation may only hold `speculative_fraction` of the budget and of the depth, so a window's
+misses start at once beside the lookahead's reads instead of queueing behind them.
 Speculative slots come from `cache.reserve(key, speculative=True)`, so whether a guess may
 displace a pinned or hotter expert is the cache's call (it answers None: skip). Reader futures
 cannot be cancelled: only *queued* reads are cancelled; a read already handed to the reader
@@ -80,11 +82,12 @@ class PrefetchStats:
 
 class _Job:
     __slots__ = ("key", "part", "offset", "length", "digest", "slot", "future", "speculative",
-                 "state", "recorded")
+                 "depth", "state", "recorded")
 
-    def __init__(self, key, part, offset, length, digest, slot, speculative):
+    def __init__(self, key, part, offset, length, digest, slot, speculative, depth):
         self.key, self.part, self.offset, self.length = key, part, offset, length
         self.digest, self.slot, self.speculative = digest, slot, speculative
+        self.depth = depth  # handed to the reader only while fewer reads than this are in it
         self.future: Future = Future()
         self.future._mtplx_job = self  # lets wait() find the read behind a caller's future
         self.state = "queued"  # queued -> running -> done
@@ -104,7 +107,8 @@ class Prefetcher:
     budget runs alone. `read_depth`: reads handed to the reader at once; keep it at the reader's
     own read depth so nothing queues inside the reader, where demand could not overtake it.
     `speculative_fraction`: the share of the byte budget speculation may hold (queued or
-    running) and of the read depth it may hold running (at least one read).
+    running) and of the read depth it may hold running (at least one read; of a speculate
+    call's own `depth` when it gave one).
     """
 
     def __init__(self, reader, locate: Locate, cache, *, max_inflight_bytes: int,
@@ -116,6 +120,7 @@ class Prefetcher:
             raise ValueError(f"speculative_fraction must be in [0, 1], got {speculative_fraction}")
         self.reader, self.locate, self.cache = reader, locate, cache
         self.max_inflight_bytes, self.read_depth = max_inflight_bytes, read_depth
+        self.speculative_fraction = speculative_fraction
         self.spec_cap_bytes = int(speculative_fraction * max_inflight_bytes)
         self.spec_depth = max(1, int(speculative_fraction * read_depth))
         self.stats = PrefetchStats()
@@ -137,8 +142,8 @@ class Prefetcher:
 
     # -- public API -------------------------------------------------------------------------
 
-    def demand(self, keys: Iterable[ExpertKey], transient: bool = False
-               ) -> dict[ExpertKey, Future]:
+    def demand(self, keys: Iterable[ExpertKey], transient: bool = False,
+               depth: int | None = None) -> dict[ExpertKey, Future]:
         """Queue reads the current layer needs now (cache misses). Never blocks on I/O.
 
         Returns {key: Future[SlotRef]}; the future resolves after `cache.commit(key)`, or raises
@@ -147,8 +152,11 @@ class Prefetcher:
         already being read (demand or speculative) shares that read; a speculative one is
         promoted ahead of all queued speculation. A key whose read already landed (a lookahead
         guess committed after the caller's cache lookup) gets a resolved future and counts as a
-        used guess. `transient` is passed to `cache.reserve`.
+        used guess. `transient` is passed to `cache.reserve`. `depth`: the new reads start only
+        while fewer than min(depth, read_depth) reads are in flight (default read_depth); a
+        promoted guess keeps the depth it was queued with.
         """
+        depth = self._depth(depth)
         out: dict[ExpertKey, Future] = {}
         landed: list[ExpertKey] = []
         wake = False  # only new or promoted work needs the dispatcher (a wake costs the GIL)
@@ -175,7 +183,8 @@ class Prefetcher:
                     out[key].set_result(ref)
                     landed.append(key)
                     continue
-                job = self._new_job_locked(key, speculative=False, transient=transient)
+                job = self._new_job_locked(key, speculative=False, transient=transient,
+                                           depth=depth)
                 if isinstance(job, Future):  # no record or no slot: an already-failed future
                     out[key] = job
                     continue
@@ -195,25 +204,28 @@ class Prefetcher:
         ref = self.cache.where(key)
         return None if ref is None or self.cache.is_loading(key) else ref
 
-    def speculate(self, keys: Iterable[ExpertKey]) -> list[ExpertKey]:
+    def speculate(self, keys: Iterable[ExpertKey], depth: int | None = None
+                  ) -> list[ExpertKey]:
         """Queue lookahead reads, best guess first; returns the keys actually issued. Never blocks.
 
         Skips keys resident (`key in cache`), already in flight, without a record (`locate`
         raised KeyError: a bad guess), or refused a slot (reserve answered None). Stops at the
         first key that would push queued + running speculative bytes past
         `speculative_fraction * max_inflight_bytes`. Any other exception from `locate` propagates;
-        the keys issued before it stay queued.
+        the keys issued before it stay queued. `depth`: as for `demand`.
         """
         issued: list[ExpertKey] = []
+        depth = self._depth(depth)
         with self._cond:
             self._check_open()
             try:
-                self._speculate_locked(keys, issued)
+                self._speculate_locked(keys, issued, depth)
             finally:
                 self._cond.notify_all()
         return issued
 
-    def _speculate_locked(self, keys: Iterable[ExpertKey], issued: list[ExpertKey]) -> None:
+    def _speculate_locked(self, keys: Iterable[ExpertKey], issued: list[ExpertKey],
+                          depth: int) -> None:
         for key in keys:
             key = (int(key[0]), int(key[1]))
             if key in self._jobs or key in self.cache:
@@ -231,7 +243,7 @@ class Prefetcher:
             if slot is None:
                 self.stats.spec_skipped += 1
                 continue
-            job = _Job(key, part, offset, length, digest, slot, speculative=True)
+            job = _Job(key, part, offset, length, digest, slot, speculative=True, depth=depth)
             self._jobs[key] = job
             self._spec_q.append(job)
             self._spec_bytes += length
@@ -366,7 +378,15 @@ class Prefetcher:
         if self._closed:
             raise RuntimeError("Prefetcher is shut down")
 
-    def _new_job_locked(self, key: ExpertKey, *, speculative: bool, transient: bool):
+    def _depth(self, depth: int | None) -> int:
+        if depth is None:
+            return self.read_depth
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        return min(int(depth), self.read_depth)
+
+    def _new_job_locked(self, key: ExpertKey, *, speculative: bool, transient: bool,
+                        depth: int):
         """A reserved job, or a failed Future when the key has no record (PrefetchError), no
         slot (NoSlotError) or `locate` failed otherwise (that exception, unwrapped)."""
         try:
@@ -382,7 +402,7 @@ class Prefetcher:
         if slot is None:
             return _failed(key, NoSlotError(f"expert (layer {key[0]}, expert {key[1]}): the "
                                             "cache has no slot for a demand read"), None)
-        job = _Job(key, part, offset, length, digest, slot, speculative)
+        job = _Job(key, part, offset, length, digest, slot, speculative, depth)
         self._jobs[key] = job
         return job
 
@@ -405,9 +425,10 @@ class Prefetcher:
         self.cache.abort(job.key)
 
     def _fits_locked(self, job: _Job) -> bool:
-        if self._inflight_reads >= self.read_depth:
+        if self._inflight_reads >= job.depth:
             return False
-        if job.speculative and self._spec_running >= self.spec_depth:
+        if job.speculative and self._spec_running >= max(
+                1, int(self.speculative_fraction * job.depth)):  # spec_depth at read_depth
             return False
         # Nothing in flight: an oversize record runs alone rather than never.
         return self._inflight_bytes == 0 or self._inflight_bytes + job.length <= \
