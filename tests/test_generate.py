@@ -339,6 +339,8 @@ def test_cli_bad_streaming_requests_are_one_line_errors(cli, tiny, capsys):
     capsys.readouterr()
     assert cli(["generate", "--model", str(tiny), "--prompt", "x", "--read-depth", "0"]) == 2
     assert "--read-depth must be >= 1, got 0" in capsys.readouterr().err
+    assert cli(["generate", "--model", str(tiny), "--prompt", "x", "--decode-depth", "0"]) == 2
+    assert "--decode-depth must be >= 1, got 0" in capsys.readouterr().err
     rc = cli(["generate", "--model", str(tiny), "--prompt", "x", "--kernels", "cpu"])
     assert rc == 2 and "--kernels cpu runs on streamed experts" in capsys.readouterr().err
 

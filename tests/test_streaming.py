@@ -308,3 +308,26 @@ def test_decode_computes_experts_as_they_land_and_stays_exact(built, codec, look
         provider.prefetcher.reader = _ReorderingReader(provider.prefetcher.reader)
         check_same(run(model), (want_logits, want_tokens))
         assert provider.prefetcher.reader.order  # the wrapped reader did the reads
+
+
+def test_decode_keeps_its_reads_to_the_decode_depth(built):
+    """A prompt's windows read at the read depth; a one-token forward keeps at most
+    decode_depth reads in flight, its misses and guesses together, and stays exact."""
+    src, art, want_logits, want_tokens = built["t158"]
+    model, provider = streamed(src, art, lookahead=1, read_depth=8, decode_depth=2)
+    with provider:
+        assert provider.decode_depth == 2
+        provider.prefetcher.reader = _ReorderingReader(provider.prefetcher.reader)
+        state = model.new_state()
+        logits = [model.prefill(PROMPT, state)]
+        stats = provider.prefetcher.stats
+        assert stats.peak_inflight_reads > 2  # the prompt's windows went deeper
+        stats.peak_inflight_reads, tokens = 0, []
+        for _ in range(STEPS):
+            tokens.append(int(torch.argmax(logits[-1][-1] if logits[-1].dim() == 2
+                                           else logits[-1])))
+            logits.append(model.decode(tokens[-1], state))
+        assert 0 < stats.peak_inflight_reads <= 2 and stats.demand_reads > STEPS
+        check_same((logits, tokens), (want_logits, want_tokens))
+    with pytest.raises(ValueError, match="decode_depth must be >= 1"):
+        streamed(src, art, decode_depth=0)

@@ -74,11 +74,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="expert cache replacement policy (streaming)")
     p.add_argument("--lookahead", type=int, default=1,
                    help="prefetch experts this many layers ahead (streaming; 0 = off)")
+    from ..offload.provider import DEFAULT_DECODE_DEPTH
     from ..offload.reader import DEFAULT_READ_DEPTH
 
     p.add_argument("--read-depth", type=int, default=DEFAULT_READ_DEPTH, metavar="N",
                    help="expert reads in flight at once, a layer's misses and the lookahead's "
                         "guesses together (streaming; default %(default)s)")
+    p.add_argument("--decode-depth", type=int, default=DEFAULT_DECODE_DEPTH, metavar="N",
+                   help="expert reads in flight while one token decodes, at most --read-depth: "
+                        "few, so records land one by one and compute as they land (streaming; "
+                        "default %(default)s)")
     p.add_argument("--kernels", default=None, choices=("auto", "reference", "cpu", "cuda"),
                    help="routed-expert kernels for streamed experts (default: $MTPLX_KERNELS, "
                         "else auto: cuda with a GPU, else the native cpu kernels)")
@@ -157,7 +162,8 @@ def load_runtime(args):
                          ("--prefill-chunk", args.prefill_chunk, 1),
                          ("--lookahead", args.lookahead, 0), ("--context", args.context, 1),
                          ("--host-slots", args.host_slots, 0),
-                         ("--read-depth", args.read_depth, 1)):
+                         ("--read-depth", args.read_depth, 1),
+                         ("--decode-depth", args.decode_depth, 1)):
         if v is not None and v < low:  # chat's --max-tokens defaults to None (rest of context)
             raise CliError(f"{flag} must be >= {low}, got {v}")
     slots = None
@@ -180,7 +186,8 @@ def load_runtime(args):
                   host_budget=args.host_budget, kernels=args.kernels, lookahead=args.lookahead,
                   cache_policy=args.cache_policy, context=args.context,
                   prefill_chunk=args.prefill_chunk, verify=not args.no_verify,
-                  cache_slots=slots, read_depth=args.read_depth, warm=args.warm,
+                  cache_slots=slots, read_depth=args.read_depth,
+                  decode_depth=args.decode_depth, warm=args.warm,
                   warm_progress=lambda line: print(line, file=sys.stderr, flush=True),
                   resident_dtype=args.resident_dtype)
     except (PlanError, ValueError, RuntimeError) as e:  # budget, bank/kernel mismatch, kernels

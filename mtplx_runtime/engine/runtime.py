@@ -29,7 +29,7 @@ from ..kernels import name_of, select_backend
 from ..model.kimi_k3 import KimiK3
 from ..model.load import check_resident_dtype, load_residents, model_dtype
 from ..model.moe import ResidentExpertProvider
-from ..offload.provider import StreamingExpertProvider
+from ..offload.provider import DEFAULT_DECODE_DEPTH, StreamingExpertProvider
 from ..offload.reader import DEFAULT_READ_DEPTH
 from ..offload.warm import WarmStart, warm_path
 from .plan import (
@@ -87,7 +87,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
          cache_policy: str = "lru", context: int | None = None, prefill_chunk: int = 64,
          cache_slots: tuple[int, int] | None = None, tokenizer: bool = True,
          verify: bool = True, device: str | None = None,
-         read_depth: int = DEFAULT_READ_DEPTH, warm: str | os.PathLike = "off",
+         read_depth: int = DEFAULT_READ_DEPTH, decode_depth: int = DEFAULT_DECODE_DEPTH,
+         warm: str | os.PathLike = "off",
          warm_progress: Callable[[str], None] | None = None,
          resident_dtype: str | None = None) -> Runtime:
     """Load the model at `path` (a streaming artifact or any checkpoint the reader accepts).
@@ -112,7 +113,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     (`artifact.integrity.admit_shards`: hashed once, then trusted while the file is unchanged);
     False skips both. `read_depth` (streamed experts): reads in flight at once, a window's misses
     and the lookahead's guesses together (`offload.reader.DEFAULT_READ_DEPTH`: BENCHMARKS.md
-    "bench_io").
+    "bench_io"); `decode_depth`: the fewer a one-token forward keeps in flight so its records
+    land one by one and compute as they land (`offload.provider.DEFAULT_DECODE_DEPTH`).
     `warm` (streamed experts): 'off', 'auto' (the file beside the integrity receipts) or a
     warm-start file's path: the cache is filled from its expert use counts in the background
     (`offload.warm`; `provider.warm.wait()` blocks until done, `warm_progress(line)` hears of a
@@ -170,7 +172,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
         provider = StreamingExpertProvider(
             bank, cfg, torch_dtype, compute_bytes=compute_bytes, host_bytes=host_bytes,
             transient_bytes=transient_bytes, policy=cache_policy, lookahead=lookahead,
-            verify_sha256=verify, kernels=backend, read_depth=read_depth)
+            verify_sha256=verify, kernels=backend, read_depth=read_depth,
+            decode_depth=decode_depth)
         try:
             model = _build(ckpt, torch_dtype, dev, provider, resident_dtype)
             path = warm_path(root, bank.manifest, warm)

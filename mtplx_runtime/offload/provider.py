@@ -44,8 +44,13 @@ from .warm import WarmStart
 PREFILL_HOLD_S = 0.1
 # ... and from a prompt's first layer to its first MoE layer: room for a long prompt's trunk.
 PREFILL_BEGIN_HOLD_S = 5.0
+# Reads in flight in a one-token forward (its misses and the lookahead's guesses). A deeper
+# queue shares the drive among more records, so they all land near the end of the window and
+# the kernels wait for the last; at 4 they land one after another and the kernels run on each
+# while the rest read, at nearly the drive's full rate (BENCHMARKS.md "Decode read depth").
+DEFAULT_DECODE_DEPTH = 4
 
-__all__ = ["StreamingExpertProvider"]
+__all__ = ["DEFAULT_DECODE_DEPTH", "StreamingExpertProvider"]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +69,10 @@ class StreamingExpertProvider:
     policy, scope: ExpertCache replacement ('lru' | 'freq', 'layer' | 'global').
     lookahead: how many later MoE layers the model guesses for in decode (`hint`; 0: off).
     read_depth: reads in flight at once, demand and lookahead together (reader and prefetcher;
-    default offload.reader.DEFAULT_READ_DEPTH). max_inflight_bytes, direct: prefetcher and reader
+    default offload.reader.DEFAULT_READ_DEPTH): prefill windows and the warm start read at it.
+    decode_depth: the reads in flight in a one-token forward, its misses and the lookahead's
+    guesses together (at most read_depth; default DEFAULT_DECODE_DEPTH): few, so the records land
+    one by one and compute as they land. max_inflight_bytes, direct: prefetcher and reader
     settings. verify_sha256 (default on): every record read is checked before a kernel sees it,
     against its manifest SHA-256 the first time and its learned XXH3 after (offload/digests.py;
     `self.digests`).
@@ -78,11 +86,13 @@ class StreamingExpertProvider:
                  dtype: torch.dtype = torch.float32, *, compute_bytes: int, host_bytes: int = 0,
                  transient_bytes: int | None = None, policy: str = "lru", scope: str = "layer",
                  lookahead: int = 1, read_depth: int = DEFAULT_READ_DEPTH,
-                 max_inflight_bytes: int | None = None,
+                 decode_depth: int = DEFAULT_DECODE_DEPTH, max_inflight_bytes: int | None = None,
                  direct: bool | str = "auto", verify_sha256: bool = True, device: str = "cpu",
                  timeout_s: float = 120.0, kernels: str | ModuleType | None = None):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+        if decode_depth < 1:
+            raise ValueError(f"decode_depth must be >= 1, got {decode_depth}")
         if not isinstance(bank, BankExpertLayout):
             root = Path(bank)
             bank = BankExpertLayout(cfg, root, load_manifest(root / MANIFEST_NAME))
@@ -92,6 +102,7 @@ class StreamingExpertProvider:
         self._kernel_args = dict(shapes=cfg.expert_shapes, beta=cfg.activation_situ_beta,
                                  beta_lin=cfg.activation_situ_linear_beta)
         self.lookahead, self.timeout_s = int(lookahead), float(timeout_s)
+        self.decode_depth = min(int(decode_depth), int(read_depth))
         why = self.kernels.unsupported(self.layout)
         if why:
             raise ValueError(f"{bank.root}: {why}")
@@ -237,7 +248,7 @@ class StreamingExpertProvider:
         picks = {int(e): k for k, e in enumerate(ids[0].tolist()) if e >= 0}
         terms: dict[int, torch.Tensor] = {}
         for i in range(0, len(keys), room):
-            with self._arrivals(keys[i:i + room], transient=False) as batches:
+            with self._arrivals(keys[i:i + room], False, self.decode_depth) as batches:
                 for refs in batches:
                     order = sorted(k[1] for k in refs)
                     one = torch.tensor(order, dtype=ids.dtype, device=ids.device).unsqueeze(1)
@@ -263,18 +274,20 @@ class StreamingExpertProvider:
             yield refs
 
     @contextlib.contextmanager
-    def _arrivals(self, keys: list[ExpertKey], transient: bool) -> Iterator[Iterator[dict]]:
-        """Look up `keys`, start reading the misses, and yield an iterator of {key: SlotRef}
-        batches: the hits first, then each miss as it lands. Every slot stays pinned until the
-        block ends (callers size `keys` to fit); time blocked waiting is the stall. Raises
-        PrefetchError / TimeoutError from the iterator."""
+    def _arrivals(self, keys: list[ExpertKey], transient: bool, depth: int | None = None
+                  ) -> Iterator[Iterator[dict]]:
+        """Look up `keys`, start reading the misses (at most `depth` reads in flight; None: the
+        read depth), and yield an iterator of {key: SlotRef} batches: the hits first, then each
+        miss as it lands. Every slot stays pinned until the block ends (callers size `keys` to
+        fit); time blocked waiting is the stall. Raises PrefetchError / TimeoutError from the
+        iterator."""
         if self._closed:
             raise RuntimeError("StreamingExpertProvider is closed")
         hits, misses = self.cache.lookup(keys, transient=transient)
         pinned = set(self.cache.pin(list(hits) + misses))  # hits, and misses already loading
         try:
             self.prefetcher.note_used(hits)
-            futures = self.prefetcher.demand(misses, transient)
+            futures = self.prefetcher.demand(misses, transient, depth)
             # demand reserved every miss's slot: pin them now, so no other reservation (a
             # lookahead guess under global scope) can evict one between its commit and our use.
             pinned.update(self.cache.pin([k for k in misses if k not in pinned]))
@@ -351,7 +364,7 @@ class StreamingExpertProvider:
         keep = set(keys) | {k for k in self._spec_keys if k[0] == layer}
         self.prefetcher.cancel_stale(keep)
         self._spec_keys &= keep
-        issued = self.prefetcher.speculate(keys)
+        issued = self.prefetcher.speculate(keys, self.decode_depth)
         self._spec_keys.update(issued)
         return issued
 
