@@ -255,7 +255,8 @@ class StreamingExpertProvider:
                     w = weights[0, [picks[e] for e in order]].unsqueeze(1)  # [n, 1]
                     rows = torch.zeros((len(order), x.shape[1]), dtype=torch.float32,
                                        device=x.device)
-                    rows = self._compute(x.expand(len(order), -1), one, w, refs, rows)
+                    # every row is one of these experts: no row selection (`_compute`) needed
+                    rows = self._kernel_call(x.expand(len(order), -1), one, w, refs, rows)
                     terms.update(zip(order, rows))
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [1, R]
         for e in sorted(terms):
@@ -316,13 +317,20 @@ class StreamingExpertProvider:
         if len(rows) == ids.shape[0]:
             rows = slice(None)  # every token (always so in decode): no gather, no scatter
         args = (x[rows], torch.where(mine, ids, -1)[rows], weights[rows])  # [n, R], [n, K] x2
+        acc[rows] = self._kernel_call(*args, refs, acc[rows])
+        return acc
+
+    def _kernel_call(self, x, ids, weights, refs: Mapping, acc: torch.Tensor) -> torch.Tensor:
+        """The kernel backend on rows whose every pick is one of `refs` (or -1): acc [n, R] fp32
+        plus their products, on acc's device."""
+        args = (x, ids, weights)
         if self.on_gpu:  # slot indices into the one device buffer; tensors on the GPU
             slots = {k[1]: ref.slot for k, ref in refs.items()}
             storage = self.cache.tier("compute")
             dev = args[0].device if args[0].is_cuda else torch.device("cuda")
             args = tuple(a.to(dev) for a in args)
             part = self.kernels.expert_mlp(*args, slots, storage, self.layout,
-                                           acc=acc[rows].to(dev), **self._kernel_args)
+                                           acc=acc.to(dev), **self._kernel_args)
             event = torch.cuda.Event()
             event.record()  # after the kernels on torch's current stream: guards their slots
             self.guard.mark([storage.view(s) for s in slots.values()], event)
@@ -330,12 +338,11 @@ class StreamingExpertProvider:
             storage = {k[1]: self.cache.buffer(ref) for k, ref in refs.items()}
             t0, busy0 = time.monotonic(), self.prefetcher.busy_seconds()
             part = self.kernels.expert_mlp(*args, {e: e for e in storage}, storage,
-                                           self.layout, acc=acc[rows], **self._kernel_args)
+                                           self.layout, acc=acc, **self._kernel_args)
             # busy read inside the kernel's own interval, so the overlap never exceeds it
             self.kernel_overlap_ms += (self.prefetcher.busy_seconds() - busy0) * 1e3
             self.kernel_ms += (time.monotonic() - t0) * 1e3
-        acc[rows] = part.to(acc.device)
-        return acc
+        return part.to(acc.device)
 
     def decode(self, buf) -> ExpertWeights:
         """Record bytes -> ExpertWeights: the reference decode, as ResidentExpertProvider."""
