@@ -31,9 +31,9 @@
 #include <stdint.h>
 #include <time.h>
 
-/* Spin window: several times the gap between two native calls of a decode step, short next to
- * the step itself. */
-#define POOL_SPIN_NS 200000
+/* Spin window: longer than the Python between two experts' calls in a decode step (0.2-0.4 ms;
+ * a worker that blocks costs ~1 ms to wake on a VM), short next to the step itself. */
+#define POOL_SPIN_NS 1000000
 #define TICKET_SPIN (1u << 31) /* the region's chunks fit on the CPUs: its workers may spin */
 #define TICKET_CHUNKS(t) ((int)((uint32_t)(t) & ~TICKET_SPIN))
 #define TICKET_GEN(t) ((uint32_t)((t) >> 32))
