@@ -1,31 +1,39 @@
 """Streamed decode of a K3-geometry slice from a cold disk, against its I/O and compute bounds.
 
     make_k3_slice (real 3584/3072 t158 experts, small trunk) -> build_artifact (keep)
-      -> raw O_DIRECT sequential read of a bank part (disk rate, cold), then cold random
-         whole-record reads at each --depths read depth (bench_io.random_reads)
-      -> one expert at T=1 through the chosen kernel backend on its record bytes (compute rate)
-      -> per resident dtype (--resident-dtype, quantized at load), lookahead in (0, 1) and
-         read-time verification off / on: evict page cache, mtplx_runtime.load with
-         --slots-per-layer cache slots per MoE layer, prefill, decode --tokens greedy tokens
+      -> every round: raw O_DIRECT sequential read of a bank part (disk rate, cold), cold
+         random whole-record reads at each --depths read depth (bench_io.random_reads), and
+         one expert at T=1 through the chosen kernel backend, one call per record as decode
+         makes them, over a layer's first 16 records (compute rate)
+      -> per resident dtype (--resident-dtype, quantized at load), lookahead in (0, 1), decode
+         depth (--decode-depth, a list runs each side by side) and read-time verification off
+         / on: evict page cache, mtplx_runtime.load with --slots-per-layer cache slots per MoE
+         layer, touch the slot memory, prefill, decode --tokens greedy tokens, then time the
+         same model's decode with no routed experts (the trunk)
 
-One line per configuration (verify=off: --no-verify; verify=sha256: the default read-time
-check on a fresh receipt directory, so every record's first read is checked against its manifest
+One line per configuration (verify=off: --no-verify; verify=sha256: the default read-time check
+on a fresh receipt directory, so every record's first read is checked against its manifest
 SHA-256; verify=xxh3: the same again after that run, so the records it read are checked with
 their learned XXH3, the steady state of a long-running user): decode tok/s, compute-tier hit
 rate, SSD bytes per decoded token (demand + speculative reads), stall share (time forwards
 blocked on reads / decode time), the I/O bound (the best random-read rate over the depths /
-bytes per token), the compute bound (1 / (MoE layers x top-k x time per expert)), tok/s as a
-ratio of the smaller bound, the check share (seconds the reader threads spent hashing in decode,
-summed over threads, / decode time: the cost if none of it overlapped anything), the record
-checks passed by XXH3 alone / by SHA-256, and the bytes actually read per second of decode
-(`read_gbps`) next to the raw sequential and best random-read rates of the same round, and where
-decode time went: `kernel_share` (in the kernel backend's calls), `overlap_share` (of that, with
-a read in the reader: compute the drive overlapped) and `drive_busy_share` (with a read in the
-reader, its check included: the drive's duty; an I/O-bound decode needs it near 1). Before
-each measurement the bank is written back (sync) and dropped from the page cache
-(posix_fadvise DONTNEED), and mincore checks it really left (the run stops otherwise). A
-configuration whose decode beats its own I/O bound is marked INVALID=ratio_above_1 and the run
-exits 1: a bound the run beats was measured wrong, it is not a result.
+bytes per token), the compute bound (the rate if every read were free: 1 / (trunk + MoE layers x
+top-k x time per expert), `trunk_ms` the measured decode forward without routed experts:
+attention, routers, latent projections, shared experts, lm_head and the Python around them),
+tok/s as a ratio of the smaller bound, the check share (seconds the reader threads spent hashing
+in decode, summed over threads, / decode time: the cost if none of it overlapped anything), the
+record checks passed by XXH3 alone / by SHA-256, and the bytes actually read per second of
+decode (`read_gbps`) next to the raw sequential and best random-read rates of the same round,
+and where decode time went: `kernel_share` (in the kernel backend's calls), `overlap_share` (of
+that, with a read in the reader: compute the drive overlapped) and `drive_busy_share` (with a
+read in the reader, its check included: the drive's duty; an I/O-bound decode needs it near 1).
+Before each measurement the bank is written back (sync) and dropped from the page cache
+(posix_fadvise DONTNEED), and mincore checks it really left (the run stops otherwise). The
+cache's slot memory is written once before the prompt (`prefault_s` on the line): fresh memory
+pays its page faults at first touch, once per process, and on a VM that backs guest memory
+lazily that is ~1 s for this slice's slots, which a 16-token decode would otherwise count. A
+configuration whose decode beats either bound is marked INVALID=ratio_above_1 and the run exits
+1: a bound the run beats was measured wrong, it is not a result.
 
 `--routes TRACE` takes the decode routes from a route trace instead of the slice's random
 routers, whose picks are nearly uniform: anything `mtplx profile` reads (FORMAT.md "Route traces"
@@ -51,7 +59,8 @@ used guess landing to its first use).
 
     python tools/bench_decode.py [--layers 2] [--experts 896] [--tokens 8]
                                  [--slots-per-layer 32] [--kernels auto|reference|cpu|cuda]
-                                 [--read-depth N] [--depths 1,2,4,8,16,32] [--sample-mib 256]
+                                 [--read-depth N] [--decode-depth 4[,16...]]
+                                 [--depths 1,2,4,8,16,32] [--sample-mib 256]
                                  [--repeats 1] [--dir DIR] [--keep] [--config NAME|PATH]
                                  [--routes TRACE] [--guess-recall P]
                                  [--resident-dtype bf16,int8,int4]
@@ -82,8 +91,8 @@ from mtplx_runtime.engine.presets import PresetError, add_config_arg, parse_args
 from mtplx_runtime.fixtures.k3_slice import make_k3_slice
 from mtplx_runtime.formats.residents import RESIDENT_DTYPES
 from mtplx_runtime.kernels import name_of, select_backend
-from mtplx_runtime.offload.buffers import aligned_buffer
-from mtplx_runtime.offload.provider import StreamingExpertProvider
+from mtplx_runtime.offload.buffers import PAGE_BYTES, aligned_buffer
+from mtplx_runtime.offload.provider import DEFAULT_DECODE_DEPTH, StreamingExpertProvider
 from mtplx_runtime.offload.reader import DEFAULT_READ_DEPTH
 from mtplx_runtime.profile import Trace, profile, replay_runtime
 from mtplx_runtime.profile import load as load_trace
@@ -166,15 +175,18 @@ def rates_fields(rates: dict[int, float]) -> str:
             f"random_read_best_depth={best}")
 
 
-def expert_seconds(art: Path, model, kernels, repeats: int = 5) -> float:
-    """Median time of one expert at T=1 the way the runtime computes it: the kernel backend's
-    expert_mlp on the record bytes as read into a slot (host slots: the cpu / reference path)."""
+def expert_seconds(art: Path, model, kernels, repeats: int = 3) -> float:
+    """Median time of one expert at T=1 the way decode computes it: the kernel backend's
+    expert_mlp, one call per expert, on the bytes of a layer's first top-k records as read into
+    slots (host slots: the cpu / reference path), each record once per repeat."""
     cfg = model.cfg
+    k = cfg.num_experts_per_token
     with StreamingExpertProvider(art, cfg, model.dtype, compute_bytes=1, lookahead=0,
                                  kernels="reference") as prov:
-        buf = aligned_buffer(prov.stride_bytes)
-        part, off, length, check = prov.locate((cfg.moe_layers[0], 0))
-        prov.reader.read_into(part, off, length, buf, digest=check).result()
+        bufs = [aligned_buffer(prov.stride_bytes) for _ in range(k)]
+        for e, buf in enumerate(bufs):
+            part, off, length, check = prov.locate((cfg.moe_layers[0], e))
+            prov.reader.read_into(part, off, length, buf, digest=check).result()
         layout = prov.layout
     args = dict(shapes=cfg.expert_shapes, beta=cfg.activation_situ_beta,
                 beta_lin=cfg.activation_situ_linear_beta)
@@ -182,8 +194,55 @@ def expert_seconds(art: Path, model, kernels, repeats: int = 5) -> float:
     ids, w = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1)
     times = []
     for _ in range(repeats + 1):
+        for buf in bufs:
+            t0 = time.perf_counter()
+            kernels.expert_mlp(r, ids, w, {0: 0}, {0: buf}, layout, **args)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[len(bufs):])  # the first pass warms the pool and caches
+
+
+class NoRoutedExperts:
+    """An ExpertProvider whose routed sum is zero: a decode through it times everything a token
+    costs besides its routed experts (attention, routers, latent projections, shared experts,
+    norms, lm_head and the Python around them)."""
+
+    lookahead = 0
+
+    def begin_forward(self, tokens: int) -> None:
+        pass
+
+    def hint(self, layer: int, actual: torch.Tensor, predicted) -> None:
+        pass
+
+    def run_experts(self, layer: int, r: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(r)
+
+
+def prefault_slots(provider) -> float:
+    """Write one byte per page of every host cache tier before anything is read into it, and
+    return the seconds that took. Fresh memory pays its page faults at first touch (on a VM,
+    where the host backs guest memory lazily, ~0.6 GB/s: about 1 s for this slice's 495 MB of
+    slots), once per process: timing it as decode would charge a 16-token run for it."""
+    t0 = time.perf_counter()
+    for name in ("compute", "host", "transient"):
+        tier = provider.cache.tier(name)
+        if tier is not None and tier.device == "cpu" and tier.data.size:
+            tier.data[::PAGE_BYTES] = 0  # the slots are all free: their bytes mean nothing yet
+    return time.perf_counter() - t0
+
+
+def trunk_seconds(model, steps: int = 12) -> float:
+    """Median time of one decode forward of `model` with NoRoutedExperts in every MoE block
+    (they keep it: call this last)."""
+    for moe in model.moe_blocks():
+        moe.provider = NoRoutedExperts()
+    state = model.new_state()
+    tok = int(model.prefill(PROMPT, state)[-1].argmax())
+    times = []
+    for _ in range(steps + 1):
         t0 = time.perf_counter()
-        kernels.expert_mlp(r, ids, w, {0: 0}, {0: buf}, layout, **args)
+        tok = int(model.decode(tok, state).argmax())
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -333,16 +392,19 @@ def replay_hit_rates(prefill: np.ndarray, routes: np.ndarray, experts: int,
 def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens: int,
                kernels, verify: bool, routes: np.ndarray | None = None,
                guesses: dict | None = None, read_depth: int = DEFAULT_READ_DEPTH,
-               resident_dtype: str = "bf16") -> dict:
+               resident_dtype: str = "bf16", decode_depth: int = DEFAULT_DECODE_DEPTH) -> dict:
     """One configuration; `routes` [N, layers, 16] replaces the routers, `guesses` (with
     routes) their lookahead. The result's "routes" are the decode routes taken [n, layers, 16]
     (the routers' are read back after each step), "prefill_routes" the prompt's [P, layers,
     16]. `resident_dtype`: the trunk's matrices quantized at load (FORMAT.md "Quantized
-    residents")."""
+    residents"). "trunk_s": after the decode, the same model's decode forward with no routed
+    experts (`trunk_seconds`)."""
     evict(paths)
     with load(art, dtype="bfloat16", kernels=kernels, lookahead=lookahead,
               cache_slots=(slots, 0), tokenizer=False, verify=verify,
-              read_depth=read_depth, resident_dtype=resident_dtype) as rt:
+              read_depth=read_depth, decode_depth=decode_depth,
+              resident_dtype=resident_dtype) as rt:
+        prefault_s = prefault_slots(rt.provider)
         stats, before, taken = GenerationStats(), None, []
         moes = rt.model.moe_blocks()
         if routes is None:
@@ -368,6 +430,7 @@ def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens:
         after = snapshot(rt.provider)
         checks = rt.provider.stats()["checks"] or {}
         depth1 = rt.provider.stats()["lookahead"].get(1)
+        trunk_s = trunk_seconds(rt.model)
     d = {k: after[k] - before[k] for k in after}
     n = stats.decode_forwards
     needed = d["spec_used"] + d["demand_reads"]
@@ -378,7 +441,8 @@ def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens:
             "spec_reads": d["spec_issued"], "wasted_reads": d["spec_wasted"],
             "late_reads": d["spec_late"],
             "lead_ms": d["spec_lead_ms"] / landed_used if landed_used else None,
-            "tokens": n, "decode_s": stats.decode_s,
+            "tokens": n, "decode_s": stats.decode_s, "trunk_s": trunk_s,
+            "prefault_s": prefault_s,
             "tok_s": n / stats.decode_s,
             "hit_rate": d["hits"] / d["lookups"] if d["lookups"] else 0.0,
             "bytes_per_token": d["bytes"] / n,
@@ -430,7 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=8, help="decode steps timed per config")
     ap.add_argument("--slots-per-layer", type=int, default=32, help="compute-tier cache slots")
     ap.add_argument("--read-depth", type=int, default=DEFAULT_READ_DEPTH,
-                    help="expert reads in flight in decode (mtplx_runtime.load read_depth)")
+                    help="expert reads in flight at once (mtplx_runtime.load read_depth)")
+    ap.add_argument("--decode-depth", type=bench_io.int_list, default=[DEFAULT_DECODE_DEPTH],
+                    metavar="LIST", help="expert reads in flight while a token decodes "
+                    "(mtplx_runtime.load decode_depth); a comma list runs each, side by side")
     ap.add_argument("--depths", type=bench_io.int_list, default=list(DEPTHS),
                     help="read depths of the random-read rate the I/O bound takes the best of")
     ap.add_argument("--sample-mib", type=int, default=256,
@@ -465,8 +532,8 @@ def main(argv=None) -> int:
     except PresetError as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
-    if a.read_depth < 1 or a.sample_mib < 1:
-        ap.error("--read-depth and --sample-mib must be >= 1")
+    if a.read_depth < 1 or a.sample_mib < 1 or min(a.decode_depth) < 1:
+        ap.error("--read-depth, --decode-depth and --sample-mib must be >= 1")
     kernels = select_backend(a.kernels)
     if kernels.DEVICE != "cpu":
         ap.error("bench_decode runs the model on the CPU: use --kernels cpu or reference")
@@ -501,26 +568,23 @@ def main(argv=None) -> int:
               f"bank_bytes={bank} slots_per_layer={a.slots_per_layer} tokens={a.tokens} "
               f"prompt={len(PROMPT)} dtype=bfloat16 build_s={build_s:.0f} "
               f"kernels={name_of(kernels)} read_depth={a.read_depth} "
+              f"decode_depths={','.join(map(str, a.decode_depth))} "
               f"resident_dtypes={','.join(resident_dtypes)}"
               + ("" if routes is None else f" routes={routes_name(trace)}:{len(routes)}"),
               flush=True)
-        disk, rates = disk_rates(art, paths, a.depths, a.sample_mib << 20)
         model = load_model(art, dtype="bfloat16")
-        t_exp = expert_seconds(art, model, kernels)
         k = model.cfg.num_experts_per_token
-        del model
-        compute_bound = 1.0 / (a.layers * k * t_exp)
-        print(f"# raw_odirect_seq_gbps={disk / 1e9:.3f} {rates_fields(rates)} "
-              f"expert_ms={t_exp * 1e3:.1f} (one t158 expert, T=1, bf16 model) "
-              f"compute_bound_tok_s={compute_bound:.3f}", flush=True)
         beaten = 0
         for rep in range(a.repeats):
-            if rep:  # the disk's rate drifts: measure it again before every round
-                disk, rates = disk_rates(art, paths, a.depths, a.sample_mib << 20)
-                print(f"# round={rep} raw_odirect_seq_gbps={disk / 1e9:.3f} "
-                      f"{rates_fields(rates)}", flush=True)
+            # The disk's rate and the kernels' speed drift: both are measured every round.
+            disk, rates = disk_rates(art, paths, a.depths, a.sample_mib << 20)
+            t_exp = expert_seconds(art, model, kernels)
+            print(f"# round={rep} raw_odirect_seq_gbps={disk / 1e9:.3f} {rates_fields(rates)} "
+                  f"expert_ms={t_exp * 1e3:.2f} (one expert, T=1, bf16 model, one call each)",
+                  flush=True)
             best = max(rates.values())
-            for rd, la in [(rd, la) for rd in resident_dtypes for la in (0, 1)]:
+            for rd, la, dd in [(rd, la, dd) for rd in resident_dtypes for la in (0, 1)
+                               for dd in a.decode_depth]:
                 # A fresh receipt directory per round, dtype and lookahead: "sha256" learns,
                 # "xxh3" reuses; odd rounds move "off" last so no configuration always runs
                 # first.
@@ -529,19 +593,24 @@ def main(argv=None) -> int:
                 order = ("off", "sha256", "xxh3") if rep % 2 == 0 else ("sha256", "xxh3", "off")
                 for verify in order:
                     r = run_config(art, paths, la, a.slots_per_layer, a.tokens, kernels,
-                                   verify != "off", routes, guesses, a.read_depth, rd)
+                                   verify != "off", routes, guesses, a.read_depth, rd, dd)
                     # The drive's best random-read rate at the record size, not its sequential
                     # rate: decode reads whole records in random order.
                     io_bound = (best / r["bytes_per_token"] if r["bytes_per_token"]
                                 else float("inf"))
+                    # Free reads leave the trunk and every routed expert to compute.
+                    compute_bound = 1.0 / (r["trunk_s"] + a.layers * k * t_exp)
                     ratio = r["tok_s"] / min(io_bound, compute_bound)
                     beaten += ratio > 1.0
                     print(f"round={rep} resident_dtype={rd} lookahead={la} verify={verify} "
+                          f"decode_depth={dd} "
                           f"tok_s={r['tok_s']:.3f} "
                           f"hit_rate={r['hit_rate']:.3f} "
                           f"bytes_per_token={r['bytes_per_token']:.0f} "
                           f"stall_share={r['stall_share']:.3f} io_bound_tok_s={io_bound:.3f} "
                           f"compute_bound_tok_s={compute_bound:.3f} ratio={ratio:.2f} "
+                          f"trunk_ms={r['trunk_s'] * 1e3:.1f} "
+                          f"prefault_s={r['prefault_s']:.2f} "
                           f"check_share={r['check_share']:.3f} "
                           f"checks_xxh3/sha256={r['checks']} "
                           f"read_gbps={r['read_bps'] / 1e9:.3f} "
@@ -559,9 +628,10 @@ def main(argv=None) -> int:
         if not a.keep:
             shutil.rmtree(base, ignore_errors=True)
     if beaten:  # a decode faster than its own bound means the bound was wrong, not a result
-        print(f"bench_decode: error: {beaten} configuration(s) beat their I/O bound (ratio > 1): "
-              "the disk's rate moved between the raw read and the run, or reads were served "
-              "from memory; those lines are not results", file=sys.stderr)
+        print(f"bench_decode: error: {beaten} configuration(s) beat their own bound (ratio > 1): "
+              "the disk's rate moved between the raw read and the run, reads were served from "
+              "memory, or the kernels ran faster than when timed; those lines are not results",
+              file=sys.stderr)
         return 1
     return 0
 
