@@ -75,6 +75,18 @@ static int clamp_threads(int threads, int rows) {
     return threads < 1 ? 1 : threads;
 }
 
+/* Chunks per thread of a region: enough that a thread preempted mid-region leaves most of its
+ * share to the others, few enough that each chunk stays hundreds of rows long. */
+#define CHUNKS_PER_THREAD 4
+
+/* Chunks for `threads` threads over `rows` rows: CHUNKS_PER_THREAD each, at most one per 16
+ * rows (chunk_rows' granule). */
+static int clamp_chunks(int threads, int rows) {
+    int most = (rows + 15) / 16;
+    int n = threads > 1 ? threads * CHUNKS_PER_THREAD : 1;
+    return n < most ? n : (most < 1 ? 1 : most);
+}
+
 /* Input row stride: a multiple of 16 floats with at least XPAD zeros after each row. */
 static inline int padded_ld(int cols) { return (cols + XPAD + 15) / 16 * 16; }
 
@@ -92,7 +104,7 @@ typedef struct {
     const mat_t *m;
     const float *X;
     int ldx, n, nchunks;
-    float *Y, *scratch;
+    float *Y, *scratch; /* scratch: one block per chunk */
     int ldy;
 } gemm_job;
 
@@ -119,16 +131,17 @@ int mtplx_cpu_gemm(int codec, const void *packed, const void *scale, const void 
     if (n <= 0) return -1;
     int ldx = padded_ld(cols);
     threads = clamp_threads(threads, rows);
+    int chunks = clamp_chunks(threads, rows);
     float *xp = aligned_alloc(64, (size_t)n * ldx * 4);
-    float *scratch = aligned_alloc(64, threads * scratch_floats(cols) * 4);
+    float *scratch = aligned_alloc(64, chunks * scratch_floats(cols) * 4);
     if (!xp || !scratch) {
         free(xp), free(scratch);
         return -2;
     }
     gather_rows(xp, ldx, X, NULL, n, cols);
-    gemm_job j = {codec_rows(&m, mtplx_cpu_get_isa()), &m, xp, ldx, n, threads, Y, scratch,
+    gemm_job j = {codec_rows(&m, mtplx_cpu_get_isa()), &m, xp, ldx, n, chunks, Y, scratch,
                   rows};
-    run_chunks(gemm_chunk, &j, threads);
+    run_chunks(gemm_chunk, &j, chunks, threads);
     free(xp), free(scratch);
     return 0;
 }
@@ -141,7 +154,7 @@ typedef struct {
     const mat_t *gate, *up, *down;
     /* X: the gathered input rows; scratch: one block per chunk, for the wider of R, I */
     float *X, *G, *U, *H, *out, *scratch;
-    int ldx, ldh, n, R, I, round_model, nchunks;
+    int ldx, ldh, n, R, I, round_model, nchunks, nthreads;
     float beta, beta_lin;
     const int *tok;
     const float *wt;
@@ -212,7 +225,8 @@ static void job_free(expert_job *j) { free(j->X), free(j->G), free(j->scratch); 
 static int job_alloc(expert_job *j, int n, int threads) {
     int R = j->R, I = j->I;
     j->ldx = padded_ld(R), j->ldh = padded_ld(I);
-    j->nchunks = clamp_threads(threads, R < I ? R : I); /* at most this many per region */
+    j->nthreads = clamp_threads(threads, R < I ? R : I);
+    j->nchunks = clamp_chunks(j->nthreads, R < I ? R : I); /* every region has this many */
     size_t h = (size_t)n * j->ldh;
     j->X = aligned_alloc(64, (size_t)n * j->ldx * 4);
     j->G = aligned_alloc(64, 3 * h * 4);
@@ -233,8 +247,8 @@ static void job_run(expert_job *j, const mat_t *m, int n) {
     int isa = mtplx_cpu_get_isa();
     j->gate = &m[0], j->up = &m[1], j->down = &m[2], j->n = n;
     j->fn_in = codec_rows(&m[0], isa), j->fn_down = codec_rows(&m[2], isa);
-    run_chunks(gate_up_chunk, j, j->nchunks);
-    run_chunks(down_chunk, j, j->nchunks);
+    run_chunks(gate_up_chunk, j, j->nchunks, j->nthreads);
+    run_chunks(down_chunk, j, j->nchunks, j->nthreads);
 }
 
 int mtplx_cpu_expert(int codec, const void *const *mats, int R, int I, int bits, int layout,

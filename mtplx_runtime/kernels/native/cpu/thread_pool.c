@@ -1,7 +1,9 @@
 /* The persistent thread pool (thread_pool.h).
- * A region runs fn(arg, chunk) for chunk 0..n-1; the caller runs chunk 0, worker i runs chunk
- * i. Regions are serialized by `call_mu`, so concurrent callers (ctypes drops the GIL) simply
- * queue. A decode step makes dozens of short regions back to back, so the hand-off latency
+ * A region runs fn(arg, chunk) for chunk 0..chunks-1 on the caller and workers 1..threads-1,
+ * each claiming chunks from an atomic counter: with several chunks per thread, a thread that
+ * loses its CPU for a while (a read landing, another process) leaves its later chunks to the
+ * others instead of stalling the region (why: BENCHMARKS.md "Decode read depth"). Regions are
+ * serialized by `call_mu`, so concurrent callers (ctypes drops the GIL) simply queue. A decode step makes dozens of short regions back to back, so the hand-off latency
  * matters: both sides first spin on an atomic for up to POOL_SPIN_NS and only then block on the
  * condition variable, so back-to-back regions hand off in well under a microsecond and an idle
  * pool still sleeps (why not condition variables alone, and why no sched_yield in the spin:
@@ -10,11 +12,12 @@
  * workers that ran a chunk of the last region spin after it (idle spinners would crowd the
  * workers that have work).
  *
- * Hand-off: `ticket` packs (generation << 32 | spin flag << 31 | chunks run) in one atomic word,
- * published with release after fn/arg are written, so a worker that reads a new generation with
- * acquire also sees that region's chunk count and spin flag, and fn/arg when its id is in range.
- * A worker that is not handed a chunk only reads the ticket; one that is handed a chunk is
- * waited for, so fn/arg cannot change under it. Sleepers are counted under `mu` (worker:
+ * Hand-off: `ticket` packs (generation << 32 | spin flag << 31 | threads run) in one atomic
+ * word, published with release after fn/arg/chunks and the reset claim counter are written, so a
+ * worker that reads a new generation with acquire also sees that region's thread count and spin
+ * flag, and fn/arg/chunks when its id is in range. A worker that takes no part only reads the
+ * ticket; one that takes part is waited for (even if it finds every chunk claimed), so
+ * fn/arg/chunks and the counter cannot change under it. Sleepers are counted under `mu` (worker:
  * sleepers++, then re-check the ticket, then wait; caller: publish the ticket under `mu`,
  * broadcast if any sleep), and the caller's own wait is the same pattern with `caller_waits`,
  * so no wake-up is lost. */
@@ -34,16 +37,18 @@
 /* Spin window: longer than the Python between two experts' calls in a decode step (0.2-0.4 ms;
  * a worker that blocks costs ~1 ms to wake on a VM), short next to the step itself. */
 #define POOL_SPIN_NS 1000000
-#define TICKET_SPIN (1u << 31) /* the region's chunks fit on the CPUs: its workers may spin */
-#define TICKET_CHUNKS(t) ((int)((uint32_t)(t) & ~TICKET_SPIN))
+#define TICKET_SPIN (1u << 31) /* the region's threads fit on the CPUs: its workers may spin */
+#define TICKET_THREADS(t) ((int)((uint32_t)(t) & ~TICKET_SPIN))
 #define TICKET_GEN(t) ((uint32_t)((t) >> 32))
 
 static struct {
     pthread_mutex_t call_mu, mu;
     pthread_cond_t go, done;
     int workers;             /* threads started so far (ids 1..workers) */
-    _Atomic uint64_t ticket; /* generation << 32 | TICKET_SPIN | chunks run this region */
-    atomic_int pending;      /* chunks handed to workers this region, not yet finished */
+    _Atomic uint64_t ticket; /* generation << 32 | TICKET_SPIN | threads run this region */
+    atomic_int pending;      /* workers taking part in this region, not yet finished */
+    atomic_int next;         /* the next unclaimed chunk of this region */
+    int chunks;              /* chunks of this region */
     int sleepers;            /* workers blocked on `go` (under mu) */
     int caller_waits;        /* the caller is blocked on `done` (under mu) */
     int cpus;                /* CPUs this process may run on (at pool start / after fork) */
@@ -96,11 +101,17 @@ static inline int pool_spin_step(unsigned i, uint64_t *t0) {
     return 1;
 }
 
+/* Claim and run chunks of the current region until none is left. */
+static void pool_claim_chunks(void) {
+    for (int c; (c = atomic_fetch_add_explicit(&pool.next, 1, memory_order_relaxed)) < pool.chunks;)
+        pool.fn(pool.arg, c);
+}
+
 /* Worker `id`, last region `last`: spin until the ticket's generation changes (returns the new
- * ticket) or the window passes (returns `last`: block). No spin unless it ran a chunk of `last`
+ * ticket) or the window passes (returns `last`: block). No spin unless it took part in `last`
  * and `last` allowed spinning. */
 static uint64_t pool_spin_ticket(int id, uint64_t last) {
-    if (!(last & TICKET_SPIN) || id >= TICKET_CHUNKS(last)) return last;
+    if (!(last & TICKET_SPIN) || id >= TICKET_THREADS(last)) return last;
     uint64_t t0 = 0;
     for (unsigned i = 0; pool_spin_step(i, &t0); i++) {
         uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
@@ -111,7 +122,7 @@ static uint64_t pool_spin_ticket(int id, uint64_t last) {
 
 static void *pool_worker(void *p) {
     int id = (int)(intptr_t)p;
-    uint64_t last = pool.start_ticket[id]; /* a region it had no chunk in: it blocks first */
+    uint64_t last = pool.start_ticket[id]; /* a region it took no part in: it blocks first */
     for (;;) {
         uint64_t t = pool_spin_ticket(id, last);
         if (TICKET_GEN(t) == TICKET_GEN(last)) { /* idle for a while: block */
@@ -124,8 +135,8 @@ static void *pool_worker(void *p) {
             pthread_mutex_unlock(&pool.mu);
         }
         last = t;
-        if (id >= TICKET_CHUNKS(t)) continue; /* no chunk for this worker in this region */
-        pool.fn(pool.arg, id);
+        if (id >= TICKET_THREADS(t)) continue; /* this worker takes no part in this region */
+        pool_claim_chunks();
         if (atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel) == 1) {
             pthread_mutex_lock(&pool.mu); /* last one: wake the caller if it went to sleep */
             if (pool.caller_waits) pthread_cond_signal(&pool.done);
@@ -135,9 +146,10 @@ static void *pool_worker(void *p) {
     return NULL;
 }
 
-void run_chunks(chunk_fn fn, void *arg, int n) {
+void run_chunks(chunk_fn fn, void *arg, int chunks, int threads) {
+    int n = threads < chunks ? threads : chunks; /* threads taking part */
     if (n <= 1) {
-        fn(arg, 0);
+        for (int c = 0; c < chunks; c++) fn(arg, c);
         return;
     }
     pthread_once(&pool_once, pool_init);
@@ -154,7 +166,8 @@ void run_chunks(chunk_fn fn, void *arg, int n) {
     }
     int handed = n - 1 < pool.workers ? n - 1 : pool.workers;
     int spin = n <= pool.cpus;
-    pool.fn = fn, pool.arg = arg;
+    pool.fn = fn, pool.arg = arg, pool.chunks = chunks;
+    atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
     atomic_store_explicit(&pool.pending, handed, memory_order_relaxed);
     atomic_store_explicit(&pool.ticket,
                           (uint64_t)(TICKET_GEN(cur) + 1) << 32 | (spin ? TICKET_SPIN : 0) |
@@ -162,8 +175,7 @@ void run_chunks(chunk_fn fn, void *arg, int n) {
                           memory_order_release);
     if (pool.sleepers) pthread_cond_broadcast(&pool.go);
     pthread_mutex_unlock(&pool.mu);
-    fn(arg, 0);
-    for (int c = handed + 1; c < n; c++) fn(arg, c);
+    pool_claim_chunks();
     /* wait for the workers: spin first (they usually finish within microseconds of us) */
     uint64_t t0 = 0;
     for (unsigned i = 0; spin && atomic_load_explicit(&pool.pending, memory_order_acquire); i++)

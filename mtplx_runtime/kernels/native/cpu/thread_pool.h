@@ -2,13 +2,15 @@
 #ifndef MTPLX_THREAD_POOL_H
 #define MTPLX_THREAD_POOL_H
 
-#define MAX_THREADS 256 /* most chunks one region may have */
+#define MAX_THREADS 256 /* most threads one region may have */
 
 typedef void (*chunk_fn)(void *arg, int chunk);
 
-/* Run fn(arg, c) for c in 0..n-1 (n <= MAX_THREADS) and return when every chunk has finished:
- * the caller runs chunk 0, worker i chunk i (workers are started on demand). Regions are
- * serialized, so concurrent callers queue; a forked child starts from an empty pool. */
-void run_chunks(chunk_fn fn, void *arg, int n);
+/* Run fn(arg, c) for c in 0..chunks-1 on up to `threads` threads (threads <= MAX_THREADS) and
+ * return when every chunk has finished: the caller and threads - 1 workers (started on demand)
+ * each claim the next unclaimed chunk until none is left, so a thread the OS preempts holds up
+ * only the chunk it is in. Regions are serialized, so concurrent callers queue; a forked child
+ * starts from an empty pool. */
+void run_chunks(chunk_fn fn, void *arg, int chunks, int threads);
 
 #endif
