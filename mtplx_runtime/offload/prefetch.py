@@ -274,7 +274,8 @@ class Prefetcher:
             self.stats.spec_wasted += len(stale)
             for key in stale:
                 del self._landed[key]
-            self._cond.notify_all()
+            if keys:  # dropped reads free budget for others; else the dispatcher has no news
+                self._cond.notify_all()
         for f in cancelled:
             f.cancel()
         return keys
