@@ -14,7 +14,8 @@ from mtplx_runtime import load_model
 from mtplx_runtime.artifact.build import build_artifact
 from mtplx_runtime.fixtures.tiny import make_tiny
 from mtplx_runtime.offload.prefetch import PrefetchError
-from mtplx_runtime.offload.provider import StreamingExpertProvider
+from mtplx_runtime.offload.provider import (GUESS_MIN_PAIRS, GUESS_MIN_PRECISION,
+                                            StreamingExpertProvider)
 
 LAYOUTS = ("mxfp4", "w3", "t158", "bf16")
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 5, 120, 77, 11]
@@ -331,3 +332,48 @@ def test_decode_keeps_its_reads_to_the_decode_depth(built):
         check_same((logits, tokens), (want_logits, want_tokens))
     with pytest.raises(ValueError, match="decode_depth must be >= 1"):
         streamed(src, art, decode_depth=0)
+
+
+def test_guesses_are_read_only_while_they_prove_right(built):
+    """A lookahead depth's guesses are scored from the start but read only once GUESS_MIN_PAIRS
+    layers show a precision of GUESS_MIN_PRECISION, and no longer once it falls below."""
+    src, art, *_ = built["t158"]
+    model, provider = streamed(src, art, lookahead=1)
+    first, second = model.cfg.moe_layers[:2]
+    k, n = model.cfg.num_experts_per_token, model.cfg.num_experts
+    route = torch.arange(k).unsqueeze(0)  # [1, K]: the second layer always takes experts 0..K-1
+    wrong = torch.arange(n - k, n).unsqueeze(0)
+    read = [(second, e) for e in range(k)]
+
+    def step(guess) -> list:
+        kept = provider.hint(first, route, {second: guess})  # what run_experts would read
+        provider.hint(second, route, {})  # scores the guess
+        return kept
+    with provider:
+        assert provider.stats()["guessing_depths"] == []
+        for _ in range(GUESS_MIN_PAIRS):  # right, but not yet proven
+            assert step(route) == []
+        assert provider.guessing_depths(1) == {1} and step(route) == read
+        wrong_steps = 0
+        while provider.score.by_depth[1].precision >= GUESS_MIN_PRECISION:
+            assert step(wrong) == [(second, e) for e in range(n - k, n)]  # still trusted
+            wrong_steps += 1
+        assert wrong_steps == GUESS_MIN_PAIRS + 2 and step(route) == []  # no longer read...
+        assert provider.score.by_depth[1].pairs == 2 * GUESS_MIN_PAIRS + 4  # ...still scored
+        # that last right guess, scored, lifts the precision back to 10 / 20: read again
+        assert provider.stats()["guessing_depths"] == [1] and step(route) == read
+
+
+def test_guesses_are_read_after_the_layers_misses(built):
+    """The guesses a layer's hint keeps go to the prefetcher after that layer's misses, so they
+    never take a place in the decode depth ahead of them."""
+    src, art, want_logits, want_tokens = built["t158"]
+    model, provider = streamed(src, art, lookahead=1)
+    calls: list[str] = []
+    demand, speculate = provider.prefetcher.demand, provider.prefetcher.speculate
+    provider.prefetcher.demand = lambda keys, *a: calls.append("demand") or demand(keys, *a)
+    provider.prefetcher.speculate = lambda keys, *a: calls.append("guess") or speculate(keys, *a)
+    with provider:
+        check_same(run(model), (want_logits, want_tokens))
+        assert "guess" in calls
+        assert all(calls[i - 1] == "demand" for i, c in enumerate(calls) if c == "guess")

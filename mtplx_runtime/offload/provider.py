@@ -1,8 +1,9 @@
 """StreamingExpertProvider: routed experts read from an artifact's bank through a small cache.
 
-    LatentMoE -> hint(l, ids, guesses): score earlier guesses; speculate(keys), cancel stale ones
+    LatentMoE -> hint(l, ids, guesses): score earlier guesses, cancel stale ones, keep the new
               -> run_experts(l, r, ids, w): per window of ascending expert ids: lookup (pin
-                 hits) -> demand(misses) -> wait -> kernel backend on the slot bytes -> fp32 sum
+                 hits) -> demand(misses) -> speculate(guesses) -> kernel backend on each slot's
+                 bytes as it lands -> fp32 sum
 
 The ExpertCache owns the slots, the Prefetcher moves bytes, the kernel backend (mtplx_runtime/
 kernels, chosen once at construction) computes; this module only wires them to the model's
@@ -49,6 +50,12 @@ PREFILL_BEGIN_HOLD_S = 5.0
 # the kernels wait for the last; at 4 they land one after another and the kernels run on each
 # while the rest read, at nearly the drive's full rate (BENCHMARKS.md "Decode read depth").
 DEFAULT_DECODE_DEPTH = 4
+# A lookahead depth's guesses are read once GUESS_MIN_PAIRS scored layers show them naming the
+# layer's experts at least GUESS_MIN_PRECISION of the time; below that, more guesses would be
+# read in vain than used. Until then (and whenever they fall below) they are made and scored,
+# not read: a slice with free cache slots read 31 bad guesses in its first two tokens.
+GUESS_MIN_PRECISION = 0.5
+GUESS_MIN_PAIRS = 8
 
 __all__ = ["DEFAULT_DECODE_DEPTH", "StreamingExpertProvider"]
 
@@ -150,6 +157,7 @@ class StreamingExpertProvider:
         # layer -> {depth: ids [T, K]}: this forward's guesses, for the route trace.
         self.last_predictions: dict[int, dict[int, torch.Tensor]] = {}
         self._spec_keys: set[ExpertKey] = set()  # guesses issued and not yet consumed
+        self._guesses: list[ExpertKey] = []  # the last hint's, read after its layer's misses
         self.stall_ms = 0.0       # time forwards spent blocked on reads (this provider's view)
         # Time in the kernel backend's calls, and the part of it with a read in the reader: how
         # much of the compute the drive overlapped (on a GPU, enqueue time only).
@@ -249,6 +257,7 @@ class StreamingExpertProvider:
         terms: dict[int, torch.Tensor] = {}
         for i in range(0, len(keys), room):
             with self._arrivals(keys[i:i + room], False, self.decode_depth) as batches:
+                self._speculate()  # behind this window's misses in the queue
                 for refs in batches:
                     order = sorted(k[1] for k in refs)
                     one = torch.tensor(order, dtype=ids.dtype, device=ids.device).unsqueeze(1)
@@ -352,11 +361,14 @@ class StreamingExpertProvider:
 
     def hint(self, layer: int, actual: torch.Tensor, predicted: Mapping[int, torch.Tensor]
              ) -> list[ExpertKey]:
-        """Score earlier guesses against `actual` [T, K] (this layer's route), speculate the
-        experts of `predicted` ({later layer: ids [T, K]}, depth 1 first: the model guesses in
-        one-token decode steps only) and cancel queued guesses no longer predicted. Returns the
-        keys issued."""
+        """Score earlier guesses against `actual` [T, K] (this layer's route), cancel queued
+        guesses no longer predicted, and keep the experts of `predicted` ({later layer: ids
+        [T, K]}, depth 1 first: the model guesses in one-token decode steps only) at the depths
+        whose guesses have been right often enough (`guessing_depths`) for `run_experts` to read
+        once this layer's misses are queued: issued here, a guess would take a place in the
+        decode depth before the misses of the layer about to compute. Returns the kept keys."""
         self.score.add_actual(layer, actual)
+        self._guesses = []  # an earlier hint's guesses not read by now are for a past layer
         if layer == self._first_layer:
             self.last_predictions = {}  # a new forward: the trace wants this forward's guesses
         if not predicted:
@@ -366,20 +378,36 @@ class StreamingExpertProvider:
         self.score.add_predictions(targets, preds)
         for depth, (target, p) in enumerate(zip(targets, preds), 1):
             self.last_predictions.setdefault(target, {})[depth] = p
-        keys = predicted_keys(targets, preds)
+        reading = self.guessing_depths(len(targets))
+        keys = predicted_keys([t for d, t in enumerate(targets, 1) if d in reading],
+                              [p for d, p in enumerate(preds, 1) if d in reading])
         # Guesses for this layer are about to be demanded: never cancel those.
         keep = set(keys) | {k for k in self._spec_keys if k[0] == layer}
         self.prefetcher.cancel_stale(keep)
         self._spec_keys &= keep
-        issued = self.prefetcher.speculate(keys, self.decode_depth)
-        self._spec_keys.update(issued)
-        return issued
+        self._guesses = keys
+        return keys
+
+    def _speculate(self) -> None:
+        """Queue the last hint's guesses (once): the prefetcher reads them after queued demand,
+        in what the decode depth leaves."""
+        keys, self._guesses = self._guesses, []
+        if keys:
+            self._spec_keys.update(self.prefetcher.speculate(keys, self.decode_depth))
+
+    def guessing_depths(self, depths: int) -> set[int]:
+        """The lookahead depths among 1..`depths` whose guesses are read: those with at least
+        GUESS_MIN_PAIRS scored layers and a precision of GUESS_MIN_PRECISION or more."""
+        scored = self.score.by_depth
+        return {d for d in range(1, depths + 1) if d in scored
+                and scored[d].pairs >= GUESS_MIN_PAIRS
+                and scored[d].precision >= GUESS_MIN_PRECISION}
 
     # ---- reporting and lifetime ----------------------------------------------------------
 
     def stats(self) -> dict:
         """Cache counters per layer and tier, totals, prefetch counters, lookahead scores per
-        depth, stall time, time in the host kernels and the part of it that reads overlapped
+        depth and the depths whose guesses are read (`guessing_depths`), stall time, time in the host kernels and the part of it that reads overlapped
         (`kernel_ms`, `kernel_overlap_ms`; GPU runs count neither), the prefill dedup factor
         (expert uses / unique experts) and the warm start (`offload.warm.WarmStart.stats`; None
         without one)."""
@@ -391,6 +419,7 @@ class StreamingExpertProvider:
             "hit_rate": dev["hits"] / dev["lookups"] if dev["lookups"] else 0.0,
             "prefetch": self.prefetcher.stats.as_dict(),
             "lookahead": self.score.summary(),
+            "guessing_depths": sorted(self.guessing_depths(self.lookahead)),
             "stall_ms": self.stall_ms,
             "kernel_ms": self.kernel_ms,
             "kernel_overlap_ms": self.kernel_overlap_ms,
