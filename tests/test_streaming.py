@@ -14,8 +14,11 @@ from mtplx_runtime import load_model
 from mtplx_runtime.artifact.build import build_artifact
 from mtplx_runtime.fixtures.tiny import make_tiny
 from mtplx_runtime.offload.prefetch import PrefetchError
-from mtplx_runtime.offload.provider import (GUESS_MIN_PAIRS, GUESS_MIN_PRECISION,
-                                            StreamingExpertProvider)
+from mtplx_runtime.offload.provider import (
+    GUESS_MIN_PAIRS,
+    GUESS_MIN_PRECISION,
+    StreamingExpertProvider,
+)
 
 LAYOUTS = ("mxfp4", "w3", "t158", "bf16")
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 5, 120, 77, 11]

@@ -407,10 +407,10 @@ class StreamingExpertProvider:
 
     def stats(self) -> dict:
         """Cache counters per layer and tier, totals, prefetch counters, lookahead scores per
-        depth and the depths whose guesses are read (`guessing_depths`), stall time, time in the host kernels and the part of it that reads overlapped
-        (`kernel_ms`, `kernel_overlap_ms`; GPU runs count neither), the prefill dedup factor
-        (expert uses / unique experts) and the warm start (`offload.warm.WarmStart.stats`; None
-        without one)."""
+        depth and the depths whose guesses are read (`guessing_depths`), stall time, time in the
+        host kernels and the part of it that reads overlapped (`kernel_ms`, `kernel_overlap_ms`;
+        GPU runs count neither), the prefill dedup factor (expert uses / unique experts) and the
+        warm start (`offload.warm.WarmStart.stats`; None without one)."""
         totals = self.cache.totals()
         dev = totals["compute"]
         return {

@@ -104,7 +104,8 @@ static inline int pool_spin_step(unsigned i, uint64_t *t0) {
 
 /* Claim and run chunks of the current region until none is left. */
 static void pool_claim_chunks(void) {
-    for (int c; (c = atomic_fetch_add_explicit(&pool.next, 1, memory_order_relaxed)) < pool.chunks;)
+    int c;
+    while ((c = atomic_fetch_add_explicit(&pool.next, 1, memory_order_relaxed)) < pool.chunks)
         pool.fn(pool.arg, c);
 }
 
