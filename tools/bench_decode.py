@@ -583,11 +583,13 @@ def main(argv=None) -> int:
                   f"expert_ms={t_exp * 1e3:.2f} (one expert, T=1, bf16 model, one call each)",
                   flush=True)
             best = max(rates.values())
-            for rd, la, dd in [(rd, la, dd) for rd in resident_dtypes for la in (0, 1)
-                               for dd in a.decode_depth]:
-                # A fresh receipt directory per round, dtype and lookahead: "sha256" learns,
-                # "xxh3" reuses; odd rounds move "off" last so no configuration always runs
-                # first.
+            # Odd rounds run lookahead 1 before 0 and the decode depths in reverse, so neither
+            # side of a pair always runs first (the VM's disk and CPU drift within a round).
+            las, dds = ((0, 1), a.decode_depth) if rep % 2 == 0 else ((1, 0), a.decode_depth[::-1])
+            for rd, la, dd in [(rd, la, dd) for rd in resident_dtypes for la in las for dd in dds]:
+                # A fresh receipt directory per round, dtype, lookahead and decode depth:
+                # "sha256" learns, "xxh3" reuses; odd rounds move "off" last so no
+                # configuration always runs first.
                 receipts.append(tempfile.mkdtemp(prefix="receipts_", dir=base))
                 os.environ[RECEIPTS_ENV] = receipts[-1]
                 order = ("off", "sha256", "xxh3") if rep % 2 == 0 else ("sha256", "xxh3", "off")
