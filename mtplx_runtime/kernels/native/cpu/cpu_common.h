@@ -47,7 +47,13 @@ rows_fn ctint_rows(const mat_t *m, int isa);
 
 /* This thread's buffer `slot` with room for `floats` (64-byte aligned, contents unspecified,
  * kept across calls, freed at thread exit; thread_buf.c), or NULL when out of memory. */
-enum { THREAD_BUF_T158_TABLES, THREAD_BUF_SPLIT_INPUTS, THREAD_BUF_BF16_INPUTS, THREAD_BUF_SLOTS };
+enum {
+    THREAD_BUF_T158_TABLES,
+    THREAD_BUF_SPLIT_INPUTS,
+    THREAD_BUF_BF16_INPUTS,
+    THREAD_BUF_ROW_SCRATCH, /* the expert pipeline's row-kernel scratch (expert.c) */
+    THREAD_BUF_SLOTS
+};
 float *thread_floats(int slot, size_t floats);
 
 /* One decoded row block of the generic kernels: the stride cols + 16 keeps the RB rows off a

@@ -3,6 +3,9 @@
  * (t158.c, mxfp4.c, ctint.c) supplies two hooks, prepare and rows (cpu_common.h); everything
  * else (threads through thread_pool.c, SiTU-GLU, model rounding) is shared, so every codec
  * behaves the same. */
+#include <sched.h>
+#include <stdatomic.h>
+
 #include "cpu_common.h"
 #include "thread_pool.h"
 
@@ -146,65 +149,180 @@ int mtplx_cpu_gemm(int codec, const void *packed, const void *scale, const void 
     return 0;
 }
 
-/* One expert over n gathered token rows X. With acc NULL the output is out[n, R]
- * (mtplx_cpu_expert); else (mtplx_cpu_layer) out is a scratch [n, R] and each down chunk adds
- * wt[t] * out[t, r] into acc[tok[t], r] for its rows r. */
+/* ---- the expert pipeline: one pool region per call (mtplx_cpu_expert: one expert;
+ * mtplx_cpu_layer: a window) ----
+ *
+ * Each expert e is three kinds of task: gather (its token rows of X into an input set), its
+ * gate/up chunks (rows of G, U and H = SiTU-GLU(G, U)) and its down chunks (rows of y, added into
+ * acc). Threads claim tasks in the order gather(e), gate_up(e), down(e - lag), so down(e - 1)
+ * computes while gate_up(e) does, and a region ends once per call instead of twice per expert
+ * (each end idles a thread for about half a chunk: BENCHMARKS.md, "One region per layer"). A
+ * task waits, spinning, for the tasks whose results it reads or whose buffers it reuses, always
+ * ones claimed before it, so claiming in order cannot deadlock:
+ *   gather(e):     gate_up(e - depth) done        (it overwrites that expert's input set)
+ *   gate_up(e, c): gather(e), down(e - depth) done (it overwrites that expert's G, U, H)
+ *   down(e, c):    gate_up(e) done (every column of h), down(e - 1) done (acc in expert order)
+ * Every row goes through the same row kernel and combine as in a one-thread run, so results do
+ * not depend on threads, chunking or the interleaving. */
+
+typedef struct {
+    mat_t m[3];     /* gate, up, down */
+    const int *tok; /* rows of X for its tokens; NULL: rows 0 .. n-1 */
+    const float *wt;
+    int n;
+    atomic_int gathered, gu_done, d_done; /* 0 or 1; chunks done; chunks done */
+} pipe_expert;
+
 typedef struct {
     rows_fn fn_in, fn_down;
-    const mat_t *gate, *up, *down;
-    /* X: the gathered input rows; scratch: one block per chunk, for the wider of R, I */
-    float *X, *G, *U, *H, *out, *scratch;
-    int ldx, ldh, n, R, I, round_model, nchunks, nthreads;
+    pipe_expert *ex;
+    int E, depth, lag, nch, nmax, ldx, ldh, R, I, round_model;
+    const float *X; /* the caller's rows [., R] */
+    float *sets;    /* depth sets, each X [nmax, ldx] then G, U, H [nmax, ldh] */
+    float *out;     /* [nmax, R]: the caller's output (expert) or scratch (layer) */
+    float *acc;     /* NULL: mtplx_cpu_expert */
     float beta, beta_lin;
-    const int *tok;
-    const float *wt;
-    float *acc;
-} expert_job;
+    uint32_t *task; /* task i: kind << 30 | e << 12 | chunk */
+    atomic_int failed;
+} pipe_job;
+
+enum { TASK_GATHER, TASK_GATE_UP, TASK_DOWN };
+/* task fields: chunk < 4096 (clamp_chunks: MAX_THREADS * CHUNKS_PER_THREAD), expert < 2^18 */
+
+static size_t set_floats(const pipe_job *p) {
+    return (size_t)p->nmax * ((size_t)p->ldx + 3 * (size_t)p->ldh);
+}
+static float *set_x(const pipe_job *p, int e) { return p->sets + (e % p->depth) * set_floats(p); }
+/* G, U, H of expert e's set: three [nmax, ldh] after its X */
+static float *set_g(const pipe_job *p, int e) { return set_x(p, e) + (size_t)p->nmax * p->ldx; }
+
+/* Spin until *c reaches target, yielding now and then, so a thread whose producer lost its CPU
+ * gives the CPU back. */
+static void wait_count(atomic_int *c, int target) {
+    for (unsigned i = 0; atomic_load_explicit(c, memory_order_acquire) < target; i++) {
+        _mm_pause();
+        if ((i & 1023) == 1023) sched_yield();
+    }
+}
+
+/* The row kernels' scratch: per thread, since tasks of the same chunk index (of two experts)
+ * may run at once. */
+static float *task_scratch(pipe_job *p) {
+    float *s = thread_floats(THREAD_BUF_ROW_SCRATCH, scratch_floats(p->R > p->I ? p->R : p->I));
+    if (!s) atomic_store(&p->failed, 1);
+    return s;
+}
 
 /* Gate and up rows of this chunk for every token, then SiTU-GLU on the same rows: h[t, i]
- * needs only gate row i and up row i, so no barrier is needed before the activation. */
-static void gate_up_chunk(void *arg, int c) {
-    const expert_job *j = arg;
+ * needs only gate row i and up row i, so no other chunk's result is needed. */
+static void gate_up_task(pipe_job *p, int e, int c) {
+    const pipe_expert *x = p->ex + e;
     int r0, r1;
-    chunk_rows(j->I, j->nchunks, c, &r0, &r1);
-    if (r1 <= r0) return;
-    float *scratch = j->scratch + c * scratch_floats(j->R > j->I ? j->R : j->I);
-    j->fn_in(j->gate, j->X, j->ldx, j->n, j->G, j->ldh, r0, r1, scratch);
-    j->fn_in(j->up, j->X, j->ldx, j->n, j->U, j->ldh, r0, r1, scratch);
-    for (int t = 0; t < j->n; t++) {
-        const float *g = j->G + (size_t)t * j->ldh, *u = j->U + (size_t)t * j->ldh;
-        float *h = j->H + (size_t)t * j->ldh;
+    chunk_rows(p->I, p->nch, c, &r0, &r1);
+    float *scratch = task_scratch(p);
+    if (r1 <= r0 || !scratch) return;
+    size_t h = (size_t)p->nmax * p->ldh;
+    float *X = set_x(p, e), *G = set_g(p, e), *U = G + h, *H = U + h;
+    p->fn_in(&x->m[0], X, p->ldx, x->n, G, p->ldh, r0, r1, scratch);
+    p->fn_in(&x->m[1], X, p->ldx, x->n, U, p->ldh, r0, r1, scratch);
+    for (int t = 0; t < x->n; t++) {
+        const float *g = G + (size_t)t * p->ldh, *u = U + (size_t)t * p->ldh;
+        float *hh = H + (size_t)t * p->ldh;
         for (int i = r0; i < r1; i++) {
             float gi = g[i], ui = u[i];
-            if (j->round_model) gi = round_bf16(gi), ui = round_bf16(ui);
-            float v = situ_glu(gi, ui, j->beta, j->beta_lin);
-            h[i] = j->round_model ? round_bf16(v) : v;
+            if (p->round_model) gi = round_bf16(gi), ui = round_bf16(ui);
+            float v = situ_glu(gi, ui, p->beta, p->beta_lin);
+            hh[i] = p->round_model ? round_bf16(v) : v;
         }
     }
 }
 
-static void down_chunk(void *arg, int c) {
-    const expert_job *j = arg;
+static void down_task(pipe_job *p, int e, int c) {
+    const pipe_expert *x = p->ex + e;
     int r0, r1;
-    chunk_rows(j->R, j->nchunks, c, &r0, &r1);
-    if (r1 <= r0) return;
-    j->fn_down(j->down, j->H, j->ldh, j->n, j->out, j->R, r0, r1,
-               j->scratch + c * scratch_floats(j->R > j->I ? j->R : j->I));
-    if (j->round_model)
-        for (int t = 0; t < j->n; t++)
+    chunk_rows(p->R, p->nch, c, &r0, &r1);
+    float *scratch = task_scratch(p);
+    if (r1 <= r0 || !scratch) return;
+    float *H = set_g(p, e) + 2 * (size_t)p->nmax * p->ldh;
+    p->fn_down(&x->m[2], H, p->ldh, x->n, p->out, p->R, r0, r1, scratch);
+    if (p->round_model)
+        for (int t = 0; t < x->n; t++)
             for (int r = r0; r < r1; r++) {
-                float *y = j->out + (size_t)t * j->R + r;
+                float *y = p->out + (size_t)t * p->R + r;
                 *y = round_bf16(*y);
             }
     /* The reference's combine (index_add_ of weight * y): an fp32 product, then an fp32 add,
      * one per (token, row); the rows are this chunk's own, so chunks never touch the same acc
-     * element. */
-    if (j->acc)
-        for (int t = 0; t < j->n; t++) {
-            const float *y = j->out + (size_t)t * j->R;
-            float w = j->wt[t], *a = j->acc + (size_t)j->tok[t] * j->R;
+     * element, and down(e - 1) finished before this began. */
+    if (p->acc)
+        for (int t = 0; t < x->n; t++) {
+            const float *y = p->out + (size_t)t * p->R;
+            float w = x->wt[t], *a = p->acc + (size_t)x->tok[t] * p->R;
             for (int r = r0; r < r1; r++) a[r] += y[r] * w;
         }
+}
+
+static void pipe_task(void *arg, int i) {
+    pipe_job *p = arg;
+    uint32_t t = p->task[i];
+    int kind = (int)(t >> 30), e = (int)(t >> 12 & 0x3FFFF), c = (int)(t & 0xFFF);
+    pipe_expert *x = p->ex + e;
+    if (kind == TASK_GATHER) {
+        if (e >= p->depth) wait_count(&p->ex[e - p->depth].gu_done, p->nch);
+        gather_rows(set_x(p, e), p->ldx, p->X, x->tok, x->n, p->R);
+        atomic_store_explicit(&x->gathered, 1, memory_order_release);
+    } else if (kind == TASK_GATE_UP) {
+        wait_count(&x->gathered, 1);
+        if (e >= p->depth) wait_count(&p->ex[e - p->depth].d_done, p->nch);
+        gate_up_task(p, e, c);
+        atomic_fetch_add_explicit(&x->gu_done, 1, memory_order_release);
+    } else {
+        wait_count(&x->gu_done, p->nch);
+        if (e > 0) wait_count(&p->ex[e - 1].d_done, p->nch);
+        down_task(p, e, c);
+        atomic_fetch_add_explicit(&x->d_done, 1, memory_order_release);
+    }
+}
+
+/* Run the prepared experts p->ex[0 .. E) (m, tok, wt, n set) over the caller's X into out /
+ * acc: the task order, the buffers, one region. 0, or -2 when out of memory. */
+static int pipe_run(pipe_job *p, int threads) {
+    int E = p->E, nmax = 0;
+    for (int e = 0; e < E; e++) nmax = p->ex[e].n > nmax ? p->ex[e].n : nmax;
+    if (!nmax) return 0;
+    int isa = mtplx_cpu_get_isa();
+    p->fn_in = codec_rows(&p->ex[0].m[0], isa), p->fn_down = codec_rows(&p->ex[0].m[2], isa);
+    p->nmax = nmax, p->ldx = padded_ld(p->R), p->ldh = padded_ld(p->I);
+    threads = clamp_threads(threads, p->R < p->I ? p->R : p->I);
+    p->nch = clamp_chunks(threads, p->R < p->I ? p->R : p->I);
+    /* Three sets: gate_up(e) runs beside down(e - 1) and reuses the set of e - 3, whose down
+     * chunks were claimed a whole step earlier (with two, it would wait on down(e - 2), claimed
+     * just before it). One set (lag 0, no overlap) if three do not fit. */
+    p->depth = E < 3 ? E : 3;
+    p->sets = aligned_alloc(64, p->depth * set_floats(p) * 4);
+    if (!p->sets && p->depth > 1) p->depth = 1, p->sets = aligned_alloc(64, set_floats(p) * 4);
+    p->lag = p->depth > 1 ? 1 : 0;
+    int per = 1 + 2 * p->nch, n = 0;
+    p->task = malloc((size_t)E * per * sizeof *p->task);
+    if (!p->sets || !p->task) {
+        free(p->sets), free(p->task);
+        return -2;
+    }
+    /* G, U are fully written for columns < I; H's pad columns must read as zeros (and stay so:
+     * no task writes them) */
+    memset(p->sets, 0, p->depth * set_floats(p) * 4);
+    for (int s = 0; s < E + p->lag; s++) {
+        if (s < E) {
+            p->task[n++] = TASK_GATHER << 30 | (uint32_t)s << 12;
+            for (int c = 0; c < p->nch; c++) p->task[n++] = TASK_GATE_UP << 30 | (uint32_t)s << 12 | c;
+        }
+        if (s >= p->lag)
+            for (int c = 0; c < p->nch; c++) p->task[n++] = (uint32_t)TASK_DOWN << 30 | (uint32_t)(s - p->lag) << 12 | c;
+    }
+    atomic_init(&p->failed, 0);
+    run_chunks(pipe_task, p, n, threads);
+    free(p->sets), free(p->task);
+    return atomic_load(&p->failed) ? -2 : 0;
 }
 
 /* gate, up, down of one expert from mats[9], checked. */
@@ -218,53 +336,17 @@ static int prepare_expert(int codec, const void *const *mats, int R, int I, int 
     return 0;
 }
 
-static void job_free(expert_job *j) { free(j->X), free(j->G), free(j->scratch); }
-
-/* The job's buffers for up to n tokens (j->R, j->I set); one set serves every expert of a
- * layer call. */
-static int job_alloc(expert_job *j, int n, int threads) {
-    int R = j->R, I = j->I;
-    j->ldx = padded_ld(R), j->ldh = padded_ld(I);
-    j->nthreads = clamp_threads(threads, R < I ? R : I);
-    j->nchunks = clamp_chunks(j->nthreads, R < I ? R : I); /* every region has this many */
-    size_t h = (size_t)n * j->ldh;
-    j->X = aligned_alloc(64, (size_t)n * j->ldx * 4);
-    j->G = aligned_alloc(64, 3 * h * 4);
-    j->scratch = aligned_alloc(64, j->nchunks * scratch_floats(R > I ? R : I) * 4);
-    if (!j->X || !j->G || !j->scratch) {
-        job_free(j);
-        return -2;
-    }
-    /* G, U are fully written for columns < I; H's pad columns must read as zeros (and stay
-     * so: no expert writes them). */
-    memset(j->G, 0, 3 * h * 4);
-    j->U = j->G + h, j->H = j->G + 2 * h;
-    return 0;
-}
-
-/* Expert m[3] over the n rows already gathered into j->X: two pool regions. */
-static void job_run(expert_job *j, const mat_t *m, int n) {
-    int isa = mtplx_cpu_get_isa();
-    j->gate = &m[0], j->up = &m[1], j->down = &m[2], j->n = n;
-    j->fn_in = codec_rows(&m[0], isa), j->fn_down = codec_rows(&m[2], isa);
-    run_chunks(gate_up_chunk, j, j->nchunks, j->nthreads);
-    run_chunks(down_chunk, j, j->nchunks, j->nthreads);
-}
-
 int mtplx_cpu_expert(int codec, const void *const *mats, int R, int I, int bits, int layout,
                      const float *X, int n, float *out, float beta, float beta_lin,
                      int round_model, int threads) {
-    mat_t m[3];
-    int rc = prepare_expert(codec, mats, R, I, bits, layout, m);
+    pipe_expert x = {.n = n};
+    atomic_init(&x.gathered, 0), atomic_init(&x.gu_done, 0), atomic_init(&x.d_done, 0);
+    int rc = prepare_expert(codec, mats, R, I, bits, layout, x.m);
     if (rc) return rc;
     if (n <= 0) return -1;
-    expert_job j = {.R = R, .I = I, .round_model = round_model, .beta = beta,
-                    .beta_lin = beta_lin, .out = out};
-    if ((rc = job_alloc(&j, n, threads))) return rc;
-    gather_rows(j.X, j.ldx, X, NULL, n, R);
-    job_run(&j, m, n);
-    job_free(&j);
-    return 0;
+    pipe_job p = {.ex = &x, .E = 1, .R = R, .I = I, .round_model = round_model, .X = X,
+                  .out = out, .beta = beta, .beta_lin = beta_lin};
+    return pipe_run(&p, threads);
 }
 
 /* A layer window in one call, so the caller makes no per-expert round trip (why: BENCHMARKS.md,
@@ -273,39 +355,37 @@ int mtplx_cpu_layer(int codec, const void *const *mats, int n_experts, const int
                     const int *tok_index, const float *tok_weight, int R, int I, int bits,
                     int layout, const float *X, int T, float *acc, float beta, float beta_lin,
                     int round_model, int threads) {
-    if (codec < 0 || codec >= MTPLX_CODECS || n_experts < 0 || T <= 0 || tok_offsets[0] != 0)
+    if (codec < 0 || codec >= MTPLX_CODECS || n_experts < 0 || n_experts >= 1 << 18 || T <= 0 ||
+        tok_offsets[0] != 0)
         return -1;
     if (n_experts == 0) return 0;
-    int nmax = 0;
-    for (int e = 0; e < n_experts; e++) {
-        int n = tok_offsets[e + 1] - tok_offsets[e];
-        if (n < 0) return -1;
-        if (n > nmax) nmax = n;
-    }
+    for (int e = 0; e < n_experts; e++)
+        if (tok_offsets[e + 1] < tok_offsets[e]) return -1;
     for (int k = 0; k < tok_offsets[n_experts]; k++)
         if (tok_index[k] < 0 || tok_index[k] >= T) return -1;
-    mat_t *m = malloc((size_t)n_experts * 3 * sizeof *m);
-    if (!m) return -2;
-    int rc = 0;
-    for (int e = 0; e < n_experts && !rc; e++)
-        rc = prepare_expert(codec, mats + (size_t)9 * e, R, I, bits, layout, m + 3 * e);
-    expert_job j = {.R = R, .I = I, .round_model = round_model, .beta = beta,
-                    .beta_lin = beta_lin, .acc = acc};
-    if (!rc && nmax && !(rc = job_alloc(&j, nmax, threads))) {
-        if ((j.out = malloc((size_t)nmax * R * 4))) {
-            for (int e = 0; e < n_experts; e++) { /* in the caller's (ascending id) order */
-                int off = tok_offsets[e], n = tok_offsets[e + 1] - off;
-                if (!n) continue;
-                j.tok = tok_index + off, j.wt = tok_weight + off;
-                gather_rows(j.X, j.ldx, X, j.tok, n, R);
-                job_run(&j, m + 3 * e, n);
-            }
-            free(j.out);
+    /* experts with no tokens are checked, then left out of the task list */
+    pipe_expert *ex = malloc((size_t)n_experts * sizeof *ex);
+    if (!ex) return -2;
+    int rc = 0, E = 0, nmax = 0;
+    for (int e = 0; e < n_experts && !rc; e++) {
+        pipe_expert *x = ex + E;
+        int off = tok_offsets[e], n = tok_offsets[e + 1] - off;
+        rc = prepare_expert(codec, mats + (size_t)9 * e, R, I, bits, layout, x->m);
+        if (rc || !n) continue;
+        x->tok = tok_index + off, x->wt = tok_weight + off, x->n = n;
+        atomic_init(&x->gathered, 0), atomic_init(&x->gu_done, 0), atomic_init(&x->d_done, 0);
+        nmax = n > nmax ? n : nmax, E++;
+    }
+    if (!rc && E) {
+        pipe_job p = {.ex = ex, .E = E, .R = R, .I = I, .round_model = round_model, .X = X,
+                      .acc = acc, .beta = beta, .beta_lin = beta_lin};
+        if ((p.out = malloc((size_t)nmax * R * 4))) {
+            rc = pipe_run(&p, threads);
+            free(p.out);
         } else {
             rc = -2;
         }
-        job_free(&j);
     }
-    free(m);
+    free(ex);
     return rc;
 }
