@@ -69,6 +69,7 @@ def _load() -> ctypes.CDLL:
         lib.mtplx_cpu_layer.argtypes = [_i, _vp, _i, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _i,
                                         _vp, _f, _f, _i, _i]
         lib.mtplx_cpu_set_isa.argtypes = [_i]
+        lib.mtplx_cpu_situ_glu.argtypes = [_vp, _vp, _vp, _i, _f, _f, _i]
         lib.mtplx_cpu_xxh3_64.argtypes = [_vp, ctypes.c_size_t]
         lib.mtplx_cpu_xxh3_64.restype = ctypes.c_uint64
         lib.mtplx_cpu_set_isa(_forced_isa())
@@ -287,6 +288,23 @@ class RecordPlan:
     shape: tuple[int, int]
     bits: int
     offsets: tuple[int | None, ...]
+
+
+def situ_glu(g: np.ndarray, u: np.ndarray, beta: float, beta_lin: float, *,
+             round_model: bool = False) -> np.ndarray:
+    """SiTU-GLU of float32 g and u (same shape) as the expert calls compute it: fp32 from the
+    library's own exp and tanh, the same bits on every ISA path."""
+    for what, a in (("g", g), ("u", u)):
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+            raise TypeError(f"{what}: expected a float32 ndarray, got "
+                            f"{getattr(a, 'dtype', type(a).__name__)}")
+    g, u = np.ascontiguousarray(g), np.ascontiguousarray(u)
+    if g.shape != u.shape:
+        raise ValueError(f"g {g.shape} and u {u.shape} must have one shape")
+    h = np.empty_like(g)
+    _raise(_load().mtplx_cpu_situ_glu(g.ctypes.data, u.ctypes.data, h.ctypes.data, g.size, beta,
+                                      beta_lin, int(round_model)), "situ_glu")
+    return h
 
 
 @functools.cache

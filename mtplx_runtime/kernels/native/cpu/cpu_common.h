@@ -40,6 +40,19 @@ typedef void (*decode_fn)(const mat_t *m, int r, int b, float *w);
  * 2 avx512, 3 avx512bf16: only mxfp4 has a kernel of its own there, the others run their 2). */
 int t158_prepare(mat_t *m);
 rows_fn t158_rows(const mat_t *m, int isa);
+
+/* A codec's optional input stage: what its row kernel derives from an input row (t158 on
+ * avx512: the tables), built once and handed to every matrix and row chunk that reads that
+ * input. floats(m, n, isa): the floats n input rows take, 0 where the stage does not apply (use
+ * rows_fn); build(m, X, ldx, n, prep) fills them; rows computes rows [r0, r1) like rows_fn from
+ * them. m is any matrix with the input's column count. */
+typedef struct {
+    size_t (*floats)(const mat_t *m, int n, int isa);
+    void (*build)(const mat_t *m, const float *X, int ldx, int n, float *prep);
+    void (*rows)(const mat_t *m, const float *prep, int n, float *Y, int ldy, int r0, int r1,
+                 float *scratch);
+} input_stage;
+extern const input_stage T158_INPUT;
 int mxfp4_prepare(mat_t *m);
 rows_fn mxfp4_rows(const mat_t *m, int isa);
 int ctint_prepare(mat_t *m);
@@ -52,6 +65,8 @@ enum {
     THREAD_BUF_SPLIT_INPUTS,
     THREAD_BUF_BF16_INPUTS,
     THREAD_BUF_ROW_SCRATCH, /* the expert pipeline's row-kernel scratch (expert.c) */
+    THREAD_BUF_STAGE_IN,    /* its input stage of x (gate and up) */
+    THREAD_BUF_STAGE_DOWN,  /* its input stage of h (down) */
     THREAD_BUF_SLOTS
 };
 float *thread_floats(int slot, size_t floats);

@@ -7,13 +7,8 @@
 #include <stdatomic.h>
 
 #include "cpu_common.h"
+#include "glu.h"
 #include "thread_pool.h"
-
-/* SiTU-GLU in fp32 with the reference's operation order (model/layers.py situ_glu). */
-static inline float situ_glu(float g, float u, float beta, float beta_lin) {
-    float sig = 1.0f / (1.0f + expf(-g));
-    return beta * tanhf(g / beta) * sig * (beta_lin * tanhf(u / beta_lin));
-}
 
 /* ---- the codec table: index = enum mtplx_codec, every entry point's first argument ---- */
 
@@ -21,10 +16,11 @@ static const struct {
     const char *name; /* the name cpu_native.py uses */
     int (*prepare)(mat_t *m);
     rows_fn (*rows)(const mat_t *m, int isa);
+    const input_stage *input; /* NULL: none */
 } CODECS[MTPLX_CODECS] = {
-    [MTPLX_CODEC_T158] = {"t158", t158_prepare, t158_rows},
-    [MTPLX_CODEC_MXFP4] = {"mxfp4", mxfp4_prepare, mxfp4_rows},
-    [MTPLX_CODEC_CTINT] = {"ct-int", ctint_prepare, ctint_rows},
+    [MTPLX_CODEC_T158] = {"t158", t158_prepare, t158_rows, &T158_INPUT},
+    [MTPLX_CODEC_MXFP4] = {"mxfp4", mxfp4_prepare, mxfp4_rows, NULL},
+    [MTPLX_CODEC_CTINT] = {"ct-int", ctint_prepare, ctint_rows, NULL},
 };
 
 const char *mtplx_cpu_codec_name(int codec) {
@@ -175,8 +171,10 @@ typedef struct {
 
 typedef struct {
     rows_fn fn_in, fn_down;
+    const input_stage *stage; /* the codec's, or NULL */
+    uint64_t call;            /* this call's number (the input stage cache's key) */
     pipe_expert *ex;
-    int E, depth, lag, nch, nmax, ldx, ldh, R, I, round_model;
+    int E, depth, lag, nch, nmax, ldx, ldh, R, I, round_model, isa;
     const float *X; /* the caller's rows [., R] */
     float *sets;    /* depth sets, each X [nmax, ldx] then G, U, H [nmax, ldh] */
     float *out;     /* [nmax, R]: the caller's output (expert) or scratch (layer) */
@@ -205,6 +203,33 @@ static void wait_count(atomic_int *c, int target) {
     }
 }
 
+/* Calls so far, numbering each so that a thread's cached input stage is never taken for another
+ * call's input; this thread's cached stages (0: x, 1: h) and the (call, expert) they hold. */
+static atomic_uint_fast64_t pipe_calls;
+static _Thread_local struct {
+    uint64_t call;
+    int e;
+} stage_key[2];
+
+/* Expert e's input `which` (0: x, read by gate and up; 1: h, read by down) through the codec's
+ * input stage, built on this thread's first use and reused by its later chunks of that input:
+ * NULL where the codec has no stage at this size and ISA, or out of memory (use the rows_fn). */
+static const float *staged(const pipe_job *p, int e, int which, const mat_t *m, const float *in,
+                           int ld) {
+    int n = p->ex[e].n;
+    size_t f = p->stage ? p->stage->floats(m, n, p->isa) : 0;
+    float *buf = f ? thread_floats(which ? THREAD_BUF_STAGE_DOWN : THREAD_BUF_STAGE_IN, f) : NULL;
+    if (!buf) {
+        stage_key[which].call = 0; /* a failed thread_floats may have freed what it held */
+        return NULL;
+    }
+    if (stage_key[which].call != p->call || stage_key[which].e != e) {
+        p->stage->build(m, in, ld, n, buf);
+        stage_key[which].call = p->call, stage_key[which].e = e;
+    }
+    return buf;
+}
+
 /* The row kernels' scratch: per thread, since tasks of the same chunk index (of two experts)
  * may run at once. */
 static float *task_scratch(pipe_job *p) {
@@ -223,17 +248,17 @@ static void gate_up_task(pipe_job *p, int e, int c) {
     if (r1 <= r0 || !scratch) return;
     size_t h = (size_t)p->nmax * p->ldh;
     float *X = set_x(p, e), *G = set_g(p, e), *U = G + h, *H = U + h;
-    p->fn_in(&x->m[0], X, p->ldx, x->n, G, p->ldh, r0, r1, scratch);
-    p->fn_in(&x->m[1], X, p->ldx, x->n, U, p->ldh, r0, r1, scratch);
+    const float *in = staged(p, e, 0, &x->m[0], X, p->ldx);
+    if (in) {
+        p->stage->rows(&x->m[0], in, x->n, G, p->ldh, r0, r1, scratch);
+        p->stage->rows(&x->m[1], in, x->n, U, p->ldh, r0, r1, scratch);
+    } else {
+        p->fn_in(&x->m[0], X, p->ldx, x->n, G, p->ldh, r0, r1, scratch);
+        p->fn_in(&x->m[1], X, p->ldx, x->n, U, p->ldh, r0, r1, scratch);
+    }
     for (int t = 0; t < x->n; t++) {
-        const float *g = G + (size_t)t * p->ldh, *u = U + (size_t)t * p->ldh;
-        float *hh = H + (size_t)t * p->ldh;
-        for (int i = r0; i < r1; i++) {
-            float gi = g[i], ui = u[i];
-            if (p->round_model) gi = round_bf16(gi), ui = round_bf16(ui);
-            float v = situ_glu(gi, ui, p->beta, p->beta_lin);
-            hh[i] = p->round_model ? round_bf16(v) : v;
-        }
+        size_t o = (size_t)t * p->ldh + r0;
+        situ_glu_rows(G + o, U + o, H + o, r1 - r0, p->beta, p->beta_lin, p->round_model, p->isa);
     }
 }
 
@@ -244,7 +269,11 @@ static void down_task(pipe_job *p, int e, int c) {
     float *scratch = task_scratch(p);
     if (r1 <= r0 || !scratch) return;
     float *H = set_g(p, e) + 2 * (size_t)p->nmax * p->ldh;
-    p->fn_down(&x->m[2], H, p->ldh, x->n, p->out, p->R, r0, r1, scratch);
+    const float *in = staged(p, e, 1, &x->m[2], H, p->ldh);
+    if (in)
+        p->stage->rows(&x->m[2], in, x->n, p->out, p->R, r0, r1, scratch);
+    else
+        p->fn_down(&x->m[2], H, p->ldh, x->n, p->out, p->R, r0, r1, scratch);
     if (p->round_model)
         for (int t = 0; t < x->n; t++)
             for (int r = r0; r < r1; r++) {
@@ -290,8 +319,10 @@ static int pipe_run(pipe_job *p, int threads) {
     int E = p->E, nmax = 0;
     for (int e = 0; e < E; e++) nmax = p->ex[e].n > nmax ? p->ex[e].n : nmax;
     if (!nmax) return 0;
-    int isa = mtplx_cpu_get_isa();
+    int isa = p->isa = mtplx_cpu_get_isa();
     p->fn_in = codec_rows(&p->ex[0].m[0], isa), p->fn_down = codec_rows(&p->ex[0].m[2], isa);
+    p->stage = CODECS[p->ex[0].m[0].codec].input;
+    p->call = atomic_fetch_add(&pipe_calls, 1) + 1;
     p->nmax = nmax, p->ldx = padded_ld(p->R), p->ldh = padded_ld(p->I);
     threads = clamp_threads(threads, p->R < p->I ? p->R : p->I);
     p->nch = clamp_chunks(threads, p->R < p->I ? p->R : p->I);

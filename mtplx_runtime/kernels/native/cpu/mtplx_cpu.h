@@ -16,6 +16,9 @@
  *       j in [tok_offsets[e], tok_offsets[e + 1]): y = that expert on row tok_index[j] of
  *       X[T, R], then acc[tok_index[j], :] += y * tok_weight[j] (fp32 product, then fp32 add:
  *       the reference's combine). acc [T, R] fp32 is added into; tok_offsets[0] must be 0.
+ *   int mtplx_cpu_situ_glu(g, u, h, n, beta, beta_lin, round_model)
+ *       h[i] = SiTU-GLU(g[i], u[i]) for i < n, the experts' activation as the expert calls
+ *       compute it (glu.h).
  *   const char *mtplx_cpu_codec_name(int codec)
  *       The codec's name ("t158", "mxfp4", "ct-int"), NULL past the table.
  *   int mtplx_cpu_best_isa(void), mtplx_cpu_get_isa(void), mtplx_cpu_set_isa(int want)
@@ -58,6 +61,8 @@ MTPLX_API int mtplx_cpu_layer(int codec, const void *const *mats, int n_experts,
                               const float *tok_weight, int R, int I, int bits, int layout,
                               const float *X, int T, float *acc, float beta, float beta_lin,
                               int round_model, int threads);
+MTPLX_API int mtplx_cpu_situ_glu(const float *g, const float *u, float *h, int n, float beta,
+                                 float beta_lin, int round_model);
 MTPLX_API const char *mtplx_cpu_codec_name(int codec);
 MTPLX_API int mtplx_cpu_best_isa(void);
 MTPLX_API int mtplx_cpu_set_isa(int want);

@@ -185,13 +185,15 @@ __attribute__((target("avx2,fma"))) static void t158_rows_avx2(const mat_t *m, c
     }
 }
 
-/* avx512 (t16f). Each call builds the tables of its input vectors itself, per thread, into a
- * per-thread buffer that persists across calls (thread_floats): three tables per expert
- * per thread (gate and up each build x's, down builds h's), a small cost (BENCHMARKS.md, "CPU
- * kernel notes") that keeps the driver unchanged (no input stage before the parallel region, no
- * per-call allocation: per call, a buffer of n tables would be an mmap plus page faults). Tables are per token and a token's rows see only its own tables, so per token
- * the arithmetic is that of a one-token call whatever n, r0, r1 are; t16f_span sends every row
- * through the same 16-lane code (tails padded), so no row alignment of the chunks is needed.
+/* avx512 (t16f). The kernel reads per-token tables of the input, not the input itself. Tables
+ * are per token and a token's rows see only its own tables, so per token the arithmetic is that
+ * of a one-token call whatever n, r0, r1 are; t16f_span sends every row through the same
+ * 16-lane code (tails padded), so no row alignment of the chunks is needed.
+ * Up to T16F_TOKENS tokens, the tables are t158's input stage (T158_INPUT): the expert pipeline
+ * builds them once per thread and input and passes them to every matrix and chunk that reads
+ * that input (gate and up share x's), BENCHMARKS.md "t158 tables once per input". A plain row
+ * call builds them itself into a per-thread buffer that persists across calls (thread_floats;
+ * per call, a buffer of n tables would be an mmap plus page faults).
  * n > 1: tokens go in batches of T16F_TOKENS (one table each, 140 KB at K3), and within a batch
  * rows in tiles of T16F_TILE: each tile's bytes (93 KB at K3) are read from memory once and stay
  * in L2 while every token of the batch runs over them. */
@@ -199,11 +201,43 @@ __attribute__((target("avx2,fma"))) static void t158_rows_avx2(const mat_t *m, c
 #define T16F_TILE 128 /* a multiple of 16 */
 
 static void t158_rows_avx512(const mat_t *m, const float *X, int ldx, int n, float *Y, int ldy,
-                             int r0, int r1, float *scratch) {
+                             int r0, int r1, float *scratch);
+
+/* The tables of n <= T16F_TOKENS tokens: n * T16F_TAB_FLOATS(G) floats; 0 where the avx512
+ * kernel does not run (the stage is then not used). */
+static size_t t158_input_floats(const mat_t *m, int n, int isa) {
+    if (n > T16F_TOKENS || t158_rows(m, isa) != t158_rows_avx512) return 0;
+    return (size_t)n * T16F_TAB_FLOATS(m->cols / GE);
+}
+
+static void t158_input_build(const mat_t *m, const float *X, int ldx, int n, float *tab) {
+    int G = m->cols / GE;
+    for (int t = 0; t < n; t++) t16f_tables(X + (size_t)t * ldx, G, tab + t * T16F_TAB_FLOATS(G));
+}
+
+/* Y rows [r0, r1) of n <= T16F_TOKENS tokens from their tables. */
+static void t158_rows_tables(const mat_t *m, const float *tab, int n, float *Y, int ldy, int r0,
+                             int r1, float *scratch) {
     const uint8_t *pk = m->packed;
     const uint16_t *sc = (const uint16_t *)m->scale;
     int G = m->cols / GE;
     size_t tabf = T16F_TAB_FLOATS(G);
+    if (n == 1) {
+        t16f_span(pk, sc, G, tab, Y, r0, r1, r1, scratch);
+        return;
+    }
+    for (int a = r0; a < r1; a += T16F_TILE) {
+        int b = r1 - a < T16F_TILE ? r1 : a + T16F_TILE;
+        for (int t = 0; t < n; t++)
+            t16f_span(pk, sc, G, tab + t * tabf, Y + (size_t)t * ldy, a, b, r1, scratch);
+    }
+}
+
+const input_stage T158_INPUT = {t158_input_floats, t158_input_build, t158_rows_tables};
+
+static void t158_rows_avx512(const mat_t *m, const float *X, int ldx, int n, float *Y, int ldy,
+                             int r0, int r1, float *scratch) {
+    size_t tabf = T16F_TAB_FLOATS(m->cols / GE);
     int tc = n < T16F_TOKENS ? n : T16F_TOKENS;
     float *tab = thread_floats(THREAD_BUF_T158_TABLES, tc * tabf);
     if (!tab && tc > 1) tab = thread_floats(THREAD_BUF_T158_TABLES, tabf), tc = 1;
@@ -213,17 +247,8 @@ static void t158_rows_avx512(const mat_t *m, const float *X, int ldx, int n, flo
     }
     for (int t0 = 0; t0 < n; t0 += tc) {
         int nt = n - t0 < tc ? n - t0 : tc;
-        for (int t = 0; t < nt; t++) t16f_tables(X + (size_t)(t0 + t) * ldx, G, tab + t * tabf);
-        if (nt == 1) {
-            t16f_span(pk, sc, G, tab, Y + (size_t)t0 * ldy, r0, r1, r1, scratch);
-            continue;
-        }
-        for (int a = r0; a < r1; a += T16F_TILE) {
-            int b = r1 - a < T16F_TILE ? r1 : a + T16F_TILE;
-            for (int t = 0; t < nt; t++)
-                t16f_span(pk, sc, G, tab + t * tabf, Y + (size_t)(t0 + t) * ldy, a, b, r1,
-                          scratch);
-        }
+        t158_input_build(m, X + (size_t)t0 * ldx, ldx, nt, tab);
+        t158_rows_tables(m, tab, nt, Y + (size_t)t0 * ldy, ldy, r0, r1, scratch);
     }
 }
 
