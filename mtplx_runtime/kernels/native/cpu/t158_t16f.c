@@ -157,6 +157,89 @@ T16F_TGT static inline void t16f_block16(const uint8_t *p, size_t stride, int g0
     }
 }
 
+/* 32 rows, blocks a and b of 16, x ng (1..4) groups from g0: t16f_block16 on both at once, each
+ * table vector loaded once for the two blocks, halving the table reads from L2 (BENCHMARKS.md,
+ * "t158: two blocks per table read"); the same FMAs per row as t16f_block16. pf: 26 lines (1664
+ * bytes) to prefetch into L1, two per byte column, or NULL. */
+T16F_TGT static inline void t16f_block32(const uint8_t *pa, size_t stride, int g0, int ng,
+                                         const float *tab, const float *sca, const float *scb,
+                                         __m512 *acca, __m512 *accb, const char *pf) {
+    int nc = 13 * ng;
+    __mmask64 lm = ng == 4 ? 0x000FFFFFFFFFFFFFull : ((1ull << nc) - 1);
+    __m512i xs[2][13]; /* the transposed byte columns of both blocks */
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *p = pa + (size_t)h * 16 * stride;
+        __m512i X[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++)
+            X[i] = _mm512_maskz_loadu_epi8(lm, p + T16F_BITREV4[i] * stride + (size_t)g0 * 13);
+        t16f_tp16(X);
+#pragma GCC unroll 13
+        for (int m = 0; m < 13; m++) xs[h][m] = X[T16F_DREG[m]];
+    }
+    const float *tg = tab + (size_t)g0 * 13 * 48;
+#pragma GCC unroll 13
+    for (int m = 0; m < 13; m++) {
+        if (4 * m >= nc) break;
+        __m512i LOa, HIa, LOb, HIb;
+        if (pf) {
+            _mm_prefetch(pf + 128 * m, _MM_HINT_T0);
+            _mm_prefetch(pf + 128 * m + 64, _MM_HINT_T0);
+        }
+        t16f_split(xs[0][m], &LOa, &HIa);
+        t16f_split(xs[1][m], &LOb, &HIb);
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            int c = 4 * m + t; /* column c = byte j of group gi: c = 13 gi + j */
+            if (c >= nc) continue;
+            int gi = c / 13;
+            const float *tt = tg + (size_t)c * 48;
+            __m512 tlo = _mm512_load_ps(tt), th0 = _mm512_load_ps(tt + 16);
+            __m512 th1 = _mm512_load_ps(tt + 32);
+            __m512 sa = _mm512_load_ps(sca + 16 * gi), sb = _mm512_load_ps(scb + 16 * gi);
+            __m512i la = t ? _mm512_srli_epi32(LOa, 8 * t) : LOa;
+            __m512i ha = t ? _mm512_srli_epi32(HIa, 8 * t) : HIa;
+            __m512i lb = t ? _mm512_srli_epi32(LOb, 8 * t) : LOb;
+            __m512i hb = t ? _mm512_srli_epi32(HIb, 8 * t) : HIb;
+            acca[(2 * c) & 7] =
+                _mm512_fmadd_ps(sa, _mm512_permutexvar_ps(la, tlo), acca[(2 * c) & 7]);
+            acca[(2 * c + 1) & 7] = _mm512_fmadd_ps(sa, _mm512_permutex2var_ps(th0, ha, th1),
+                                                    acca[(2 * c + 1) & 7]);
+            accb[(2 * c) & 7] =
+                _mm512_fmadd_ps(sb, _mm512_permutexvar_ps(lb, tlo), accb[(2 * c) & 7]);
+            accb[(2 * c + 1) & 7] = _mm512_fmadd_ps(sb, _mm512_permutex2var_ps(th0, hb, th1),
+                                                    accb[(2 * c + 1) & 7]);
+        }
+    }
+}
+
+T16F_TGT static inline __m512 t16f_sum8(const __m512 *a) {
+    return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])),
+                         _mm512_add_ps(_mm512_add_ps(a[4], a[5]), _mm512_add_ps(a[6], a[7])));
+}
+
+/* The 32 rows at p (two 16-row blocks) -> ya, yb, one fp32 per lane each: t16f_rows16 on both
+ * blocks with shared table reads. st: 2 x T16F_ST_FLOATS(G) floats. next: the following 32 rows,
+ * prefetched into L1 in `per`-byte slices (<= 1664), one per 4-group step, or NULL. */
+T16F_TGT static inline void t16f_rows32(const uint8_t *p, const uint16_t *sc, int G,
+                                        const float *tab, float *st, const uint8_t *next,
+                                        float *y) {
+    size_t stride = (size_t)G * 13, steps = (size_t)(G + 3) / 4;
+    size_t per = (32 * stride + steps - 1) / steps;
+    float *stb = st + T16F_ST_FLOATS(G);
+    t16f_scales(sc, G, st);
+    t16f_scales(sc + (size_t)16 * G, G, stb);
+    __m512 acca[8], accb[8];
+    for (int i = 0; i < 8; i++) acca[i] = accb[i] = _mm512_setzero_ps();
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        t16f_block32(p, stride, g0, G - g0 < 4 ? G - g0 : 4, tab, st + 16 * g0, stb + 16 * g0,
+                     acca, accb, (const char *)next);
+        if (next) next += per;
+    }
+    _mm512_storeu_ps(y, t16f_sum8(acca));
+    _mm512_storeu_ps(y + 16, t16f_sum8(accb));
+}
+
 /* The 16 rows at p (row stride 13G bytes; scales at sc, row stride G) -> one fp32 per lane.
  * next: the following 16-row block, prefetched into L1 in `per`-byte slices, one slice per
  * 4-group step, each slice's lines spread over the step's byte columns rather than issued as a
@@ -174,8 +257,7 @@ T16F_TGT static inline __m512 t16f_rows16(const uint8_t *p, const uint16_t *sc, 
                      (const char *)next);
         if (next) next += per;
     }
-    return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])),
-                         _mm512_add_ps(_mm512_add_ps(acc[4], acc[5]), _mm512_add_ps(acc[6], acc[7])));
+    return t16f_sum8(acc);
 }
 
 /* y[r] for r in [r0, r1) with the tables of one input vector. Rows go 16 at a time from r0; a
@@ -188,6 +270,11 @@ T16F_TGT void t16f_span(const uint8_t *pk, const uint16_t *sc, int G, const floa
     size_t stride = (size_t)G * 13;
     float *st = scratch;
     int r = r0;
+    for (; r + 32 <= r1; r += 32) {
+        const uint8_t *p = pk + (size_t)r * stride;
+        t16f_rows32(p, sc + (size_t)r * G, G, tab, st, r + 64 <= pf_end ? p + 32 * stride : NULL,
+                    y + r);
+    }
     for (; r + 16 <= r1; r += 16) {
         const uint8_t *p = pk + (size_t)r * stride;
         __m512 a = t16f_rows16(p, sc + (size_t)r * G, G, tab, st,
@@ -196,7 +283,7 @@ T16F_TGT void t16f_span(const uint8_t *pk, const uint16_t *sc, int G, const floa
     }
     if (r < r1) {
         int k = r1 - r;
-        uint8_t *tb = (uint8_t *)(scratch + T16F_ST_FLOATS(G));
+        uint8_t *tb = (uint8_t *)(scratch + 2 * T16F_ST_FLOATS(G));
         uint16_t *ts = (uint16_t *)(tb + 16 * stride); /* 16 * 13G bytes: even */
         memcpy(tb, pk + (size_t)r * stride, (size_t)k * stride);
         memset(tb + (size_t)k * stride, 0, (size_t)(16 - k) * stride);

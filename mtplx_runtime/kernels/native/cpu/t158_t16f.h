@@ -8,10 +8,11 @@
 
 #define T16F_TGT __attribute__((target("avx512f,avx512bw,avx512dq")))
 #define T16F_TAB_FLOATS(G) ((size_t)(G) * 13 * 48) /* tables of one input vector */
-/* scratch t16f_span needs, in floats: transposed scales 16 x (G rounded up to 4) fp32, then a
- * zero-padded 16-row copy of a tail block (16 x 13G bytes + 16 x G bf16). */
+/* scratch t16f_span needs, in floats: the transposed scales of two 16-row blocks, 2 x 16 x (G
+ * rounded up to 4) fp32, then a zero-padded 16-row copy of a tail block (16 x 13G bytes + 16 x G
+ * bf16). */
 #define T16F_ST_FLOATS(G) ((size_t)16 * (((G) + 3) / 4 * 4))
-#define T16F_SCRATCH_FLOATS(G) (T16F_ST_FLOATS(G) + ((size_t)16 * (G) * 15 + 3) / 4)
+#define T16F_SCRATCH_FLOATS(G) (2 * T16F_ST_FLOATS(G) + ((size_t)16 * (G) * 15 + 3) / 4)
 
 /* Once (pthread_once) before any other call: fills the constant trit tables. */
 void t16f_init(void);
