@@ -64,8 +64,8 @@ def test_gemv_matches_decode_matmul(isa, rows, cols, restore_isa):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [16 * 5 + 5, 16 * 9 + 3])
 def test_k3_width_odd_rows_threads_and_tokens_bitwise(isa, rows, restore_isa):
-    """K3's 3584 inputs (G = 56) and rows = 16k + tail: the avx512 (t16f) path runs 16 rows per
-    block and pads the tail, so every row takes the same code whatever the chunking. n = 11
+    """K3's 3584 inputs (G = 56) and rows = 16k + tail: the avx512 (t16f) path runs 32 rows per
+    pass and pads what is left, so every row takes the same code whatever the chunking. n = 11
     crosses its 8-token table batch and 144+ rows its 128-row tile; any thread count and the
     n-token call give the one-token, one-thread results bit for bit, within float64 tolerance."""
     rng = np.random.default_rng(rows)

@@ -12,11 +12,12 @@
  * up for 16 rows at once; the rows' bytes are transposed 16 x 16 dwords at a time, so dword
  * lane i holds 4 columns of row i. Digit 4 of byte 12 is ignored because that chunk's table has
  * x4 = 0. Tables: t16f_tables(x) once per input vector (48 floats per chunk, T16F_TAB_FLOATS(G)
- * floats, 140 KB at 3584 inputs), read-only afterwards.
+ * floats, 140 KB at 3584 inputs), read-only afterwards. Two 16-row blocks go through each pass
+ * over the groups together, sharing every table read.
  *
- * Every operation is lane-wise, so a row's result does not depend on the 16-row block it sits
- * in, nor on the other rows of that block: t16f_span pads a tail of < 16 rows to a full block
- * (zero rows, results dropped) and runs the same code, so every row of a matrix goes through
+ * Every operation is lane-wise, so a row's result does not depend on the block it sits in, nor
+ * on the other rows of that block: t16f_span pads the < 32 rows after its last whole 32 to a
+ * 32-row block (zero rows, results dropped) and runs the same code, so every row of a matrix goes through
  * the same arithmetic whatever r0, r1 (thread count, row chunking) are. There is no limit on G
  * (the lab's stack buffer, which capped G at 1024, is in the caller's scratch here).
  */
@@ -119,48 +120,10 @@ T16F_TGT static inline void t16f_scales(const uint16_t *sc, int G, float *st) {
     }
 }
 
-/* 16 rows x ng (1..4) groups from g0; FMA into 8 rotating accumulators (short chains). pf:
- * 13 lines (832 bytes) to prefetch into L1, one per byte column, or NULL. */
-T16F_TGT static inline void t16f_block16(const uint8_t *p, size_t stride, int g0, int ng,
-                                         const float *tab, const float *sc16, __m512 *acc,
-                                         const char *pf) {
-    int nc = 13 * ng;
-    __mmask64 lm = ng == 4 ? 0x000FFFFFFFFFFFFFull : ((1ull << nc) - 1);
-    __m512i X[16];
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; i++)
-        X[i] = _mm512_maskz_loadu_epi8(lm, p + T16F_BITREV4[i] * stride + (size_t)g0 * 13);
-    t16f_tp16(X);
-    __m512 s4[4];
-    for (int gi = 0; gi < 4; gi++) s4[gi] = _mm512_load_ps(sc16 + 16 * gi);
-    const float *tg = tab + (size_t)g0 * 13 * 48;
-#pragma GCC unroll 13
-    for (int m = 0; m < 13; m++) {
-        if (4 * m >= nc) break;
-        __m512i LO, HI;
-        if (pf) _mm_prefetch(pf + 64 * m, _MM_HINT_T0);
-        t16f_split(X[T16F_DREG[m]], &LO, &HI);
-#pragma GCC unroll 4
-        for (int t = 0; t < 4; t++) {
-            int c = 4 * m + t; /* column c = byte j of group gi: c = 13 gi + j */
-            if (c >= nc) continue;
-            int gi = c / 13;
-            const float *tt = tg + (size_t)c * 48;
-            __m512i li = t ? _mm512_srli_epi32(LO, 8 * t) : LO;
-            __m512i hi = t ? _mm512_srli_epi32(HI, 8 * t) : HI;
-            acc[(2 * c) & 7] = _mm512_fmadd_ps(
-                s4[gi], _mm512_permutexvar_ps(li, _mm512_load_ps(tt)), acc[(2 * c) & 7]);
-            acc[(2 * c + 1) & 7] = _mm512_fmadd_ps(
-                s4[gi], _mm512_permutex2var_ps(_mm512_load_ps(tt + 16), hi, _mm512_load_ps(tt + 32)),
-                acc[(2 * c + 1) & 7]);
-        }
-    }
-}
-
-/* 32 rows, blocks a and b of 16, x ng (1..4) groups from g0: t16f_block16 on both at once, each
- * table vector loaded once for the two blocks, halving the table reads from L2 (BENCHMARKS.md,
- * "t158: two blocks per table read"); the same FMAs per row as t16f_block16. pf: 26 lines (1664
- * bytes) to prefetch into L1, two per byte column, or NULL. */
+/* 32 rows, blocks a and b of 16 (16 rows in the zmm lanes each), x ng (1..4) groups from g0: each
+ * table vector is loaded once for the two blocks, halving the table reads from L2 (BENCHMARKS.md,
+ * "t158: two blocks per table read"). Per row: FMAs into 8 rotating accumulators (short
+ * chains). pf: 26 lines (1664 bytes) to prefetch into L1, two per byte column, or NULL. */
 T16F_TGT static inline void t16f_block32(const uint8_t *pa, size_t stride, int g0, int ng,
                                          const float *tab, const float *sca, const float *scb,
                                          __m512 *acca, __m512 *accb, const char *pf) {
@@ -218,9 +181,10 @@ T16F_TGT static inline __m512 t16f_sum8(const __m512 *a) {
                          _mm512_add_ps(_mm512_add_ps(a[4], a[5]), _mm512_add_ps(a[6], a[7])));
 }
 
-/* The 32 rows at p (two 16-row blocks) -> ya, yb, one fp32 per lane each: t16f_rows16 on both
- * blocks with shared table reads. st: 2 x T16F_ST_FLOATS(G) floats. next: the following 32 rows,
- * prefetched into L1 in `per`-byte slices (<= 1664), one per 4-group step, or NULL. */
+/* The 32 rows at p (row stride 13G bytes; scales at sc, row stride G) -> y[0 .. 32). st: 2 x
+ * T16F_ST_FLOATS(G) floats. next: the following 32 rows, prefetched into L1 in `per`-byte slices
+ * (<= 1664), one per 4-group step, spread over the step's byte columns rather than issued as a
+ * burst (both paid off: BENCHMARKS.md, "CPU kernel notes"), or NULL. */
 T16F_TGT static inline void t16f_rows32(const uint8_t *p, const uint16_t *sc, int G,
                                         const float *tab, float *st, const uint8_t *next,
                                         float *y) {
@@ -240,31 +204,11 @@ T16F_TGT static inline void t16f_rows32(const uint8_t *p, const uint16_t *sc, in
     _mm512_storeu_ps(y + 16, t16f_sum8(accb));
 }
 
-/* The 16 rows at p (row stride 13G bytes; scales at sc, row stride G) -> one fp32 per lane.
- * next: the following 16-row block, prefetched into L1 in `per`-byte slices, one slice per
- * 4-group step, each slice's lines spread over the step's byte columns rather than issued as a
- * burst (both paid off: BENCHMARKS.md, "CPU kernel notes"), or NULL. per <= 832 = 13 lines:
- * 16 * 13G bytes over ceil(G/4) steps. */
-T16F_TGT static inline __m512 t16f_rows16(const uint8_t *p, const uint16_t *sc, int G,
-                                          const float *tab, float *st, const uint8_t *next) {
-    size_t stride = (size_t)G * 13, steps = (size_t)(G + 3) / 4;
-    size_t per = (16 * stride + steps - 1) / steps;
-    t16f_scales(sc, G, st);
-    __m512 acc[8];
-    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
-    for (int g0 = 0; g0 < G; g0 += 4) {
-        t16f_block16(p, stride, g0, G - g0 < 4 ? G - g0 : 4, tab, st + 16 * g0, acc,
-                     (const char *)next);
-        if (next) next += per;
-    }
-    return t16f_sum8(acc);
-}
-
-/* y[r] for r in [r0, r1) with the tables of one input vector. Rows go 16 at a time from r0; a
- * tail of k < 16 rows is copied into a zero-padded 16-row block in scratch and run through the
- * same code (lane-wise, so each row's result is the same as in any other block). pf_end: rows
- * below it may be prefetched (the caller's whole row range). scratch: T16F_SCRATCH_FLOATS(G)
- * floats, 64-byte aligned. */
+/* y[r] for r in [r0, r1) with the tables of one input vector. Rows go 32 at a time from r0; the
+ * k < 32 rows left are copied into a zero-padded 32-row block in scratch and run through the same
+ * code (lane-wise, so each row's result is the same as in any other block). pf_end: rows below
+ * it may be prefetched (the caller's whole row range). scratch: T16F_SCRATCH_FLOATS(G) floats,
+ * 64-byte aligned. */
 T16F_TGT void t16f_span(const uint8_t *pk, const uint16_t *sc, int G, const float *tab, float *y,
                         int r0, int r1, int pf_end, float *scratch) {
     size_t stride = (size_t)G * 13;
@@ -275,21 +219,16 @@ T16F_TGT void t16f_span(const uint8_t *pk, const uint16_t *sc, int G, const floa
         t16f_rows32(p, sc + (size_t)r * G, G, tab, st, r + 64 <= pf_end ? p + 32 * stride : NULL,
                     y + r);
     }
-    for (; r + 16 <= r1; r += 16) {
-        const uint8_t *p = pk + (size_t)r * stride;
-        __m512 a = t16f_rows16(p, sc + (size_t)r * G, G, tab, st,
-                               r + 32 <= pf_end ? p + 16 * stride : NULL);
-        _mm512_storeu_ps(y + r, a);
-    }
     if (r < r1) {
         int k = r1 - r;
         uint8_t *tb = (uint8_t *)(scratch + 2 * T16F_ST_FLOATS(G));
-        uint16_t *ts = (uint16_t *)(tb + 16 * stride); /* 16 * 13G bytes: even */
+        uint16_t *ts = (uint16_t *)(tb + 32 * stride); /* 32 * 13G bytes: even */
+        float *ty = (float *)(ts + (size_t)32 * G + 32); /* after 64 bytes of pad */
         memcpy(tb, pk + (size_t)r * stride, (size_t)k * stride);
-        memset(tb + (size_t)k * stride, 0, (size_t)(16 - k) * stride);
+        memset(tb + (size_t)k * stride, 0, (size_t)(32 - k) * stride);
         memcpy(ts, sc + (size_t)r * G, (size_t)k * G * 2);
-        memset(ts + (size_t)k * G, 0, (size_t)(16 - k) * G * 2);
-        __m512 a = t16f_rows16(tb, ts, G, tab, st, NULL);
-        _mm512_mask_storeu_ps(y + r, (__mmask16)((1u << k) - 1), a);
+        memset(ts + (size_t)k * G, 0, (size_t)(32 - k) * G * 2);
+        t16f_rows32(tb, ts, G, tab, st, NULL, ty);
+        memcpy(y + r, ty, (size_t)k * 4);
     }
 }

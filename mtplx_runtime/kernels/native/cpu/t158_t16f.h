@@ -1,5 +1,5 @@
-/* t16f, the avx512 t158 row kernel (t158_t16f.c): per-input-vector tables, then 16 rows at a
- * time in the zmm lanes. Needs AVX-512 F/BW/DQ; callers check before calling. */
+/* t16f, the avx512 t158 row kernel (t158_t16f.c): per-input-vector tables, then 32 rows at a
+ * time, 16 in the zmm lanes. Needs AVX-512 F/BW/DQ; callers check before calling. */
 #ifndef MTPLX_T158_T16F_H
 #define MTPLX_T158_T16F_H
 
@@ -9,10 +9,10 @@
 #define T16F_TGT __attribute__((target("avx512f,avx512bw,avx512dq")))
 #define T16F_TAB_FLOATS(G) ((size_t)(G) * 13 * 48) /* tables of one input vector */
 /* scratch t16f_span needs, in floats: the transposed scales of two 16-row blocks, 2 x 16 x (G
- * rounded up to 4) fp32, then a zero-padded 16-row copy of a tail block (16 x 13G bytes + 16 x G
- * bf16). */
+ * rounded up to 4) fp32, then a zero-padded 32-row copy of the rows left after the last whole
+ * 32 (32 x 13G bytes + 32 x G bf16, 64 bytes of pad) and its 32 results. */
 #define T16F_ST_FLOATS(G) ((size_t)16 * (((G) + 3) / 4 * 4))
-#define T16F_SCRATCH_FLOATS(G) (2 * T16F_ST_FLOATS(G) + ((size_t)16 * (G) * 15 + 3) / 4)
+#define T16F_SCRATCH_FLOATS(G) (2 * T16F_ST_FLOATS(G) + (size_t)8 * (G) * 15 + 16 + 32)
 
 /* Once (pthread_once) before any other call: fills the constant trit tables. */
 void t16f_init(void);
