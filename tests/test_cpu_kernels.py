@@ -298,6 +298,31 @@ def test_layer_call_equals_per_expert_calls(mode, bits, dtype, t, isa):
     np.testing.assert_array_equal(acc.numpy(), want)
 
 
+@pytest.mark.parametrize("T,K", [(1, 16), (5, 4), (16, 16), (40, 16)])
+def test_group_picks_lists_and_numpy_agree(T, K, monkeypatch):
+    """kernels.cpu.group_picks sorts Python lists up to LIST_PICKS picks and NumPy above; both
+    give the same groups (experts ascending, each expert's picks in token order, -1 skipped,
+    an expert picked twice by one token kept twice)."""
+    g = torch.Generator().manual_seed(T * K)
+    ids = torch.randint(-1, 12, (T, K), generator=g)
+    ids[0, :2] = 3  # one token, one expert, two picks
+    weights = torch.rand(T, K, generator=g).to(torch.bfloat16)
+    want_pairs = sorted((int(e), t, k) for t in range(T) for k in range(K)
+                        if (e := ids[t, k]) >= 0)
+    got = {}
+    for limit in (0, 1 << 20):  # every call through NumPy, then every call through lists
+        monkeypatch.setattr(cpu, "LIST_PICKS", limit)
+        got[limit] = cpu.group_picks(ids, weights)
+    for needed, offsets, tok, wt in got.values():
+        assert needed == sorted({e for e, _, _ in want_pairs})
+        assert offsets.dtype == tok.dtype == np.int32 and wt.dtype == np.float32
+        np.testing.assert_array_equal(tok, [t for _, t, _ in want_pairs])
+        np.testing.assert_array_equal(wt, [weights[t, k].float() for _, t, k in want_pairs])
+        np.testing.assert_array_equal(np.diff(offsets),
+                                      [sum(e == x for x, _, _ in want_pairs) for e in needed])
+        assert offsets[0] == 0 and offsets[-1] == len(want_pairs)
+
+
 @pytest.mark.parametrize("mode,bits", [("t158", None), ("mxfp4", None), ("ct-int", 4)])
 def test_layer_pipeline_is_exact_for_any_threads(mode, bits, isa):
     """A layer call runs its experts as one task pipeline (gate/up of one expert beside the down

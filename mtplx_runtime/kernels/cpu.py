@@ -55,32 +55,60 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots,
         raise ValueError(f"the cpu backend needs x on the CPU, got {x.device}")
     reference.check_acc(acc, x)
     by_id = reference.expert_slots(ids, slots)
-    K = ids.shape[1]
-    flat = ids.cpu().reshape(-1).numpy()  # [T*K]; -1: empty pick
-    picks = np.flatnonzero(flat >= 0)
-    picks = picks[np.argsort(flat[picks], kind="stable")]  # by expert id, then token
-    needed, counts = np.unique(flat[picks], return_counts=True)  # ascending
-    missing = [e for e in needed.tolist() if e not in by_id]
+    needed, offsets, tok_index, tok_weight = group_picks(ids, weights)
+    missing = [e for e in needed if e not in by_id]
     if missing:
         raise KeyError(f"no slot given for experts {missing}")
     out = torch.zeros(x.shape, dtype=torch.float32) if acc is None else acc  # [T, R]
-    if len(needed):
+    if needed:
         I, R = cpu_native.record_plan(layout).shape
         if (I, R) != tuple(shapes["gate"]):
             raise ValueError(f"record shapes {I}x{R} do not match shapes {shapes['gate']}")
-        offsets = np.zeros(len(needed) + 1, np.int32)
-        np.cumsum(counts, out=offsets[1:])
-        wts = weights.float().cpu().reshape(-1).numpy()
         # The native call adds into C-contiguous fp32 memory: a strided acc goes through a copy
         # (the same adds, so the same bits).
         dst = out if out.is_contiguous() else out.contiguous()
-        records = [reference.record_view(storage, by_id[e]) for e in needed.tolist()]
-        cpu_native.layer(layout, records, offsets, (picks // K).astype(np.int32), wts[picks],
+        records = [reference.record_view(storage, by_id[e]) for e in needed]
+        cpu_native.layer(layout, records, offsets, tok_index, tok_weight,
                          x.float().contiguous().numpy(),  # exact for bf16 x: the kernels' input
                          dst.numpy(), beta, beta_lin, round_model=x.dtype == torch.bfloat16)
         if dst is not out:
             out.copy_(dst)
     return out if acc is not None else out.to(x.dtype)
+
+
+# Up to this many picks (T * K) group_picks sorts Python lists: right after a layer's weights
+# have streamed through the caches, a handful of NumPy calls cost ~0.4 ms against ~0.2 ms for
+# the lists (BENCHMARKS.md, bench_kernels "The Python around the native call"); above it NumPy's
+# sort wins.
+LIST_PICKS = 256
+
+
+def group_picks(ids: torch.Tensor, weights: torch.Tensor
+                ) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+    """The picks of ids [T, K] (-1: empty) grouped by expert for `cpu_native.layer`: (experts in
+    ascending id, int32 offsets [len + 1] from 0, int32 token of each pick, float32 weight of each
+    pick), each expert's picks in token order."""
+    K = ids.shape[1]
+    if ids.numel() <= LIST_PICKS:
+        flat, wl = ids.reshape(-1).tolist(), weights.float().reshape(-1).tolist()
+        picks = sorted((e, i) for i, e in enumerate(flat) if e >= 0)  # by id, then token
+        needed, offsets = [], [0]
+        for e, _ in picks:
+            if not needed or needed[-1] != e:
+                needed.append(e)
+                offsets.append(offsets[-1])
+            offsets[-1] += 1
+        return (needed, np.array(offsets, np.int32),
+                np.array([i // K for _, i in picks], np.int32),
+                np.array([wl[i] for _, i in picks], np.float32))
+    flat = ids.cpu().reshape(-1).numpy()  # [T*K]
+    picks = np.flatnonzero(flat >= 0)
+    picks = picks[np.argsort(flat[picks], kind="stable")]  # by expert id, then token
+    needed, counts = np.unique(flat[picks], return_counts=True)  # ascending
+    offsets = np.zeros(len(needed) + 1, np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    wts = weights.float().cpu().reshape(-1).numpy()
+    return needed.tolist(), offsets, (picks // K).astype(np.int32), wts[picks]
 
 
 def unsupported(layout) -> str | None:
