@@ -185,7 +185,12 @@ typedef struct {
 } pipe_job;
 
 enum { TASK_GATHER, TASK_GATE_UP, TASK_DOWN };
-/* task fields: chunk < 4096 (clamp_chunks: MAX_THREADS * CHUNKS_PER_THREAD), expert < 2^18 */
+
+/* kind << 30 | expert << 12 | chunk: chunk < 4096 (clamp_chunks: MAX_THREADS *
+ * CHUNKS_PER_THREAD), expert < 2^18 (mtplx_cpu_layer checks) */
+static uint32_t task_code(int kind, int e, int c) {
+    return (uint32_t)kind << 30 | (uint32_t)e << 12 | (uint32_t)c;
+}
 
 static size_t set_floats(const pipe_job *p) {
     return (size_t)p->nmax * ((size_t)p->ldx + 3 * (size_t)p->ldh);
@@ -344,11 +349,11 @@ static int pipe_run(pipe_job *p, int threads) {
     memset(p->sets, 0, p->depth * set_floats(p) * 4);
     for (int s = 0; s < E + p->lag; s++) {
         if (s < E) {
-            p->task[n++] = TASK_GATHER << 30 | (uint32_t)s << 12;
-            for (int c = 0; c < p->nch; c++) p->task[n++] = TASK_GATE_UP << 30 | (uint32_t)s << 12 | c;
+            p->task[n++] = task_code(TASK_GATHER, s, 0);
+            for (int c = 0; c < p->nch; c++) p->task[n++] = task_code(TASK_GATE_UP, s, c);
         }
         if (s >= p->lag)
-            for (int c = 0; c < p->nch; c++) p->task[n++] = (uint32_t)TASK_DOWN << 30 | (uint32_t)(s - p->lag) << 12 | c;
+            for (int c = 0; c < p->nch; c++) p->task[n++] = task_code(TASK_DOWN, s - p->lag, c);
     }
     atomic_init(&p->failed, 0);
     run_chunks(pipe_task, p, n, threads);

@@ -73,7 +73,8 @@ GLU_TGT static inline __m512 exp_v(__m512 x) {
                                 _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x));
     __m512 p = _mm512_set1_ps(EXP_C[0]);
     for (int k = 1; k < 8; k++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C[k]));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+    e = _mm512_slli_epi32(e, 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e)); /* NaN lanes: p is NaN */
 }
 
@@ -95,8 +96,8 @@ GLU_TGT static inline __m512 tanh_v(__m512 y) {
 GLU_TGT static inline __m512 round_bf16_v(__m512 f) {
     __m512i u = _mm512_castps_si512(f);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd),
-                                 _mm512_set1_epi32((int)0xFFFF0000u));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd);
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
     __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
     return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(r), f);
 }
@@ -109,7 +110,8 @@ GLU_TGT static void situ_glu_avx512(const float *g, const float *u, float *h, in
         __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
         __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, u + i);
         if (round_model) gv = round_bf16_v(gv), uv = round_bf16_v(uv);
-        __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp_v(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), gv);
+        __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp_v(neg)));
         __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(b, tanh_v(_mm512_div_ps(gv, b))), sig),
                                  _mm512_mul_ps(bl, tanh_v(_mm512_div_ps(uv, bl))));
         if (round_model) v = round_bf16_v(v);

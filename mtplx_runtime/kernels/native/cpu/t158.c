@@ -198,7 +198,7 @@ __attribute__((target("avx2,fma"))) static void t158_rows_avx2(const mat_t *m, c
  * rows in tiles of T16F_TILE: each tile's bytes (93 KB at K3) are read from memory once and stay
  * in L2 while every token of the batch runs over them. */
 #define T16F_TOKENS 8
-#define T16F_TILE 128 /* a multiple of 16 */
+#define T16F_TILE 128 /* a multiple of 32: t16f_span pads what is left after its last 32 rows */
 
 static void t158_rows_avx512(const mat_t *m, const float *X, int ldx, int n, float *Y, int ldy,
                              int r0, int r1, float *scratch);

@@ -17,9 +17,10 @@
  *
  * Every operation is lane-wise, so a row's result does not depend on the block it sits in, nor
  * on the other rows of that block: t16f_span pads the < 32 rows after its last whole 32 to a
- * 32-row block (zero rows, results dropped) and runs the same code, so every row of a matrix goes through
- * the same arithmetic whatever r0, r1 (thread count, row chunking) are. There is no limit on G
- * (the lab's stack buffer, which capped G at 1024, is in the caller's scratch here).
+ * 32-row block (zero rows, results dropped) and runs the same code, so every row of a matrix
+ * goes through the same arithmetic whatever r0, r1 (thread count, row chunking) are. There is
+ * no limit on G (the lab's stack buffer, which capped G at 1024, is in the caller's scratch
+ * here).
  */
 #include "t158_t16f.h"
 
