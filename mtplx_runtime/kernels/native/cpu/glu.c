@@ -34,7 +34,7 @@ static const float TANH_C[6] = {3.59212804e-3f, -8.86323553e-3f, 2.18694885e-2f,
 
 /* ---- scalar ---- */
 
-static float exp_s(float x) {
+static inline __attribute__((always_inline)) float exp_s(float x) {
     x = EXP_HI < x ? EXP_HI : x; /* the operand order of vminps / vmaxps: NaN stays NaN */
     x = EXP_LO > x ? EXP_LO : x;
     if (x != x) return x;
@@ -45,7 +45,7 @@ static float exp_s(float x) {
     return p * bits_f32((uint32_t)((int)n + 127) << 23);
 }
 
-static float tanh_s(float y) {
+static inline __attribute__((always_inline)) float tanh_s(float y) {
     float a = fabsf(y);
     if (a < TANH_SMALL) {
         float z = y * y, q = TANH_C[0];
@@ -56,7 +56,8 @@ static float tanh_s(float y) {
     return copysignf((t - 1.0f) / (t + 1.0f), y);
 }
 
-static float situ_s(float g, float u, float beta, float beta_lin) {
+static inline __attribute__((always_inline)) float situ_s(float g, float u, float beta,
+                                                            float beta_lin) {
     float sig = 1.0f / (1.0f + exp_s(-g));
     return beta * tanh_s(g / beta) * sig * (beta_lin * tanh_s(u / beta_lin));
 }
@@ -119,18 +120,36 @@ GLU_TGT static void situ_glu_avx512(const float *g, const float *u, float *h, in
     }
 }
 
+/* The scalar loop, once as built and once with FMA enabled (isa 1 has it), where fmaf is one
+ * instruction instead of a libm call (0.55 ms against 2.1 ms for a K3 layer's 49,152 values on
+ * one thread); fmaf rounds once either way, so the bits are the same. */
+#define GLU_SCALAR_LOOP                                                                           \
+    for (int i = 0; i < n; i++) {                                                                 \
+        float gi = g[i], ui = u[i];                                                               \
+        if (round_model) gi = round_bf16(gi), ui = round_bf16(ui);                                \
+        float v = situ_s(gi, ui, beta, beta_lin);                                                 \
+        h[i] = round_model ? round_bf16(v) : v;                                                   \
+    }
+
+static void situ_glu_scalar(const float *g, const float *u, float *h, int n, float beta,
+                            float beta_lin, int round_model) {
+    GLU_SCALAR_LOOP
+}
+
+__attribute__((target("avx2,fma"))) static void situ_glu_fma(const float *g, const float *u,
+                                                             float *h, int n, float beta,
+                                                             float beta_lin, int round_model) {
+    GLU_SCALAR_LOOP
+}
+
 void situ_glu_rows(const float *g, const float *u, float *h, int n, float beta, float beta_lin,
                    int round_model, int isa) {
-    if (isa >= 2) {
+    if (isa >= 2)
         situ_glu_avx512(g, u, h, n, beta, beta_lin, round_model);
-        return;
-    }
-    for (int i = 0; i < n; i++) {
-        float gi = g[i], ui = u[i];
-        if (round_model) gi = round_bf16(gi), ui = round_bf16(ui);
-        float v = situ_s(gi, ui, beta, beta_lin);
-        h[i] = round_model ? round_bf16(v) : v;
-    }
+    else if (isa == 1)
+        situ_glu_fma(g, u, h, n, beta, beta_lin, round_model);
+    else
+        situ_glu_scalar(g, u, h, n, beta, beta_lin, round_model);
 }
 
 int mtplx_cpu_situ_glu(const float *g, const float *u, float *h, int n, float beta,
