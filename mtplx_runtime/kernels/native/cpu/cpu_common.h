@@ -67,6 +67,7 @@ enum {
     THREAD_BUF_ROW_SCRATCH, /* the expert pipeline's row-kernel scratch (expert.c) */
     THREAD_BUF_STAGE_IN,    /* its input stage of x (gate and up) */
     THREAD_BUF_STAGE_DOWN,  /* its input stage of h (down) */
+    THREAD_BUF_PIPE_SETS,   /* its buffer sets (the calling thread's) */
     THREAD_BUF_SLOTS
 };
 float *thread_floats(int slot, size_t floats);

@@ -334,19 +334,27 @@ static int pipe_run(pipe_job *p, int threads) {
     /* Three sets: gate_up(e) runs beside down(e - 1) and reuses the set of e - 3, whose down
      * chunks were claimed a whole step earlier (with two, it would wait on down(e - 2), claimed
      * just before it). One set (lag 0, no overlap) if three do not fit. */
+    /* The sets live in the calling thread's buffer, kept across calls: decode makes a call per
+     * landed expert, and a fresh allocation this size would be an mmap plus page faults. */
     p->depth = E < 3 ? E : 3;
-    p->sets = aligned_alloc(64, p->depth * set_floats(p) * 4);
-    if (!p->sets && p->depth > 1) p->depth = 1, p->sets = aligned_alloc(64, set_floats(p) * 4);
+    p->sets = thread_floats(THREAD_BUF_PIPE_SETS, p->depth * set_floats(p));
+    if (!p->sets && p->depth > 1)
+        p->depth = 1, p->sets = thread_floats(THREAD_BUF_PIPE_SETS, set_floats(p));
     p->lag = p->depth > 1 ? 1 : 0;
     int per = 1 + 2 * p->nch, n = 0;
     p->task = malloc((size_t)E * per * sizeof *p->task);
     if (!p->sets || !p->task) {
-        free(p->sets), free(p->task);
+        free(p->task);
         return -2;
     }
-    /* G, U are fully written for columns < I; H's pad columns must read as zeros (and stay so:
-     * no task writes them) */
-    memset(p->sets, 0, p->depth * set_floats(p) * 4);
+    /* X's pad columns are zeroed by the gather, and G, U, H are written for every column < I;
+     * H's pad columns must read as zeros, as every input row's must (XPAD, cpu_common.h), and
+     * no task writes them */
+    for (int d = 0; d < p->depth; d++) {
+        float *H = set_g(p, d) + 2 * (size_t)nmax * p->ldh;
+        for (int t = 0; t < nmax; t++)
+            memset(H + (size_t)t * p->ldh + p->I, 0, (size_t)(p->ldh - p->I) * 4);
+    }
     for (int s = 0; s < E + p->lag; s++) {
         if (s < E) {
             p->task[n++] = task_code(TASK_GATHER, s, 0);
@@ -357,7 +365,7 @@ static int pipe_run(pipe_job *p, int threads) {
     }
     atomic_init(&p->failed, 0);
     run_chunks(pipe_task, p, n, threads);
-    free(p->sets), free(p->task);
+    free(p->task);
     return atomic_load(&p->failed) ? -2 : 0;
 }
 
