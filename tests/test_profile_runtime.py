@@ -67,12 +67,13 @@ def bench_decode():
     return mod
 
 
-@pytest.mark.parametrize("lookahead", [0, 1])
-def test_bench_decode_replayed_routes(artifact, lookahead):
+@pytest.mark.parametrize("lookahead,policy", [(0, "lru"), (1, "lru"), (1, "freq")])
+def test_bench_decode_replayed_routes(artifact, lookahead, policy):
     """A synth:k3 trace at the tiny model's geometry through bench_decode's run: the exact LRU
     replay it prints equals the run's hit rate at lookahead 0; at lookahead 1 guesses of recall
     1 are the true next-layer routes, so the run scores them at recall 1 and none is wasted
-    (each is used on landing or promoted while reading, whatever the timing)."""
+    (each is used on landing or promoted while reading, whatever the timing), under the LRU
+    cache and under `--cache-policy freq`."""
     bench = bench_decode()
     art = artifact / "art"
     cfg = load_model(artifact / "src").cfg
@@ -84,12 +85,13 @@ def test_bench_decode_replayed_routes(artifact, lookahead):
     assert how == "synth:1"
     assert all(g == routes[i, j].tolist() for (i, j), g in guesses.items())
     r = bench.run_config(art, bench.part_paths(art), lookahead, slots, tokens,
-                         select_backend("reference"), False, routes, guesses)
+                         select_backend("reference"), False, routes, guesses,
+                         cache_policy=policy)
     np.testing.assert_array_equal(r["routes"], routes)
     assert r["prefill_routes"].shape == (2, n_moe, top_k)
     lru, belady = bench.replay_hit_rates(r["prefill_routes"], r["routes"], experts, slots)
     assert 0.0 < belady <= 1.0
-    if lookahead == 0:
+    if lookahead == 0:  # (the replay is LRU's)
         assert r["hit_rate"] == lru
         assert (r["spec_reads"], r["guess_recall"], r["prefetch_recall"]) == (0, 0.0, 0.0)
     else:

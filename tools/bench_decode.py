@@ -392,7 +392,8 @@ def replay_hit_rates(prefill: np.ndarray, routes: np.ndarray, experts: int,
 def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens: int,
                kernels, verify: bool, routes: np.ndarray | None = None,
                guesses: dict | None = None, read_depth: int = DEFAULT_READ_DEPTH,
-               resident_dtype: str = "bf16", decode_depth: int = DEFAULT_DECODE_DEPTH) -> dict:
+               resident_dtype: str = "bf16", decode_depth: int = DEFAULT_DECODE_DEPTH,
+               cache_policy: str = "lru") -> dict:
     """One configuration; `routes` [N, layers, 16] replaces the routers, `guesses` (with
     routes) their lookahead. The result's "routes" are the decode routes taken [n, layers, 16]
     (the routers' are read back after each step), "prefill_routes" the prompt's [P, layers,
@@ -403,7 +404,7 @@ def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens:
     with load(art, dtype="bfloat16", kernels=kernels, lookahead=lookahead,
               cache_slots=(slots, 0), tokenizer=False, verify=verify,
               read_depth=read_depth, decode_depth=decode_depth,
-              resident_dtype=resident_dtype) as rt:
+              resident_dtype=resident_dtype, cache_policy=cache_policy) as rt:
         prefault_s = prefault_slots(rt.provider)
         stats, before, taken = GenerationStats(), None, []
         moes = rt.model.moe_blocks()
@@ -517,6 +518,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--resident-dtype", default="bf16", metavar="LIST",
                     help="comma list of resident dtypes (bf16,int8,int4,fp8), each quantized at "
                          "load; one line per dtype per configuration (default bf16)")
+    ap.add_argument("--cache-policy", default="lru", choices=("lru", "freq"),
+                    help="the expert cache's replacement policy (mtplx_runtime.load "
+                         "cache_policy); a lookahead guess gets a slot only where the policy "
+                         "does not rate the victim hotter, which under lru is never once the "
+                         "slots are full (default lru)")
     ap.add_argument("--guess-recall", type=float, default=None, metavar="P",
                     help="with --routes: synthetic lookahead guesses keeping each true expert "
                          "with probability P (default: the trace's own guesses, else "
@@ -569,7 +575,7 @@ def main(argv=None) -> int:
               f"prompt={len(PROMPT)} dtype=bfloat16 build_s={build_s:.0f} "
               f"kernels={name_of(kernels)} read_depth={a.read_depth} "
               f"decode_depths={','.join(map(str, a.decode_depth))} "
-              f"resident_dtypes={','.join(resident_dtypes)}"
+              f"resident_dtypes={','.join(resident_dtypes)} cache_policy={a.cache_policy}"
               + ("" if routes is None else f" routes={routes_name(trace)}:{len(routes)}"),
               flush=True)
         model = load_model(art, dtype="bfloat16")
@@ -595,7 +601,8 @@ def main(argv=None) -> int:
                 order = ("off", "sha256", "xxh3") if rep % 2 == 0 else ("sha256", "xxh3", "off")
                 for verify in order:
                     r = run_config(art, paths, la, a.slots_per_layer, a.tokens, kernels,
-                                   verify != "off", routes, guesses, a.read_depth, rd, dd)
+                                   verify != "off", routes, guesses, a.read_depth, rd, dd,
+                                   a.cache_policy)
                     # The drive's best random-read rate at the record size, not its sequential
                     # rate: decode reads whole records in random order.
                     io_bound = (best / r["bytes_per_token"] if r["bytes_per_token"]
