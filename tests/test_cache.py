@@ -119,24 +119,6 @@ def test_speculative_never_evicts_hotter():
     assert c.reserve(B, speculative=True) is not None and A not in c
 
 
-def test_speculative_refused_by_the_policy_takes_a_transient_slot():
-    """Under LRU a guess is colder than every member, so with the decode set full it lands in
-    the transient pool instead: the member stays, a demand lookup hits the guess there, and
-    the next guess reclaims the pool's oldest entry, never a member (nor a loading entry)."""
-    c = make(1, trans_slots=1, policy="lru")
-    access(c, A)
-    ref = fill(c, B, speculative=True)
-    assert ref is not None and ref.tier == "transient" and ref.transient
-    assert A in c and c.where(A).tier == "compute"
-    hits, misses = c.lookup([B])
-    assert hits == {B: ref} and misses == []
-    assert c.buffer(ref)[0] == B[1]
-    ref_c = c.reserve(C, speculative=True)  # the pool's one slot: B, unpinned, is reclaimed
-    assert ref_c.tier == "transient" and B not in c and A in c
-    assert c.reserve(D, speculative=True) is None  # the pool's only entry is still loading
-    assert A in c and c.totals()["transient"]["evictions"] == 1
-
-
 def test_speculative_uses_free_slots():
     c = make(2)
     access(c, A)

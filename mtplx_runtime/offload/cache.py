@@ -6,8 +6,7 @@ It does NO I/O. A caller (the prefetcher) asks `lookup`, `reserve`s a slot for e
     compute (the slots the kernels read: GPU memory with the cuda kernels, host memory else)
         <- promote -- host (optional, pinned RAM)
     compute-tier victim -- demote -> host (else dropped)
-    transient pool (optional): prefill, non-admitted misses and lookahead guesses the policy
-        will not let evict a member; never evicts decode experts
+    transient pool (optional): prefill and non-admitted misses; never evicts decode experts
 
 Keys are ExpertKey = (layer, expert). An entry is *loading* between reserve and commit and is
 never a victim then; a pinned entry (the current step's experts) is never a victim either.
@@ -194,10 +193,7 @@ class ExpertCache:
         """A loading slot for a missing `key`, evicting per policy; None if none can be had.
 
         Victims are never pinned or loading. `speculative` (prefetch) never evicts an expert the
-        policy rates hotter than `key` (nor one admission would keep): it takes a transient-pool
-        slot instead (reclaiming the pool's oldest entry), else returns None. Under LRU a key
-        not yet seen is colder than every member, so once the layer's slots are full that pool
-        is where a guess can land; a later demand lookup of the key hits it there.
+        policy rates hotter than `key` (nor one admission would keep); it returns None instead.
         `transient` (prefill) takes the transient pool, else a free compute slot, else evicts
         another transient entry: never a decode-set expert. A demand miss that admission
         refuses, or that finds every candidate pinned, also falls back to the transient route.
@@ -322,11 +318,11 @@ class ExpertCache:
             slot = self._free_compute_slot()
             if slot is not None:
                 return ("compute", slot, False)
-            return self._place_guess() if speculative else self._place_transient(key)
+            return None if speculative else self._place_transient(key)
         victim = pol.victim(self._evictable)
         if speculative:
             if victim is None or pol.hotter(victim, key) or not pol.admit(key, victim):
-                return self._place_guess()
+                return None
         elif victim is None or (self._admission_gate and not pol.admit(key, victim)):
             return self._place_transient(key)
         self._evict_compute(victim)
@@ -354,21 +350,6 @@ class ExpertCache:
             if slot is not None:
                 return (tier.name, slot, True)
         return None
-
-    def _place_guess(self):
-        """A transient-pool slot for a guess (never a compute slot: those hold the decode set),
-        reclaiming the pool's oldest evictable entry; None without a pool or with every entry
-        pinned or loading."""
-        if self._trans is None:
-            return None
-        slot = self._trans.alloc()
-        if slot is None:
-            t = self._oldest_transient("transient")
-            if t is None:
-                return None
-            self._drop(t, self._entries[t], count=True)
-            slot = self._trans.alloc()
-        return ("transient", slot, True)
 
     def _oldest_transient(self, tier: str):
         for k in self._transients:
