@@ -45,7 +45,6 @@ class _Entry:
     ready: bool
     transient: bool = False  # prefill / non-admitted: outside the policy, first to go
     pins: int = 0
-    guess: bool = False  # reserved by a speculative read and not looked up since
 
 
 @dataclass(slots=True)
@@ -149,8 +148,6 @@ class ExpertCache:
                 if not transient:
                     self._scope.policy(key).touch(key)
                 e = self._entries.get(key)
-                if e is not None and not transient:
-                    e.guess = False
                 if e is not None and e.tier != "host":
                     if e.ready:
                         c["compute"].hits += 1
@@ -195,9 +192,8 @@ class ExpertCache:
                 transient: bool = False) -> SlotRef | None:
         """A loading slot for a missing `key`, evicting per policy; None if none can be had.
 
-        Victims are never pinned or loading. `speculative` (prefetch) evicts only a victim the
-        policy's `admit_guess` allows, never another guess not yet looked up, and enters `key`
-        by `insert_guess` (under LRU as the least recent member); it returns None instead.
+        Victims are never pinned or loading. `speculative` (prefetch) never evicts an expert the
+        policy rates hotter than `key` (nor one admission would keep); it returns None instead.
         `transient` (prefill) takes the transient pool, else a free compute slot, else evicts
         another transient entry: never a decode-set expert. A demand miss that admission
         refuses, or that finds every candidate pinned, also falls back to the transient route.
@@ -211,12 +207,9 @@ class ExpertCache:
             if placed is None:
                 return None
             tier, slot, is_transient = placed
-            self._entries[key] = _Entry(tier, slot, ready=False, transient=is_transient,
-                                        guess=speculative)
+            self._entries[key] = _Entry(tier, slot, ready=False, transient=is_transient)
             if is_transient:
                 self._transients[key] = None
-            elif speculative:
-                self._scope.policy(key).insert_guess(key)
             else:
                 self._scope.policy(key).insert(key)
             return SlotRef(key, tier, slot, is_transient)
@@ -326,14 +319,12 @@ class ExpertCache:
             if slot is not None:
                 return ("compute", slot, False)
             return None if speculative else self._place_transient(key)
-        if speculative:  # one guess never displaces another that has not been used yet
-            victim = pol.victim(lambda k: self._evictable(k) and not self._entries[k].guess)
-            if victim is None or not pol.admit_guess(key, victim):
+        victim = pol.victim(self._evictable)
+        if speculative:
+            if victim is None or pol.hotter(victim, key) or not pol.admit(key, victim):
                 return None
-        else:
-            victim = pol.victim(self._evictable)
-            if victim is None or (self._admission_gate and not pol.admit(key, victim)):
-                return self._place_transient(key)
+        elif victim is None or (self._admission_gate and not pol.admit(key, victim)):
+            return self._place_transient(key)
         self._evict_compute(victim)
         return ("compute", self._compute.alloc(), False)
 

@@ -4,9 +4,8 @@ The ExpertCache and the profiler's trace replay share this code, so a hit rate m
 is the hit rate the runtime gets. A policy tracks the access history of every key it is told
 about (`touch`) and an eviction order over its *members* (the keys resident under it, `insert` /
 `remove`). `victim(eligible)` names the coldest eligible member; `admit(key, victim)` says whether
-a miss may replace it, `admit_guess` whether a lookahead guess may (entering by `insert_guess`);
-`score(key)` is a time-invariant hotness (higher is hotter) usable to compare any two keys,
-resident or not.
+a miss may replace it; `score(key)` is a time-invariant hotness (higher is hotter) usable to
+compare any two keys, resident or not.
 
     trace -> touch -> (member? hit : victim -> admit -> remove/insert)
 
@@ -88,10 +87,6 @@ class Policy:
         """`key` becomes resident under this policy (a victim candidate)."""
         raise NotImplementedError
 
-    def insert_guess(self, key: Key) -> None:
-        """`key` becomes resident as a lookahead guess, not yet used. Default: as `insert`."""
-        self.insert(key)
-
     def remove(self, key: Key) -> None:
         """`key` is no longer resident; its access history is kept."""
         raise NotImplementedError
@@ -108,11 +103,6 @@ class Policy:
         """May a miss on `key` replace `victim` (None: a free slot)? Default: always."""
         return True
 
-    def admit_guess(self, key: Key, victim: Key) -> bool:
-        """May a lookahead guess of `key` replace `victim`? Default: only a victim no hotter
-        than the guess, and one admission would let a miss on it replace."""
-        return not self.hotter(victim, key) and self.admit(key, victim)
-
     def hotter(self, a: Key, b: Key) -> bool:
         """True when `a` is strictly hotter than `b`."""
         return self.score(a) > self.score(b)
@@ -125,13 +115,7 @@ class Policy:
 
 
 class LRUPolicy(Policy):
-    """Least recently used. score = clock tick of the last touch (one tick per touch).
-
-    A guess enters as the least recent member (`insert_guess`) and may replace any victim
-    (`admit_guess`): it takes the place of the member LRU would evict next anyway, and unless a
-    lookup uses it, it is itself the next to go. A key never touched ranks below every member,
-    so the default rule would never let a guess in once the cache is full.
-    """
+    """Least recently used. score = clock tick of the last touch (one tick per touch)."""
 
     def __init__(self):
         self._order: OrderedDict = OrderedDict()  # members, least recent first
@@ -147,13 +131,6 @@ class LRUPolicy(Policy):
     def insert(self, key):
         self._order[key] = None
         self._order.move_to_end(key)  # a newcomer is the most recent member
-
-    def insert_guess(self, key):
-        self._order[key] = None
-        self._order.move_to_end(key, last=False)
-
-    def admit_guess(self, key, victim):
-        return True
 
     def remove(self, key):
         self._order.pop(key, None)

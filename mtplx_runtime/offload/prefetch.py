@@ -11,8 +11,8 @@ few, so its records land one after another instead of all together at the end) a
 in-flight byte budget has room; queued demand reads always go before queued speculation, and
 speculation may only hold `speculative_fraction` of the budget and of the depth, so a window's
 misses start at once beside the lookahead's reads instead of queueing behind them.
-Speculative slots come from `cache.reserve(key, speculative=True)`, so which expert a guess may
-displace is the cache's call (it answers None: skip). Reader futures
+Speculative slots come from `cache.reserve(key, speculative=True)`, so whether a guess may
+displace a pinned or hotter expert is the cache's call (it answers None: skip). Reader futures
 cannot be cancelled: only *queued* reads are cancelled; a read already handed to the reader
 finishes and is committed (or aborted on error) by its completion callback."""
 
