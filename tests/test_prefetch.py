@@ -202,6 +202,27 @@ def test_demand_reads_land_in_slots_and_are_recorded_once(make, monkeypatch):
     assert len(cache.records) == 5
 
 
+def test_landed_groups_reads_found_done_together(make):
+    """`landed` yields every read once: those done before a wait as one group, each later one
+    as it lands; the stall is recorded once per wait, on the group's first read."""
+    pf, reader, cache = make(reader=FakeReader(gated=True))
+    first = pf.demand(keys(1, 3))
+    reader.gate.set()
+    until(lambda: all(f.done() for f in first.values()))
+    reader.gate.clear()
+    late = pf.demand(keys(1, 1, start=3))
+    groups = pf.landed({**first, **late}, timeout=T_OUT)
+    got = next(groups)
+    assert sorted(k for k, _ in got) == keys(1, 3)
+    assert all(ref == cache.where(k) for k, ref in got)
+    reader.gate.set()
+    assert [k for k, _ in next(groups)] == [(1, 3)]
+    assert next(groups, None) is None
+    assert sorted(r[0] for r in cache.records) == keys(1, 4)
+    assert [k for k, _ in pf.completed(first, timeout=T_OUT)] == keys(1, 3)  # flat, no re-record
+    assert len(cache.records) == 4
+
+
 @pytest.mark.parametrize("limit", ["read_depth", "bytes"])
 def test_demand_goes_before_queued_speculation(make, limit):
     # Either one read at a time, or a budget of two records filled by two demand reads.

@@ -303,6 +303,13 @@ class Prefetcher:
         compute each expert while the rest load. The time blocked before each yield is that read's
         stall; it goes to `stats.stall_ms` and to `cache.record_read(key, nbytes, stall_ms)`,
         called once per read. Raises the read's exception when a failed future comes up."""
+        for group in self.landed(futures, timeout):
+            yield from group
+
+    def landed(self, futures: Mapping[ExpertKey, Future], timeout: float | None = None
+               ) -> Iterator[list[tuple[ExpertKey, object]]]:
+        """As `completed`, but every read found done at once comes as one list: reads that land
+        together (a drive that completes its queue in waves) can be computed together."""
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = dict(futures)
         done_evt = threading.Event()
@@ -320,10 +327,12 @@ class Prefetcher:
                 done_evt.clear()
                 ready = [k for k, f in pending.items() if f.done()]
             stall_ms = (time.monotonic() - t0) * 1e3
+            group = []
             for i, key in enumerate(ready):
                 fut = pending.pop(key)
                 self._record(key, fut, stall_ms if i == 0 else 0.0)
-                yield key, fut.result()  # raises PrefetchError / CancelledError / NoSlotError
+                group.append((key, fut.result()))  # raises PrefetchError / CancelledError / ...
+            yield group
 
     def busy_seconds(self) -> float:
         """Seconds so far with at least one read in the reader, the spell now running included:

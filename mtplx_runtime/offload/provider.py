@@ -287,10 +287,11 @@ class StreamingExpertProvider:
     def _arrivals(self, keys: list[ExpertKey], transient: bool, depth: int | None = None
                   ) -> Iterator[Iterator[dict]]:
         """Look up `keys`, start reading the misses (at most `depth` reads in flight; None: the
-        read depth), and yield an iterator of {key: SlotRef} batches: the hits first, then each
-        miss as it lands. Every slot stays pinned until the block ends (callers size `keys` to
-        fit); time blocked waiting is the stall. Raises PrefetchError / TimeoutError from the
-        iterator."""
+        read depth), and yield an iterator of {key: SlotRef} batches: the hits first, then the
+        misses as they land, those found landed together as one batch (a drive may complete its
+        queue in waves: BENCHMARKS.md "Reads land in waves"). Every slot stays pinned until the
+        block ends (callers size `keys` to fit); time blocked waiting is the stall. Raises
+        PrefetchError / TimeoutError from the iterator."""
         if self._closed:
             raise RuntimeError("StreamingExpertProvider is closed")
         hits, misses = self.cache.lookup(keys, transient=transient)
@@ -301,7 +302,7 @@ class StreamingExpertProvider:
             # demand reserved every miss's slot: pin them now, so no other reservation (a
             # lookahead guess under global scope) can evict one between its commit and our use.
             pinned.update(self.cache.pin([k for k in misses if k not in pinned]))
-            yield self._batches(dict(hits), self.prefetcher.completed(futures, self.timeout_s))
+            yield self._batches(dict(hits), self.prefetcher.landed(futures, self.timeout_s))
         finally:
             self.cache.unpin(pinned)
 
@@ -314,7 +315,7 @@ class StreamingExpertProvider:
             self.stall_ms += (time.monotonic() - t0) * 1e3
             if got is None:
                 return
-            yield {got[0]: got[1]}
+            yield dict(got)
 
     def _compute(self, x, ids, weights, refs: Mapping, acc: torch.Tensor) -> torch.Tensor:
         """Add the products of the experts of `refs` ({key: SlotRef}, landed and pinned) into
