@@ -185,7 +185,7 @@ T16F_TGT static inline __m512 t16f_sum8(const __m512 *a) {
 /* The 32 rows at p (row stride 13G bytes; scales at sc, row stride G) -> y[0 .. 32). st: 2 x
  * T16F_ST_FLOATS(G) floats. next: the following 32 rows, prefetched into L1 in `per`-byte slices
  * (<= 1664), one per 4-group step, spread over the step's byte columns rather than issued as a
- * burst (both paid off: BENCHMARKS.md, "CPU kernel notes"), or NULL. */
+ * burst (both paid off: BENCHMARKS.md, "CPU kernel notes"), with their scales, or NULL. */
 T16F_TGT static inline void t16f_rows32(const uint8_t *p, const uint16_t *sc, int G,
                                         const float *tab, float *st, const uint8_t *next,
                                         float *y) {
@@ -196,7 +196,17 @@ T16F_TGT static inline void t16f_rows32(const uint8_t *p, const uint16_t *sc, in
     t16f_scales(sc + (size_t)16 * G, G, stb);
     __m512 acca[8], accb[8];
     for (int i = 0; i < 8; i++) acca[i] = accb[i] = _mm512_setzero_ps();
+    /* The next rows' scales (64G bytes from sc + 32G) go the same way, a slice per step: without
+     * them each block began with a burst of misses (BENCHMARKS.md, "Scales prefetched"). The
+     * last slice may reach a little past them; a prefetch never faults, and an integer address
+     * keeps the arithmetic defined. */
+    uintptr_t ns = next ? (uintptr_t)(sc + (size_t)32 * G) : 0;
+    size_t sper = ((size_t)64 * G + steps - 1) / steps;
     for (int g0 = 0; g0 < G; g0 += 4) {
+        if (ns) {
+            for (size_t o = 0; o < sper; o += 64) _mm_prefetch((const char *)(ns + o), _MM_HINT_T0);
+            ns += sper;
+        }
         t16f_block32(p, stride, g0, G - g0 < 4 ? G - g0 : 4, tab, st + 16 * g0, stb + 16 * g0,
                      acca, accb, (const char *)next);
         if (next) next += per;
