@@ -372,6 +372,52 @@ def test_a_guess_demanded_in_flight_gives_its_speculative_place_back():
         assert reader.peak_by_layer[3] == 3 and pf.stats.spec_used == 1
 
 
+def test_reads_are_handed_over_on_the_thread_that_made_room_for_them():
+    """demand hands its first reads to the reader before it returns, and a read that lands
+    hands the next queued one over on the landing thread: no other thread has to wake (and
+    wait for the GIL) between a free place and the drive's next read."""
+    reader, cache = HeldReader(), SpyCache()
+    with Prefetcher(reader, locate, cache, read_depth=2, max_inflight_bytes=64 * REC) as pf:
+        misses = keys(1, 5)
+        futs = pf.demand(misses)
+        assert reader.inflight() == misses[:2]  # no wait: already in the reader
+        for i, key in enumerate(misses):
+            reader.land(key)  # resolves on this thread: the next read starts inside the call
+            assert reader.inflight() == misses[i + 1:i + 3]
+        assert pf.wait(futs, timeout=T_OUT).keys() == set(misses)
+        guesses = keys(2, 3)
+        assert pf.speculate(guesses) == guesses
+        assert reader.inflight() == guesses[:1]  # the speculative share of a depth of 2
+        for key in guesses:
+            reader.land(key)
+        assert not reader.inflight() and all(cache.ready(k) for k in guesses)
+
+
+class SyncReader:
+    """Completes every read inside read_into (a reader with the bytes at hand may)."""
+
+    parts = [("bank.bin", 1 << 40, 0)]
+
+    def read_into(self, part, offset, length, buf, digest=None):
+        buf[:length] = pattern(key_of(offset), length)
+        fut: Future = Future()
+        fut.set_result(length)
+        return fut
+
+
+def test_a_reader_that_completes_inside_read_into_does_not_recurse():
+    """Each completion makes room for the next read; handed over by the thread already handing
+    reads over, 3000 of them at depth 1 go one after another, not 3000 calls deep."""
+    many = [k for layer in (1, 2, 3) for k in keys(layer, 1000)]  # 1000 a layer: offset_of
+    cache = SpyCache(slots=len(many))
+    with Prefetcher(SyncReader(), locate, cache, read_depth=1,
+                    max_inflight_bytes=4 * REC) as pf:
+        futs = pf.demand(many)
+        assert all(f.done() for f in futs.values())
+        assert pf.wait(futs, timeout=T_OUT).keys() == set(many)
+        assert all(np.array_equal(cache.data(k), pattern(k)) for k in many)
+
+
 def test_inflight_bytes_never_exceed_budget(make):
     budget = 3 * REC
     pf, reader, cache = make(reader=FakeReader(gated=True), max_inflight_bytes=budget,

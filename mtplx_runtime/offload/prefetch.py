@@ -1,8 +1,8 @@
 """Prefetcher: moves expert records from the bank straight into cache slots, demand first.
 
     demand(keys) / speculate(keys) -> reserve slot -> queue (demand | speculative)
-        -> dispatcher (read depth, byte budget, demand first) -> reader.read_into(slot buffer)
-        -> commit|abort
+        -> pump (read depth, byte budget, demand first) -> reader.read_into(slot buffer)
+        -> completion: commit|abort -> pump
 
 The ExpertCache owns slots and replacement; this module owns only the in-flight reads
 (ARCHITECTURE.md "Packages"). A read is queued until fewer than its depth of reads are in flight
@@ -14,7 +14,11 @@ misses start at once beside the lookahead's reads instead of queueing behind the
 Speculative slots come from `cache.reserve(key, speculative=True)`, so whether a guess may
 displace a pinned or hotter expert is the cache's call (it answers None: skip). Reader futures
 cannot be cancelled: only *queued* reads are cancelled; a read already handed to the reader
-finishes and is committed (or aborted on error) by its completion callback."""
+finishes and is committed (or aborted on error) by its completion callback. Reads are handed to
+the reader on the thread whose call made room or work for them (demand, speculate, a completion
+in a reader thread), never by waking another thread: that wake waits for the GIL, 0.6 ms per
+layer measured while the model's thread computes (BENCHMARKS.md "Reads start with the
+route")."""
 
 from __future__ import annotations
 
@@ -136,9 +140,7 @@ class Prefetcher:
         # Speculative reads committed, not yet settled: key -> time.monotonic() at landing.
         self._landed: dict[ExpertKey, float] = {}
         self._closed = False
-        self._dispatcher = threading.Thread(target=self._dispatch_loop, daemon=True,
-                                            name="mtplx-prefetch")
-        self._dispatcher.start()
+        self._pumping = False      # a thread is handing reads to the reader (`_pump`)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -159,7 +161,7 @@ class Prefetcher:
         depth = self._depth(depth)
         out: dict[ExpertKey, Future] = {}
         landed: list[ExpertKey] = []
-        wake = False  # only new or promoted work needs the dispatcher (a wake costs the GIL)
+        wake = False  # only new or promoted work can start a read
         with self._cond:
             self._check_open()
             for key in keys:
@@ -193,8 +195,8 @@ class Prefetcher:
                 self.stats.demand_bytes += job.length
                 out[key] = job.future
                 wake = True
-            if wake:
-                self._cond.notify_all()
+        if wake:
+            self._pump()
         if landed:
             self.note_used(landed)
         return out
@@ -216,12 +218,13 @@ class Prefetcher:
         """
         issued: list[ExpertKey] = []
         depth = self._depth(depth)
-        with self._cond:
-            self._check_open()
-            try:
+        try:
+            with self._cond:
+                self._check_open()
                 self._speculate_locked(keys, issued, depth)
-            finally:
-                self._cond.notify_all()
+        finally:
+            if issued:
+                self._pump()
         return issued
 
     def _speculate_locked(self, keys: Iterable[ExpertKey], issued: list[ExpertKey],
@@ -274,8 +277,6 @@ class Prefetcher:
             self.stats.spec_wasted += len(stale)
             for key in stale:
                 del self._landed[key]
-            if keys:  # dropped reads free budget for others; else the dispatcher has no news
-                self._cond.notify_all()
         for f in cancelled:
             f.cancel()
         return keys
@@ -351,10 +352,11 @@ class Prefetcher:
                     "spec_bytes": self._spec_bytes}
 
     def shutdown(self, cancel_pending: bool = True, timeout: float = 5.0) -> None:
-        """Stop taking work and join the dispatcher. With `cancel_pending`, queued reads are
-        dropped (slots aborted, futures cancelled) and this returns without waiting for reads
-        already in the reader: those complete (commit or abort) from their callbacks. Without it,
-        queued reads are still dispatched first. Idempotent; does not close the reader."""
+        """Stop taking work. With `cancel_pending`, queued reads are dropped (slots aborted,
+        futures cancelled) and this returns without waiting for reads already in the reader:
+        those complete (commit or abort) from their callbacks. Without it, queued reads are
+        still handed over as room frees, and this waits (up to `timeout`) until every read is
+        in. Idempotent; does not close the reader."""
         cancelled: list[Future] = []
         with self._cond:
             if self._closed:
@@ -366,13 +368,8 @@ class Prefetcher:
                         self._drop_queued_locked(job)
                         cancelled.append(job.future)
                     q.clear()
-            self._cond.notify_all()
         for f in cancelled:
             f.cancel()
-        self._dispatcher.join(timeout)
-        if self._dispatcher.is_alive():
-            log.warning("prefetch dispatcher still busy after %.1f s (reader call blocking?)",
-                        timeout)
         if not cancel_pending:
             self._wait_idle(timeout)
 
@@ -467,30 +464,45 @@ class Prefetcher:
         self.stats.peak_inflight_reads = max(self.stats.peak_inflight_reads, self._inflight_reads)
         return batch
 
-    def _dispatch_loop(self) -> None:
-        while True:
-            with self._cond:
-                batch = self._pick_locked()
-                while not batch:
-                    if self._closed and not self._demand_q and not self._spec_q:
-                        return
-                    self._cond.wait()
+    def _pump(self) -> None:
+        """Hand the reader every queued read that fits now, on this thread. One thread pumps at
+        a time: another that makes room or work meanwhile returns at once, as the pumping one
+        picks again until nothing fits (so a reader that completes a read inside read_into does
+        not recurse)."""
+        with self._cond:
+            if self._pumping:
+                return
+            self._pumping = True
+        try:
+            while True:
+                with self._cond:
                     batch = self._pick_locked()
-            for job in batch:  # outside the lock: a reader may complete a read synchronously
-                try:
-                    buf = self.cache.buffer(job.slot)
-                    if buf.nbytes < job.length:
-                        raise ValueError(f"slot buffer holds {buf.nbytes} B, record needs "
-                                         f"{job.length}")
-                    fut = self.reader.read_into(job.part, job.offset, job.length, buf,
-                                                digest=job.digest)
-                except BaseException as e:
-                    self._finish(job, None, e)
-                    continue
-                fut.add_done_callback(lambda f, job=job: self._finish(job, f, None))
+                    if not batch:
+                        self._pumping = False
+                        return
+                self._hand_over(batch)
+        except BaseException:
+            with self._cond:
+                self._pumping = False
+            raise
+
+    def _hand_over(self, batch: list[_Job]) -> None:
+        for job in batch:  # outside the lock: a reader may complete a read synchronously
+            try:
+                buf = self.cache.buffer(job.slot)
+                if buf.nbytes < job.length:
+                    raise ValueError(f"slot buffer holds {buf.nbytes} B, record needs "
+                                     f"{job.length}")
+                fut = self.reader.read_into(job.part, job.offset, job.length, buf,
+                                            digest=job.digest)
+            except BaseException as e:
+                self._finish(job, None, e)
+                continue
+            fut.add_done_callback(lambda f, job=job: self._finish(job, f, None))
 
     def _finish(self, job: _Job, fut: Future | None, error: BaseException | None) -> None:
-        """Completion (reader thread or dispatcher): commit or abort, free the budget, resolve."""
+        """Completion (a reader thread; the pumping one when the hand-over failed): commit or
+        abort, free the budget, hand the reader what now fits, resolve."""
         if error is None:
             try:
                 n = fut.result()
@@ -524,7 +536,8 @@ class Prefetcher:
             job.state = "done"
             spec = job.speculative  # fixed from here: the key has left _jobs, no promotion
             del self._jobs[job.key]
-            self._cond.notify_all()
+            self._cond.notify_all()  # _wait_idle
+        self._pump()  # the freed place first: the drive gets its next read before any caller
         if error is None:
             job.future.set_result(job.slot)
             if spec:  # nobody waits on a guess: its bytes are recorded now
