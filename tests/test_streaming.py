@@ -380,3 +380,50 @@ def test_guesses_are_read_after_the_layers_misses(built):
         check_same(run(model), (want_logits, want_tokens))
         assert "guess" in calls
         assert all(calls[i - 1] == "demand" for i, c in enumerate(calls) if c == "guess")
+
+
+def test_a_one_token_hint_starts_the_layers_reads_before_its_compute(built):
+    """In a one-token step the hint demands the layer's misses, then the block computes its
+    shared expert while they land, then run_experts takes the reads already started (no second
+    demand); the logits stay the resident model's bit for bit. A hint whose run_experts never
+    comes releases its window's pins at the next hint."""
+    src, art, want_logits, want_tokens = built["t158"]
+    model, provider = streamed(src, art, lookahead=0)
+    calls: list[tuple[str, int]] = []
+    demand, run_experts = provider.prefetcher.demand, provider.run_experts
+    provider.prefetcher.demand = lambda keys, *a: (
+        calls.append(("demand", keys[0][0] if keys else -1)) or demand(keys, *a))
+    provider.run_experts = lambda layer, *a: (
+        calls.append(("run", layer)) or run_experts(layer, *a))
+    for moe in model.moe_blocks():
+        moe.shared.forward = lambda x, f=moe.shared.forward, layer=moe.layer: (
+            calls.append(("shared", layer)) or f(x))
+    with provider:
+        state = model.new_state()
+        logits = [model.prefill(PROMPT, state)]
+        tokens: list[int] = []
+        steps = []
+        for _ in range(STEPS):
+            tokens.append(int(torch.argmax(logits[-1][-1] if logits[-1].dim() == 2
+                                           else logits[-1])))
+            calls.clear()
+            logits.append(model.decode(tokens[-1], state))
+            steps.append(list(calls))
+        check_same((logits, tokens), (want_logits, want_tokens))
+        started = 0
+        for step in steps:
+            for layer in model.cfg.moe_layers:
+                mine = [c for c, at in step if at == layer]
+                # one window per layer here (the route fits the layer's slots); a miss-free
+                # window demands nothing and is logged with layer -1
+                assert mine in (["demand", "shared", "run"], ["shared", "run"]), step
+                started += mine[0] == "demand"
+        assert started >= STEPS  # misses were read in most steps, every time from the hint
+        first, second = model.cfg.moe_layers[:2]
+        route = torch.arange(model.cfg.num_experts_per_token).unsqueeze(0)
+        provider.hint(first, route, {})
+        held = [k for k, e in provider.cache._entries.items() if e.pins]
+        assert held and all(k[0] == first for k in held)
+        provider.hint(second, route, {})  # the first layer's run_experts never came
+        assert not any(e.pins for k, e in provider.cache._entries.items() if k[0] == first)
+    assert provider._started is None  # close dropped the second hint's window

@@ -78,10 +78,11 @@ class ExpertProvider(Protocol):
     `run_experts(layer, r [T, R], ids [T, K], weights [T, K]) -> [T, R]` in r.dtype: the routed
     sum sum_k weights[t, k] * expert_{ids[t, k]}(r_t) with the reference's fp32 combine order.
     `hint(layer, actual ids [T, K], predicted {later layer: ids [T, K]})` comes right after
-    routing, before `run_experts`: a streaming provider scores earlier guesses and prefetches
-    the new ones. `lookahead`: how many later MoE layers the provider wants guesses for (the
-    block predicts only in one-token decode steps). `begin_forward(tokens)`: the model starts a
-    forward of `tokens` tokens (a streaming provider holds its warm start for a prompt).
+    routing, before `run_experts` and before the block's own compute: a streaming provider
+    scores earlier guesses, prefetches the new ones and may start reading this layer's experts.
+    `lookahead`: how many later MoE layers the provider wants guesses for (the block predicts
+    only in one-token decode steps). `begin_forward(tokens)`: the model starts a forward of
+    `tokens` tokens (a streaming provider holds its warm start for a prompt).
     """
 
     lookahead: int
@@ -187,12 +188,14 @@ class LatentMoE:
         depth = self.provider.lookahead if x.shape[0] == 1 else 0
         self.provider.hint(self.layer, ids, predict(x, self.later[:depth]) if depth else {})
         r = linear(x, self.down_lat)  # [T, R]
+        # Before the routed sum: computed while a streaming provider's reads land.
+        shared = self.shared.forward(x) if self.shared is not None else None  # full-width input
         routed = self.provider.run_experts(self.layer, r, ids, w)  # [T, R]
         if self.norm is not None:
             routed = rms_norm(routed, self.norm, cfg.rms_norm_eps)
         out = linear(routed, self.up_lat)  # [T, D]
-        if self.shared is not None:
-            out = out + self.shared.forward(x)  # shared MLP sees the full-width input
+        if shared is not None:
+            out = out + shared
         return out
 
     __call__ = forward

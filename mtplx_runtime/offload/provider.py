@@ -1,6 +1,7 @@
 """StreamingExpertProvider: routed experts read from an artifact's bank through a small cache.
 
-    LatentMoE -> hint(l, ids, guesses): score earlier guesses, cancel stale ones, keep the new
+    LatentMoE -> hint(l, ids, guesses): score earlier guesses, cancel stale ones, keep the new;
+                 one token: start its first window (lookup, pin hits, demand misses, speculate)
               -> run_experts(l, r, ids, w): per window of ascending expert ids: lookup (pin
                  hits) -> demand(misses) -> speculate(guesses) -> kernel backend on each slot's
                  bytes as it lands -> fp32 sum
@@ -158,6 +159,9 @@ class StreamingExpertProvider:
         self.last_predictions: dict[int, dict[int, torch.Tensor]] = {}
         self._spec_keys: set[ExpertKey] = set()  # guesses issued and not yet consumed
         self._guesses: list[ExpertKey] = []  # the last hint's, read after its layer's misses
+        # A decode window whose reads the hint started: (layer, keys, ExitStack holding its
+        # pins, its batches), taken by run_experts.
+        self._started: tuple | None = None
         self.stall_ms = 0.0       # time forwards spent blocked on reads (this provider's view)
         # Time in the kernel backend's calls, and the part of it with a read in the reader: how
         # much of the compute the drive overlapped (on a GPU, enqueue time only).
@@ -256,8 +260,8 @@ class StreamingExpertProvider:
         picks = {int(e): k for k, e in enumerate(ids[0].tolist()) if e >= 0}
         terms: dict[int, torch.Tensor] = {}
         for i in range(0, len(keys), room):
-            with self._arrivals(keys[i:i + room], False, self.decode_depth) as batches:
-                self._speculate()  # behind this window's misses in the queue
+            pins, batches = self._window(layer, keys[i:i + room])
+            with pins:
                 for refs in batches:
                     order = sorted(k[1] for k in refs)
                     one = torch.tensor(order, dtype=ids.dtype, device=ids.device).unsqueeze(1)
@@ -271,6 +275,34 @@ class StreamingExpertProvider:
         for e in sorted(terms):
             acc[0] += terms[e]
         return acc.to(x.dtype)
+
+    def _start_window(self, layer: int, keys: list[ExpertKey]
+                      ) -> tuple[contextlib.ExitStack, Iterator[dict]]:
+        """Start a decode window's reads, then queue the last hint's guesses behind its misses:
+        (the stack holding its pins until closed, its batches as `_arrivals` yields them)."""
+        pins = contextlib.ExitStack()
+        try:
+            batches = pins.enter_context(self._arrivals(keys, False, self.decode_depth))
+            self._speculate()
+        except BaseException:
+            pins.close()
+            raise
+        return pins, batches
+
+    def _window(self, layer: int, keys: list[ExpertKey]
+                ) -> tuple[contextlib.ExitStack, Iterator[dict]]:
+        """The window the hint started for these keys, else one started now."""
+        started, self._started = self._started, None
+        if started is not None:
+            if started[:2] == (layer, keys):
+                return started[2:]
+            started[2].close()  # not what this call needs (a hint without its run_experts)
+        return self._start_window(layer, keys)
+
+    def _drop_started(self) -> None:
+        started, self._started = self._started, None
+        if started is not None:
+            started[2].close()
 
     @contextlib.contextmanager
     def _landed(self, keys: list[ExpertKey], transient: bool) -> Iterator[dict]:
@@ -365,9 +397,22 @@ class StreamingExpertProvider:
         """Score earlier guesses against `actual` [T, K] (this layer's route), cancel queued
         guesses no longer predicted, and keep the experts of `predicted` ({later layer: ids
         [T, K]}, depth 1 first: the model guesses in one-token decode steps only) at the depths
-        whose guesses have been right often enough (`guessing_depths`) for `run_experts` to read
-        once this layer's misses are queued: issued here, a guess would take a place in the
-        decode depth before the misses of the layer about to compute. Returns the kept keys."""
+        whose guesses have been right often enough (`guessing_depths`), to be read once this
+        layer's misses are queued: before them, a guess would take a place in the decode depth
+        the misses of the layer about to compute need. In a one-token step, this layer's first
+        window then starts reading here, so its reads overlap what the block computes before
+        `run_experts` (the latent projection, the shared expert). Returns the kept keys."""
+        self._drop_started()
+        keys = self._keep_guesses(layer, actual, predicted)
+        if actual.shape[0] == 1 and not self._closed:
+            needed = [(int(layer), int(e)) for e in torch.unique(actual[actual >= 0]).tolist()]
+            window = needed[:max(1, self.cache.quota((layer, 0)))]
+            self._started = (layer, window, *self._start_window(layer, window))
+        return keys
+
+    def _keep_guesses(self, layer: int, actual: torch.Tensor,
+                      predicted: Mapping[int, torch.Tensor]) -> list[ExpertKey]:
+        """`hint`'s scoring and guess keeping: the guesses to read after this layer's misses."""
         self.score.add_actual(layer, actual)
         self._guesses = []  # an earlier hint's guesses not read by now are for a past layer
         if layer == self._first_layer:
@@ -437,6 +482,7 @@ class StreamingExpertProvider:
         if self._closed:
             return
         self._closed = True
+        self._drop_started()
         if self.warm is not None:
             self.warm.stop()  # no new warm reads; the shutdown cancels the queued ones
         try:
