@@ -276,7 +276,7 @@ class StreamingExpertProvider:
             acc[0] += terms[e]
         return acc.to(x.dtype)
 
-    def _start_window(self, layer: int, keys: list[ExpertKey]
+    def _start_window(self, keys: list[ExpertKey]
                       ) -> tuple[contextlib.ExitStack, Iterator[dict]]:
         """Start a decode window's reads, then queue the last hint's guesses behind its misses:
         (the stack holding its pins until closed, its batches as `_arrivals` yields them)."""
@@ -297,7 +297,7 @@ class StreamingExpertProvider:
             if started[:2] == (layer, keys):
                 return started[2:]
             started[2].close()  # not what this call needs (a hint without its run_experts)
-        return self._start_window(layer, keys)
+        return self._start_window(keys)
 
     def _drop_started(self) -> None:
         started, self._started = self._started, None
@@ -407,7 +407,7 @@ class StreamingExpertProvider:
         if actual.shape[0] == 1 and not self._closed:
             needed = [(int(layer), int(e)) for e in torch.unique(actual[actual >= 0]).tolist()]
             window = needed[:max(1, self.cache.quota((layer, 0)))]
-            self._started = (layer, window, *self._start_window(layer, window))
+            self._started = (layer, window, *self._start_window(window))
         return keys
 
     def _keep_guesses(self, layer: int, actual: torch.Tensor,
