@@ -418,6 +418,42 @@ def test_a_reader_that_completes_inside_read_into_does_not_recurse():
         assert all(np.array_equal(cache.data(k), pattern(k)) for k in many)
 
 
+class RefusingReader(HeldReader):
+    """A HeldReader whose read_into raises at once for the keys in `refuse` (a closed reader,
+    a bad request): the failure reaches the prefetcher on whichever thread handed it over."""
+
+    def __init__(self, refuse):
+        super().__init__()
+        self.refuse = set(refuse)
+
+    def read_into(self, part, offset, length, buf, digest=None):
+        if key_of(offset) in self.refuse:
+            raise ValueError(f"refused {key_of(offset)}")
+        return super().read_into(part, offset, length, buf, digest)
+
+
+def test_a_read_refused_at_hand_over_fails_its_key_and_the_pump_goes_on():
+    """read_into raising fails only that read (slot aborted, PrefetchError naming it), whether
+    the caller's demand handed it over or a landing did on its own thread, and the reads queued
+    behind it still go."""
+    misses = keys(1, 4)
+    reader, cache = RefusingReader(refuse={misses[0], misses[2]}), SpyCache()
+    with Prefetcher(reader, locate, cache, read_depth=1, max_inflight_bytes=64 * REC) as pf:
+        futs = pf.demand(misses)  # (1, 0) refused inside demand; (1, 1) handed over after it
+        assert reader.inflight() == [misses[1]]
+        reader.land(misses[1])  # this landing hands over (1, 2): refused; then (1, 3)
+        assert reader.inflight() == [misses[3]]
+        reader.land(misses[3])
+        for key in misses:
+            if key in reader.refuse:
+                with pytest.raises(PrefetchError, match=f"expert {key[1]}.*refused"):
+                    futs[key].result(T_OUT)
+            else:
+                assert futs[key].result(T_OUT) == cache.where(key)
+        assert sorted(cache.aborted) == [misses[0], misses[2]]
+        assert pf.stats.failed_reads == 2 and pf.inflight()["inflight_reads"] == 0
+
+
 def test_inflight_bytes_never_exceed_budget(make):
     budget = 3 * REC
     pf, reader, cache = make(reader=FakeReader(gated=True), max_inflight_bytes=budget,
