@@ -454,6 +454,26 @@ def test_a_read_refused_at_hand_over_fails_its_key_and_the_pump_goes_on():
         assert pf.stats.failed_reads == 2 and pf.inflight()["inflight_reads"] == 0
 
 
+def test_a_pump_that_fails_still_resolves_the_read_that_landed(monkeypatch, caplog):
+    """The pump a landing runs comes before its future resolves (the drive first); should it
+    raise (a bug), the landed read still resolves, the error is logged by the future's callback
+    runner, and the next pump hands over what was left queued."""
+    reader, cache = HeldReader(), SpyCache()
+    with Prefetcher(reader, locate, cache, read_depth=1, max_inflight_bytes=64 * REC) as pf:
+        futs = pf.demand(keys(1, 2))
+        pick = pf._pick_locked
+        monkeypatch.setattr(pf, "_pick_locked", lambda: (_ for _ in ()).throw(RuntimeError("bug")))
+        reader.land((1, 0))
+        assert futs[(1, 0)].result(T_OUT) == cache.where((1, 0))
+        assert "bug" in caplog.text and not reader.inflight()
+        monkeypatch.setattr(pf, "_pick_locked", pick)
+        more = pf.demand([(1, 2)])  # the next pump: (1, 1) first, as it was queued first
+        assert reader.inflight() == [(1, 1)]
+        reader.land((1, 1))
+        reader.land((1, 2))
+        assert pf.wait({**futs, **more}, timeout=T_OUT).keys() == set(keys(1, 3))
+
+
 def test_inflight_bytes_never_exceed_budget(make):
     budget = 3 * REC
     pf, reader, cache = make(reader=FakeReader(gated=True), max_inflight_bytes=budget,

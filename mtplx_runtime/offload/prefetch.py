@@ -537,13 +537,15 @@ class Prefetcher:
             spec = job.speculative  # fixed from here: the key has left _jobs, no promotion
             del self._jobs[job.key]
             self._cond.notify_all()  # _wait_idle
-        self._pump()  # the freed place first: the drive gets its next read before any caller
-        if error is None:
-            job.future.set_result(job.slot)
-            if spec:  # nobody waits on a guess: its bytes are recorded now
-                self._record(job.key, job.future, 0.0, job)
-        else:
-            job.future.set_exception(self._error(job, error))
+        try:
+            self._pump()  # the freed place first: the drive gets its next read before any caller
+        finally:  # resolved whatever the pump raised: a waiting caller must not hang
+            if error is None:
+                job.future.set_result(job.slot)
+                if spec:  # nobody waits on a guess: its bytes are recorded now
+                    self._record(job.key, job.future, 0.0, job)
+            else:
+                job.future.set_exception(self._error(job, error))
 
     def _error(self, job: _Job, cause: BaseException) -> PrefetchError:
         parts = getattr(self.reader, "parts", None)
