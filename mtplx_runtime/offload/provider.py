@@ -197,7 +197,7 @@ class StreamingExpertProvider:
         reference codec decode, as ResidentExpertProvider). Blocks until every read has landed;
         the model itself computes through `run_experts` instead."""
         keys = [(int(layer), int(e)) for e in ids]
-        room = max(1, self.cache.quota((layer, 0)))
+        room = self._room(layer)
         out = {}
         for i in range(0, len(keys), room):
             with self._landed(keys[i:i + room], transient=False) as refs:
@@ -223,7 +223,7 @@ class StreamingExpertProvider:
         """
         if self._closed:
             raise RuntimeError("StreamingExpertProvider is closed")
-        keys = [(int(layer), int(e)) for e in torch.unique(ids[ids >= 0]).tolist()]  # ascending
+        keys = self._keys(layer, ids)
         if self.warm is not None:
             self.warm.add(layer, ids)
         if ids.shape[0] == 1:
@@ -243,7 +243,7 @@ class StreamingExpertProvider:
         self.prefill_uses += int((ids >= 0).sum())
         self.prefill_unique += len(keys)
         # Transient misses need a transient slot each; otherwise the layer's device quota.
-        room = self._transient_slots if transient else max(1, self.cache.quota((layer, 0)))
+        room = self._transient_slots if transient else self._room(layer)
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, R]
         for i in range(0, len(keys), room):
             with self._landed(keys[i:i + room], transient) as refs:
@@ -256,7 +256,7 @@ class StreamingExpertProvider:
         runs as one kernel call with one row per expert (x repeated, K = 1), each row an
         expert's own product w * y added to zero, so it is exactly that expert's term; the
         terms then add in ascending id, as the reference's accumulator does."""
-        room = max(1, self.cache.quota((layer, 0)))
+        room = self._room(layer)
         picks = {int(e): k for k, e in enumerate(ids[0].tolist()) if e >= 0}
         terms: dict[int, torch.Tensor] = {}
         for i in range(0, len(keys), room):
@@ -275,6 +275,15 @@ class StreamingExpertProvider:
         for e in sorted(terms):
             acc[0] += terms[e]
         return acc.to(x.dtype)
+
+    @staticmethod
+    def _keys(layer: int, ids: torch.Tensor) -> list[ExpertKey]:
+        """The distinct experts of a route [T, K] (-1: no pick), ascending."""
+        return [(int(layer), int(e)) for e in torch.unique(ids[ids >= 0]).tolist()]
+
+    def _room(self, layer: int) -> int:
+        """Keys per window outside prefill's transient pool: the layer's device quota."""
+        return max(1, self.cache.quota((layer, 0)))
 
     def _start_window(self, keys: list[ExpertKey]
                       ) -> tuple[contextlib.ExitStack, Iterator[dict]]:
@@ -405,8 +414,7 @@ class StreamingExpertProvider:
         self._drop_started()
         keys = self._keep_guesses(layer, actual, predicted)
         if actual.shape[0] == 1 and not self._closed:
-            needed = [(int(layer), int(e)) for e in torch.unique(actual[actual >= 0]).tolist()]
-            window = needed[:max(1, self.cache.quota((layer, 0)))]
+            window = self._keys(layer, actual)[:self._room(layer)]
             self._started = (layer, window, *self._start_window(window))
         return keys
 
