@@ -27,6 +27,9 @@ smaller bound, the check share (seconds the reader threads spent hashing in deco
 threads, / decode time: the cost if none of it overlapped anything), the record checks passed by
 XXH3 alone / by SHA-256, and the bytes actually read per second of decode (`read_gbps`) next to
 the raw sequential (the faster of the round's two) and best random-read rates of the same round,
+the random-read rate at the line's decode depth (the faster sweep; `n/a` when --depths lacks it)
+and `ratio_at_decode_depth`, `read_gbps` over it (a diagnostic, not a bound: the part of `ratio`'s
+gap that the drive's slower answer at that depth does not explain),
 and where decode time went: `kernel_share` (in the kernel backend's calls), `overlap_share` (of
 that, with a read in the reader: compute the drive overlapped) and `drive_busy_share` (with a
 read in the reader, its check included: the drive's duty; an I/O-bound decode needs it near 1).
@@ -614,6 +617,7 @@ def main(argv=None) -> int:
             # The bound takes the faster sweep: the round's lines ran between the two.
             disk = max(disk, end_disk)
             best = max(*rates.values(), *end_rates.values())
+            at_depth = {d: max(v, end_rates.get(d, 0.0)) for d, v in rates.items()}
             for rd, la, dd, verify, r in done:
                 # The drive's best random-read rate at the record size, not its sequential
                 # rate: decode reads whole records in random order.
@@ -623,6 +627,12 @@ def main(argv=None) -> int:
                 compute_bound = 1.0 / (r["trunk_s"] + a.layers * k * t_exp)
                 ratio = r["tok_s"] / min(io_bound, compute_bound)
                 beaten += ratio > 1.0
+                # The drive's rate at the depth decode read at: how much of `ratio`'s gap is
+                # the drive's answer to that depth, and how much the decode's idle time.
+                rate_dd = at_depth.get(dd)
+                at_dd = (f"random_read_gbps_at_decode_depth={rate_dd / 1e9:.3f} "
+                         f"ratio_at_decode_depth={r['read_bps'] / rate_dd:.2f}" if rate_dd
+                         else "random_read_gbps_at_decode_depth=n/a ratio_at_decode_depth=n/a")
                 print(f"round={rep} resident_dtype={rd} lookahead={la} verify={verify} "
                       f"decode_depth={dd} "
                       f"tok_s={r['tok_s']:.3f} "
@@ -636,7 +646,7 @@ def main(argv=None) -> int:
                       f"checks_xxh3/sha256={r['checks']} "
                       f"read_gbps={r['read_bps'] / 1e9:.3f} "
                       f"raw_odirect_seq_gbps={disk / 1e9:.3f} "
-                      f"random_read_gbps={best / 1e9:.3f} "
+                      f"random_read_gbps={best / 1e9:.3f} {at_dd} "
                       f"kernel_share={r['kernel_share']:.3f} "
                       f"overlap_share={r['overlap_share']:.3f} "
                       f"drive_busy_share={r['drive_busy_share']:.3f}"
