@@ -55,8 +55,12 @@ def test_staged_reads_land_in_the_slot_after_the_guard(part):
         assert log == ["wait", "copy"]  # the event is waited on before the slot is written
         assert np.array_equal(slots[1], data[PAGE:3 * PAGE])
         digest = hashlib.sha256(data[:PAGE].tobytes()).hexdigest()
-        assert dr.read_into(0, 0, PAGE, slots[0], digest=digest).result() == PAGE
-        assert log == ["wait", "copy", "copy"]  # slot 0 had no kernel: no wait; slot 1's is gone
+        def on_read():
+            log.append("read")
+
+        assert dr.read_into(0, 0, PAGE, slots[0], digest=digest, on_read=on_read).result() == PAGE
+        # slot 0 had no kernel: no wait; slot 1's is gone. The drive is done before the copy.
+        assert log == ["wait", "copy", "read", "copy"]
         assert np.array_equal(slots[0][:PAGE], data[:PAGE])
         futs = [dr.read_into(0, i * PAGE, PAGE, slots[i % 2]) for i in range(4)]
         assert [f.result() for f in futs] == [PAGE] * 4

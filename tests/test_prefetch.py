@@ -48,7 +48,8 @@ def pattern(key, n=REC):
 
 class FakeReader:
     """Async reads on its own threads; optional gate holds every read until released.
-    Instruments bytes in flight (max_bytes) and the order reads start."""
+    Instruments bytes in flight (max_bytes) and the order reads start. Calls on_read once the
+    bytes are in, before the future resolves, as RecordReader does."""
 
     parts = [("bank.bin", 1 << 40, 0)]
 
@@ -64,7 +65,7 @@ class FakeReader:
         self.reads: Counter = Counter()
         self.on_land = lambda: None  # called as each read lands, before its future resolves
 
-    def read_into(self, part, offset, length, buf, digest=None):
+    def read_into(self, part, offset, length, buf, digest=None, on_read=None):
         fut: Future = Future()
         key = key_of(offset)
         with self.lock:
@@ -86,8 +87,10 @@ class FakeReader:
                     self.cur_bytes -= length
                 fut.set_exception(e)
                 return
-            with self.lock:  # before set_result: the budget frees on completion
+            with self.lock:  # before on_read: the budget frees once the bytes are in
                 self.cur_bytes -= length
+            if on_read is not None:
+                on_read()
             self.on_land()
             fut.set_result(n)
 
@@ -243,22 +246,24 @@ def test_demand_goes_before_queued_speculation(make, limit):
 
 class HeldReader:
     """Reads that land only on command: `read_into` returns a pending future and `land(key)`
-    fills the slot and resolves it on the calling thread. Counts reads in flight (and their peak)
-    under a condition, so tests wait for an exact count, never for time."""
+    fills the slot, calls on_read and resolves it on the calling thread; `bytes_in(key)` does
+    only the first two (the check still running). Counts reads in flight (and their peak) under
+    a condition, so tests wait for an exact count, never for time."""
 
     parts = [("bank.bin", 1 << 40, 0)]
 
     def __init__(self):
         self.cond = threading.Condition()
-        self.held: dict = {}  # key -> (buffer, future), in the order the reads started
+        self.held: dict = {}  # key -> (buffer, future, on_read), in the order reads started
+        self.checking: dict = {}  # key -> future: bytes in, not resolved
         self.peak = 0
         self.peak_by_layer: Counter = Counter()  # most reads of each layer in flight at once
 
-    def read_into(self, part, offset, length, buf, digest=None):
+    def read_into(self, part, offset, length, buf, digest=None, on_read=None):
         fut: Future = Future()
         key = key_of(offset)
         with self.cond:
-            self.held[key] = (buf, fut)
+            self.held[key] = (buf, fut, on_read)
             self.peak = max(self.peak, len(self.held))
             now = Counter(k[0] for k in self.held)
             for layer, n in now.items():
@@ -276,10 +281,22 @@ class HeldReader:
             assert self.cond.wait_for(lambda: pred(list(self.held)), T_OUT), list(self.held)
             return list(self.held)
 
-    def land(self, key) -> None:
+    def bytes_in(self, key) -> None:
         with self.cond:
-            buf, fut = self.held.pop(key)
+            buf, fut, on_read = self.held.pop(key)
+            self.checking[key] = fut
         buf[:REC] = pattern(key)
+        if on_read is not None:
+            on_read()
+
+    def land(self, key) -> None:
+        if key in self.checking:
+            with self.cond:
+                fut = self.checking.pop(key)
+        else:
+            self.bytes_in(key)
+            with self.cond:
+                fut = self.checking.pop(key)
         fut.set_result(REC)
 
 
@@ -300,8 +317,8 @@ def test_demand_and_lookahead_reads_share_the_read_depth():
         on = reader.wait_inflight(lambda ks: len(ks) == depth)
         assert sorted(on) == sorted(guesses[:4] + misses[:4])
         assert pf.inflight() == {"inflight_bytes": depth * REC, "inflight_reads": depth,
-                                 "inflight_spec_reads": 4, "queued_demand": 2, "queued_spec": 4,
-                                 "spec_bytes": 8 * REC}
+                                 "inflight_spec_reads": 4, "checking_reads": 0, "queued_demand": 2,
+                                 "queued_spec": 4, "spec_bytes": 8 * REC}
         # A guess lands: its place goes to the next miss, not to the next guess.
         reader.land(guesses[0])
         on = reader.wait_inflight(lambda ks: len(ks) == depth)
@@ -398,8 +415,10 @@ class SyncReader:
 
     parts = [("bank.bin", 1 << 40, 0)]
 
-    def read_into(self, part, offset, length, buf, digest=None):
+    def read_into(self, part, offset, length, buf, digest=None, on_read=None):
         buf[:length] = pattern(key_of(offset), length)
+        if on_read is not None:
+            on_read()
         fut: Future = Future()
         fut.set_result(length)
         return fut
@@ -426,10 +445,10 @@ class RefusingReader(HeldReader):
         super().__init__()
         self.refuse = set(refuse)
 
-    def read_into(self, part, offset, length, buf, digest=None):
+    def read_into(self, part, offset, length, buf, digest=None, on_read=None):
         if key_of(offset) in self.refuse:
             raise ValueError(f"refused {key_of(offset)}")
-        return super().read_into(part, offset, length, buf, digest)
+        return super().read_into(part, offset, length, buf, digest, on_read)
 
 
 def test_a_read_refused_at_hand_over_fails_its_key_and_the_pump_goes_on():
@@ -472,6 +491,36 @@ def test_a_pump_that_fails_still_resolves_the_read_that_landed(monkeypatch, capl
         reader.land((1, 1))
         reader.land((1, 2))
         assert pf.wait({**futs, **more}, timeout=T_OUT).keys() == set(keys(1, 3))
+
+
+def test_a_landed_read_gives_its_place_to_the_next_before_its_check_ends():
+    """The depth counts reads at the drive: once a read's bytes are in (on_read), the next read
+    goes while the first is still being checked, and the first's slot is committed only when
+    its check has passed. A guess demanded while it is checked gives back no place twice."""
+    reader, cache = HeldReader(), SpyCache()
+    with Prefetcher(reader, locate, cache, read_depth=1, max_inflight_bytes=64 * REC) as pf:
+        futs = pf.demand(keys(1, 2))
+        assert reader.inflight() == [(1, 0)]
+        reader.bytes_in((1, 0))  # its check is running: (1, 1) goes to the drive meanwhile
+        assert reader.inflight() == [(1, 1)]
+        assert not futs[(1, 0)].done() and not cache.ready((1, 0))
+        assert pf.inflight()["inflight_reads"] == 1 and pf.inflight()["checking_reads"] == 1
+        reader.land((1, 0))
+        assert futs[(1, 0)].result(T_OUT) == cache.where((1, 0)) and cache.ready((1, 0))
+        assert pf.inflight()["checking_reads"] == 0
+        reader.land((1, 1))
+        assert pf.wait(futs, timeout=T_OUT).keys() == set(keys(1, 2))
+        guess = (2, 0)
+        assert pf.speculate([guess]) == [guess]
+        reader.bytes_in(guess)
+        assert pf.inflight()["inflight_spec_reads"] == 0
+        more = pf.demand([guess])  # promoted while checked: its place was already given back
+        assert pf.inflight()["inflight_spec_reads"] == 0 and pf.stats.spec_used == 1
+        reader.land(guess)
+        assert pf.wait(more, timeout=T_OUT).keys() == {guess}
+        assert pf.inflight() == {"inflight_bytes": 0, "inflight_reads": 0,
+                                 "inflight_spec_reads": 0, "checking_reads": 0,
+                                 "queued_demand": 0, "queued_spec": 0, "spec_bytes": 0}
 
 
 def test_inflight_bytes_never_exceed_budget(make):
@@ -825,7 +874,7 @@ class ManualClock:
         return self.now
 
 
-def test_busy_seconds_count_only_time_with_a_read_in_the_reader(make, monkeypatch):
+def test_busy_seconds_count_only_time_with_a_read_at_the_drive(make, monkeypatch):
     from mtplx_runtime.offload import prefetch
 
     clock = ManualClock()
@@ -851,3 +900,13 @@ def test_busy_seconds_count_only_time_with_a_read_in_the_reader(make, monkeypatc
     pf.wait(futs, timeout=T_OUT)
     until(lambda: pf.inflight()["inflight_reads"] == 0)
     assert pf.busy_seconds() == pytest.approx(2.5)
+    # A read whose bytes are in is being checked, not read: that time is not the drive's.
+    held = HeldReader()
+    with Prefetcher(held, locate, SpyCache(), read_depth=1, max_inflight_bytes=64 * REC) as pf2:
+        futs = pf2.demand(keys(1, 1))
+        clock.now += 1.0
+        held.bytes_in((1, 0))
+        clock.now += 3.0  # its check
+        held.land((1, 0))
+        pf2.wait(futs, timeout=T_OUT)
+        assert pf2.busy_seconds() == pytest.approx(1.0) == pf2.stats.busy_ms / 1e3

@@ -275,10 +275,10 @@ class _ReorderingReader:
         self._n = 0
         self._lock = threading.Lock()
 
-    def read_into(self, part, offset, length, buf, digest=None):
+    def read_into(self, part, offset, length, buf, digest=None, on_read=None):
         with self._lock:
             i, self._n = self._n, self._n + 1
-        inner = self.reader.read_into(part, offset, length, buf, digest=digest)
+        inner = self.reader.read_into(part, offset, length, buf, digest=digest, on_read=on_read)
         out: Future = Future()
         out.set_running_or_notify_cancel()
 

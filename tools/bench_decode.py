@@ -31,8 +31,9 @@ the random-read rate at the line's decode depth (the faster sweep; `n/a` when --
 and `ratio_at_decode_depth`, `read_gbps` over it (a diagnostic, not a bound: the part of `ratio`'s
 gap that the drive's slower answer at that depth does not explain),
 and where decode time went: `kernel_share` (in the kernel backend's calls), `overlap_share` (of
-that, with a read in the reader: compute the drive overlapped) and `drive_busy_share` (with a
-read in the reader, its check included: the drive's duty; an I/O-bound decode needs it near 1).
+that, with a read at the drive: compute the drive overlapped) and `drive_busy_share` (with a read
+at the drive: its duty; an I/O-bound decode needs it near 1; a landed record's check does not
+count, the next read starts beside it).
 Before each measurement the bank is written back (sync) and dropped from the page cache
 (posix_fadvise DONTNEED), and mincore checks it really left (the run stops otherwise). The
 cache's slot memory is written once before the prompt (`prefault_s` on the line): fresh memory

@@ -108,30 +108,36 @@ class DeviceReader:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mtplx-devread")
 
     def read_into(self, part: int, offset: int, length: int, buf, *,
-                  digest: Digest | None = None) -> Future[int]:
+                  digest: Digest | None = None,
+                  on_read: Callable[[], None] | None = None) -> Future[int]:
+        """RecordReader.read_into into device memory: `on_read` once the bytes are off the
+        drive (in staging, or on the device through kvikio), before the check and the copy."""
         if getattr(buf, "nbytes", length) < length:
             raise ValueError(f"destination holds {buf.nbytes} B, the read needs {length}")
         run = self._kvikio_read if self.kvikio else self._staged_read
-        return self._pool.submit(run, part, offset, length, buf, digest)
+        return self._pool.submit(run, part, offset, length, buf, digest, on_read)
 
-    def _staged_read(self, part, offset, length, buf, digest) -> int:
+    def _staged_read(self, part, offset, length, buf, digest, on_read) -> int:
         host = self._staging.get()  # never blocks: one buffer per pool thread
         try:
             view = host[:length]
-            self.reader.read_into(part, offset, length, view, digest=digest).result()
+            self.reader.read_into(part, offset, length, view, digest=digest,
+                                  on_read=on_read).result()
             self.guard.wait(buf)
             self._to_device(view, buf[:length])
         finally:
             self._staging.put(host)
         return length
 
-    def _kvikio_read(self, part, offset, length, buf, digest) -> int:
+    def _kvikio_read(self, part, offset, length, buf, digest, on_read) -> int:
         self.guard.wait(buf)
         with self._kvikio_lock:
             future = self._kvikio.read_into(part, offset, length, buf[:length])
         got = future.get()
         if got != length:
             raise OSError(f"part {part}: kvikio read {got} of {length} B at offset {offset}")
+        if on_read is not None:
+            on_read()
         if digest is not None:
             why = check_digest(digest.lower() if isinstance(digest, str) else digest,
                                memoryview(buf[:length].get()).cast("B"))

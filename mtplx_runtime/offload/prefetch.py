@@ -2,7 +2,8 @@
 
     demand(keys) / speculate(keys) -> reserve slot -> queue (demand | speculative)
         -> pump (read depth, byte budget, demand first) -> reader.read_into(slot buffer)
-        -> completion: commit|abort -> pump
+        -> bytes in (on_read): off the drive -> pump
+        -> completion (after the reader's check): commit|abort -> pump
 
 The ExpertCache owns slots and replacement; this module owns only the in-flight reads
 (ARCHITECTURE.md "Packages"). A read is queued until fewer than its depth of reads are in flight
@@ -11,6 +12,9 @@ few, so its records land one after another instead of all together at the end) a
 in-flight byte budget has room; queued demand reads always go before queued speculation, and
 speculation may only hold `speculative_fraction` of the budget and of the depth, so a window's
 misses start at once beside the lookahead's reads instead of queueing behind them.
+The depth and the budget count reads at the drive: a read whose bytes are in gives its place
+to the next one before its check runs (on_read), so a landed record's hash does not hold the
+drive's place; its slot is committed only once the check has passed.
 Speculative slots come from `cache.reserve(key, speculative=True)`, so whether a guess may
 displace a pinned or hotter expert is the cache's call (it answers None: skip). Reader futures
 cannot be cancelled: only *queued* reads are cancelled; a read already handed to the reader
@@ -29,6 +33,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
+from functools import partial
 
 from .reader import DEFAULT_READ_DEPTH, Digest, RecordHashError
 
@@ -76,9 +81,9 @@ class PrefetchStats:
     spec_skipped: int = 0      # speculate() keys refused: resident, in flight, no slot, cap
     failed_reads: int = 0
     stall_ms: float = 0.0      # time callers spent blocked in wait()
-    peak_inflight_bytes: int = 0  # high-water mark of bytes handed to the reader
-    peak_inflight_reads: int = 0  # high-water mark of reads handed to the reader (<= read_depth)
-    busy_ms: float = 0.0       # time with a read in the reader, over finished busy spells
+    peak_inflight_bytes: int = 0  # high-water mark of bytes at the drive
+    peak_inflight_reads: int = 0  # high-water mark of reads at the drive (<= read_depth)
+    busy_ms: float = 0.0       # time with a read at the drive, over finished busy spells
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -86,7 +91,7 @@ class PrefetchStats:
 
 class _Job:
     __slots__ = ("key", "part", "offset", "length", "digest", "slot", "future", "speculative",
-                 "depth", "state", "recorded")
+                 "depth", "state", "recorded", "at_drive")
 
     def __init__(self, key, part, offset, length, digest, slot, speculative, depth):
         self.key, self.part, self.offset, self.length = key, part, offset, length
@@ -96,20 +101,25 @@ class _Job:
         self.future._mtplx_job = self  # lets wait() find the read behind a caller's future
         self.state = "queued"  # queued -> running -> done
         self.recorded = False   # cache.record_read called for this read
+        self.at_drive = False   # handed to the reader, bytes not all in yet (counts in the depth)
 
 
 class Prefetcher:
     """Background reads of expert records into cache slots under a bounded in-flight byte budget.
 
-    `reader`: `read_into(part, offset, length, buf, digest=None) -> Future[int]` (RecordReader).
+    `reader`: `read_into(part, offset, length, buf, digest=None, on_read=None) -> Future[int]`
+    (RecordReader): `on_read()` once the bytes are in, before the check; a reader that never
+    calls it keeps the read's place at the drive until the future resolves.
     `locate(key)`: (part, absolute offset, length, digest | None) of one record, the digest a
     SHA-256 or a reader Check; KeyError when the key has no record.
     `cache`: an ExpertCache; this uses `reserve(key, *, speculative, transient)`, `buffer(ref)`,
     `commit(key)`, `abort(key)`, `record_read(key, nbytes, stall_ms)`, `where(key)`,
     `is_loading(key)` and `key in cache`.
-    `max_inflight_bytes`: bytes handed to the reader at once; a single record larger than the
-    budget runs alone. `read_depth`: reads handed to the reader at once; keep it at the reader's
-    own read depth so nothing queues inside the reader, where demand could not overtake it.
+    `max_inflight_bytes`: bytes at the drive at once; a single record larger than the budget
+    runs alone. `read_depth`: reads at the drive at once; keep it at the reader's own read depth
+    so nothing queues inside the reader, where demand could not overtake it (at the reader's
+    full depth, a read handed over while a reader thread still checks a landed record waits
+    there for that thread: a check is short next to a read).
     `speculative_fraction`: the share of the byte budget speculation may hold (queued or
     running) and of the read depth it may hold running (at least one read; of a speculate
     call's own `depth` when it gave one).
@@ -132,10 +142,11 @@ class Prefetcher:
         self._jobs: dict[ExpertKey, _Job] = {}  # queued or running, one per key
         self._demand_q: deque[_Job] = deque()
         self._spec_q: deque[_Job] = deque()
-        self._inflight_bytes = 0   # handed to the reader, not yet completed
+        self._inflight_bytes = 0   # at the drive: handed to the reader, bytes not all in
         self._inflight_reads = 0
-        self._busy_since: float | None = None  # time.monotonic() the reader last went busy
-        self._spec_running = 0     # speculative reads handed to the reader (<= spec_depth)
+        self._checking = 0         # bytes in, completion (the reader's check) still to come
+        self._busy_since: float | None = None  # time.monotonic() the drive last went busy
+        self._spec_running = 0     # speculative reads at the drive (<= spec_depth)
         self._spec_bytes = 0       # speculative bytes queued or running (the cap counts both)
         # Speculative reads committed, not yet settled: key -> time.monotonic() at landing.
         self._landed: dict[ExpertKey, float] = {}
@@ -336,18 +347,18 @@ class Prefetcher:
             yield group
 
     def busy_seconds(self) -> float:
-        """Seconds so far with at least one read in the reader, the spell now running included:
+        """Seconds so far with at least one read at the drive, the spell now running included:
         the difference over an interval is how long the drive had work in it."""
         with self._cond:
             now = 0.0 if self._busy_since is None else time.monotonic() - self._busy_since
             return self.stats.busy_ms / 1e3 + now
 
     def inflight(self) -> dict[str, int]:
-        """Snapshot: bytes and reads handed to the reader (all, speculative), queued demand /
-        speculative counts."""
+        """Snapshot: bytes and reads at the drive (all, speculative), reads in and being
+        checked, queued demand / speculative counts."""
         with self._cond:
             return {"inflight_bytes": self._inflight_bytes, "inflight_reads": self._inflight_reads,
-                    "inflight_spec_reads": self._spec_running,
+                    "inflight_spec_reads": self._spec_running, "checking_reads": self._checking,
                     "queued_demand": len(self._demand_q), "queued_spec": len(self._spec_q),
                     "spec_bytes": self._spec_bytes}
 
@@ -422,7 +433,7 @@ class Prefetcher:
         if job.state == "queued":
             self._spec_q.remove(job)
             self._demand_q.append(job)
-        elif job.state == "running":
+        elif job.at_drive:
             self._spec_running -= 1  # a demand read now: frees a speculative place
 
     def _drop_queued_locked(self, job: _Job) -> None:
@@ -451,7 +462,7 @@ class Prefetcher:
                 if not job.future.set_running_or_notify_cancel():  # the caller cancelled it
                     self._drop_queued_locked(job)
                     continue
-                job.state = "running"
+                job.state, job.at_drive = "running", True
                 if not self._inflight_reads:
                     self._busy_since = time.monotonic()
                 self._inflight_bytes += job.length
@@ -494,15 +505,42 @@ class Prefetcher:
                     raise ValueError(f"slot buffer holds {buf.nbytes} B, record needs "
                                      f"{job.length}")
                 fut = self.reader.read_into(job.part, job.offset, job.length, buf,
-                                            digest=job.digest)
+                                            digest=job.digest,
+                                            on_read=partial(self._on_read, job))
             except BaseException as e:
                 self._finish(job, None, e)
                 continue
             fut.add_done_callback(lambda f, job=job: self._finish(job, f, None))
 
+    def _off_drive_locked(self, job: _Job) -> bool:
+        """The job's place at the drive and its bytes of the budget are free (once): True if
+        this call freed them."""
+        if not job.at_drive:
+            return False
+        job.at_drive = False
+        self._inflight_bytes -= job.length
+        self._inflight_reads -= 1
+        if not self._inflight_reads:
+            self.stats.busy_ms += (time.monotonic() - self._busy_since) * 1e3
+            self._busy_since = None
+        if job.speculative:
+            self._spec_running -= 1
+        return True
+
+    def _on_read(self, job: _Job) -> None:
+        """The reader has every byte (its thread, before the check): the next read goes to
+        the drive while this one is checked."""
+        with self._cond:
+            if self._off_drive_locked(job):
+                self._checking += 1
+        try:
+            self._pump()
+        except Exception:  # a bug in the hand-over: logged; the landed bytes are not at fault
+            log.exception("handing reads to the reader after (%d, %d) landed failed", *job.key)
+
     def _finish(self, job: _Job, fut: Future | None, error: BaseException | None) -> None:
         """Completion (a reader thread; the pumping one when the hand-over failed): commit or
-        abort, free the budget, hand the reader what now fits, resolve."""
+        abort, free the budget if on_read has not, hand the reader what now fits, resolve."""
         if error is None:
             try:
                 n = fut.result()
@@ -511,14 +549,10 @@ class Prefetcher:
             except BaseException as e:
                 error = e
         with self._cond:
-            self._inflight_bytes -= job.length
-            self._inflight_reads -= 1
-            if not self._inflight_reads:
-                self.stats.busy_ms += (time.monotonic() - self._busy_since) * 1e3
-                self._busy_since = None
+            if not self._off_drive_locked(job):
+                self._checking -= 1
             if job.speculative:
                 self._spec_bytes -= job.length
-                self._spec_running -= 1
             if error is None:
                 try:
                     self.cache.commit(job.key)
@@ -579,7 +613,7 @@ class Prefetcher:
     def _wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._inflight_reads and time.monotonic() < deadline:
+            while (self._inflight_reads or self._checking) and time.monotonic() < deadline:
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
 
 

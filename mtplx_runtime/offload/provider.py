@@ -163,7 +163,7 @@ class StreamingExpertProvider:
         # pins, its batches), taken by run_experts.
         self._started: tuple | None = None
         self.stall_ms = 0.0       # time forwards spent blocked on reads (this provider's view)
-        # Time in the kernel backend's calls, and the part of it with a read in the reader: how
+        # Time in the kernel backend's calls, and the part of it with a read at the drive: how
         # much of the compute the drive overlapped (on a GPU, enqueue time only).
         self.kernel_ms = 0.0
         self.kernel_overlap_ms = 0.0
