@@ -12,8 +12,8 @@
  * Dequant, exactly formats/ctint.py `dequantize`: w = bf16_rne(fp32(q - zp) * fp32(scale)).
  * Per (row, group) the kernel builds that value for each of the 2^b codes and looks codes up in
  * it, so its weights equal the NumPy decode bit for bit. Paths: scalar; avx2 and avx512 decode
- * the dense layout with permutes (4-bit in split order on both: nib_split.h; 3-bit on avx2 for
- * one token straight into the FMAs); the legacy layout decodes with scalar code on every path
+ * the dense layout with permutes (4-bit in split order on both: nib_split.h; 3-bit for one token
+ * straight into the FMAs on both); the legacy layout decodes with scalar code on every path
  * (checkpoint conversion only) but still multiplies with the path's SIMD dot.
  */
 #include "block_rows.h"
@@ -62,15 +62,19 @@ __attribute__((target("avx2,fma"))) static inline __m256 lut8_avx2(int first, in
     return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 
-__attribute__((target(AVX512_TARGET))) static inline __m512 lut16_avx512(int zero, float s) {
+/* The decoded weight of code codes[l] in each lane l. */
+__attribute__((target(AVX512_TARGET))) static inline __m512 lut_avx512(__m512i codes, int zero,
+                                                                       float s) {
     __m512i u = _mm512_castps_si512(_mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_sub_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-            _mm512_set1_epi32(zero))),
-        _mm512_set1_ps(s)));
+        _mm512_cvtepi32_ps(_mm512_sub_epi32(codes, _mm512_set1_epi32(zero))), _mm512_set1_ps(s)));
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
     return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+__attribute__((target(AVX512_TARGET))) static inline __m512 lut16_avx512(int zero, float s) {
+    return lut_avx512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                      zero, s);
 }
 
 static inline const uint8_t *block_bytes(const mat_t *m, int r, int b) {
@@ -226,10 +230,60 @@ rows_legacy_avx2(const mat_t *m, const float *X, int ldx, int n, float *Y, int l
     rows_tpl_avx2(decode_legacy, m, X, ldx, n, Y, ldy, r0, r1, w);
 }
 
+/* avx512, 3 bits, one token: direct3_avx2's idea at 16 lanes, with the codes spread by byte
+ * shuffles instead of scalar shifts and broadcasts. Chunk c (codes 16c..16c+15, bits 48c..)
+ * is read as the u64 at byte 6c (byte 16 for c = 3, so no read passes the group's 24 bytes)
+ * broadcast to every 128-bit lane; lane dword j takes the two bytes holding code j's bits and
+ * shifts them down. Bits 3 and up of an index are the next code's (or another byte's): the
+ * table repeats its 8 values in lanes 8..15 and vpermps reads bits 0..3 only, so no mask. */
+__attribute__((target(AVX512_TARGET))) static inline __attribute__((always_inline)) void
+direct3_avx512(const mat_t *m, const float *x, int NR, float *y, int r, const uint8_t *next,
+               const __m512i ctl[2], const __m512i sh[2]) {
+    const __m512i codes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m512 acc[RB];
+    for (int i = 0; i < NR; i++) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < m->cols / BLOCK; b++) {
+        prefetch_slice(m, next, b);
+        __m512 xv[4];
+        for (int c = 0; c < 4; c++) xv[c] = _mm512_load_ps(x + (size_t)b * BLOCK + 16 * c);
+        for (int i = 0; i < NR; i++) {
+            int zero;
+            float s;
+            group_params(m, r + i, b, &zero, &s);
+            __m512 lut = lut_avx512(codes, zero, s);
+            const uint8_t *p = block_bytes(m, r + i, b);
+            for (int c = 0; c < 4; c++) {
+                __m512i q = _mm512_set1_epi64((long long)load_u64(p + (c < 3 ? 6 * c : 16)));
+                __m512i idx = _mm512_srlv_epi32(_mm512_shuffle_epi8(q, ctl[c == 3]), sh[c == 3]);
+                acc[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, lut), xv[c], acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++) y[r + i] = hsum512(acc[i]);
+}
+
 __attribute__((target(AVX512_TARGET))) static void rows3_avx512(const mat_t *m, const float *X,
                                                                 int ldx, int n, float *Y, int ldy,
                                                                 int r0, int r1, float *w) {
-    rows_tpl_avx512(decode3_avx512, m, X, ldx, n, Y, ldy, r0, r1, w);
+    if (n > 1) {
+        rows_tpl_avx512(decode3_avx512, m, X, ldx, n, Y, ldy, r0, r1, w);
+        return;
+    }
+    /* per dword j: bytes (3j + d) / 8 and the next of the u64, shifted by (3j + d) % 8; d = 0,
+     * or 16 for chunk 3's u64 (read at byte 16 instead of 18) */
+    uint8_t cb[2][64];
+    uint32_t sb[2][16];
+    for (int k = 0; k < 2; k++)
+        for (int j = 0; j < 16; j++) {
+            int pos = 3 * j + 16 * k, b0 = pos >> 3;
+            for (int t = 0; t < 4; t++) cb[k][4 * j + t] = (uint8_t)(t < 2 ? b0 + t : 0);
+            sb[k][j] = (uint32_t)(pos & 7);
+        }
+    const __m512i ctl[2] = {_mm512_loadu_si512(cb[0]), _mm512_loadu_si512(cb[1])};
+    const __m512i sh[2] = {_mm512_loadu_si512(sb[0]), _mm512_loadu_si512(sb[1])};
+    int r = r0;
+    for (; r + RB <= r1; r += RB) direct3_avx512(m, X, RB, Y, r, next_block(m, r, r1), ctl, sh);
+    for (; r < r1; r++) direct3_avx512(m, X, 1, Y, r, NULL, ctl, sh);
 }
 
 __attribute__((target(AVX512_TARGET))) static void rows4_avx512(const mat_t *m, const float *X,
