@@ -290,13 +290,10 @@ class HeldReader:
             on_read()
 
     def land(self, key) -> None:
-        if key in self.checking:
-            with self.cond:
-                fut = self.checking.pop(key)
-        else:
+        if key not in self.checking:
             self.bytes_in(key)
-            with self.cond:
-                fut = self.checking.pop(key)
+        with self.cond:
+            fut = self.checking.pop(key)
         fut.set_result(REC)
 
 
