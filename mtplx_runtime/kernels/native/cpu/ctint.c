@@ -271,16 +271,16 @@ __attribute__((target(AVX512_TARGET))) static void rows3_avx512(const mat_t *m, 
     }
     /* per dword j: bytes (3j + d) / 8 and the next of the u64, shifted by (3j + d) % 8; d = 0,
      * or 16 for chunk 3's u64 (read at byte 16 instead of 18) */
-    uint8_t cb[2][64];
-    uint32_t sb[2][16];
-    for (int k = 0; k < 2; k++)
-        for (int j = 0; j < 16; j++) {
-            int pos = 3 * j + 16 * k, b0 = pos >> 3;
-            for (int t = 0; t < 4; t++) cb[k][4 * j + t] = (uint8_t)(t < 2 ? b0 + t : 0);
-            sb[k][j] = (uint32_t)(pos & 7);
-        }
-    const __m512i ctl[2] = {_mm512_loadu_si512(cb[0]), _mm512_loadu_si512(cb[1])};
-    const __m512i sh[2] = {_mm512_loadu_si512(sb[0]), _mm512_loadu_si512(sb[1])};
+    const __m512i j3 = _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36, 39, 42,
+                                         45);
+    __m512i ctl[2], sh[2];
+    for (int k = 0; k < 2; k++) {
+        __m512i pos = _mm512_add_epi32(j3, _mm512_set1_epi32(16 * k));
+        __m512i b0 = _mm512_srli_epi32(pos, 3);
+        ctl[k] = _mm512_or_si512(b0, _mm512_slli_epi32(_mm512_add_epi32(b0, _mm512_set1_epi32(1)),
+                                                       8));
+        sh[k] = _mm512_and_si512(pos, _mm512_set1_epi32(7));
+    }
     int r = r0;
     for (; r + RB <= r1; r += RB) direct3_avx512(m, X, RB, Y, r, next_block(m, r, r1), ctl, sh);
     for (; r < r1; r++) direct3_avx512(m, X, 1, Y, r, NULL, ctl, sh);
