@@ -7,9 +7,9 @@ import hashlib
 import numpy as np
 import pytest
 
+from mtplx_runtime.offload.bank_reader import RecordHashError, RecordReader
 from mtplx_runtime.offload.buffers import aligned_buffer
 from mtplx_runtime.offload.device_io import DeviceReader, SlotGuard, kvikio_mode
-from mtplx_runtime.offload.reader import RecordHashError, RecordReader
 
 PAGE = 4096
 

@@ -809,8 +809,8 @@ def test_real_reader_reads_record_bytes_into_slots(tmp_path, monkeypatch):
     from mtplx_runtime.artifact.build import build_artifact
     from mtplx_runtime.artifact.manifest import load_manifest
     from mtplx_runtime.fixtures.tiny import make_tiny
+    from mtplx_runtime.offload.bank_reader import from_manifest
     from mtplx_runtime.offload.buffers import buffer_address
-    from mtplx_runtime.offload.reader import from_manifest
 
     make_tiny(tmp_path / "src", "t158")
     build_artifact(tmp_path / "src", tmp_path / "out", progress=False)

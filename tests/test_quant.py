@@ -29,7 +29,7 @@ from mtplx_runtime.engine.plan import (
     resident_bytes,
 )
 from mtplx_runtime.engine.tokenizer import load_tokenizer
-from mtplx_runtime.formats.residents import GROUP, quantizable
+from mtplx_runtime.formats.resident_layouts import GROUP, quantizable
 from mtplx_runtime.model import quant
 from mtplx_runtime.model.moe import LatentMoE, route
 from mtplx_runtime.model.quant import (

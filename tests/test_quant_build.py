@@ -31,7 +31,7 @@ from mtplx_runtime.checkpoint.safetensors_io import SafetensorsFile, write_safet
 from mtplx_runtime.cli import main as cli
 from mtplx_runtime.engine.plan import PlanError, make_plan
 from mtplx_runtime.fixtures.tiny import make_tiny
-from mtplx_runtime.formats.residents import GROUP, quantizable
+from mtplx_runtime.formats.resident_layouts import GROUP, quantizable
 from mtplx_runtime.model.quant import (
     Fp8Weight,
     Int4Packed,

@@ -19,8 +19,8 @@ from mtplx_runtime.cli import main as cli
 from mtplx_runtime.cli.demo import TRAINED
 from mtplx_runtime.engine.generate import generate
 from mtplx_runtime.engine.tokenizer import load_tokenizer
+from mtplx_runtime.formats.resident_layouts import FP8_MAX, quantized_bytes, stored_tensors
 from mtplx_runtime.formats.resident_quant import encode_fp8
-from mtplx_runtime.formats.residents import FP8_MAX, quantized_bytes, stored_tensors
 from mtplx_runtime.model import quant
 from mtplx_runtime.model.quant import (
     REFERENCE,

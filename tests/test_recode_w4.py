@@ -32,8 +32,12 @@ from mtplx_runtime.checkpoint.safetensors_io import (
 from mtplx_runtime.cli import recode_w4 as recode_w4_cli
 from mtplx_runtime.formats import get_codec
 from mtplx_runtime.formats.base import f32_to_bf16_bits
-from mtplx_runtime.formats.ctint import parse_quantization_config, weight_shape_tensor
-from mtplx_runtime.formats.w4recode import recode_packed_w3_to_w4, recode_zero_point_w3_to_w4
+from mtplx_runtime.formats.ctint import (
+    parse_quantization_config,
+    recode_packed_w3_to_w4,
+    recode_zero_point_w3_to_w4,
+    weight_shape_tensor,
+)
 
 # --- tensor level ---------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from mtplx_runtime.cli.serve import add_args, build, make_server  # noqa: E402
 from mtplx_runtime.engine.chat import ChannelText  # noqa: E402
 from mtplx_runtime.engine.generate import generate  # noqa: E402
 from mtplx_runtime.fixtures.tiny import make_tiny  # noqa: E402
-from mtplx_runtime.server.engine import StopFilter  # noqa: E402
+from mtplx_runtime.server.worker import StopFilter  # noqa: E402
 
 KEY = "sk-test-123"
 MODEL = "tiny"
@@ -484,7 +484,7 @@ def test_metrics(server):
 def test_engine_queue_bound_and_failures_do_not_kill_it(server, caplog):
     from types import SimpleNamespace
 
-    from mtplx_runtime.server.engine import Engine, QueueFull, Request
+    from mtplx_runtime.server.worker import Engine, QueueFull, Request
 
     gate = threading.Event()
 
@@ -513,7 +513,7 @@ def test_engine_queue_bound_and_failures_do_not_kill_it(server, caplog):
         gate.set()
         engine.close()
     assert engine.counters.failed == 2
-    logged = [r for r in caplog.records if r.name == "mtplx_runtime.server.engine"]
+    logged = [r for r in caplog.records if r.name == "mtplx_runtime.server.worker"]
     assert len(logged) == 2 and all("boom" in str(r.exc_info[1]) for r in logged)
 
 

@@ -96,11 +96,11 @@ from mtplx_runtime.artifact.manifest import MANIFEST_NAME, load_manifest
 from mtplx_runtime.engine.generate import GenerationStats, generate_step
 from mtplx_runtime.engine.presets import PresetError, add_config_arg, parse_args
 from mtplx_runtime.fixtures.k3_slice import make_k3_slice
-from mtplx_runtime.formats.residents import RESIDENT_DTYPES
+from mtplx_runtime.formats.resident_layouts import RESIDENT_DTYPES
 from mtplx_runtime.kernels import name_of, select_backend
+from mtplx_runtime.offload.bank_reader import DEFAULT_READ_DEPTH
 from mtplx_runtime.offload.buffers import PAGE_BYTES, aligned_buffer
 from mtplx_runtime.offload.provider import DEFAULT_DECODE_DEPTH, StreamingExpertProvider
-from mtplx_runtime.offload.reader import DEFAULT_READ_DEPTH
 from mtplx_runtime.profile import Trace, profile, replay_runtime
 from mtplx_runtime.profile import load as load_trace
 

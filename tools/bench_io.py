@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mtplx_runtime.offload.bank_reader import RecordReader, aligned_buffer
 from mtplx_runtime.offload.buffers import PAGE_BYTES
-from mtplx_runtime.offload.reader import RecordReader, aligned_buffer
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD_BYTES = 7_741_440  # KIMI_K3_T158_RECORD_BYTES, 4096 x 1890 (the --record-bytes default)

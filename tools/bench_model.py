@@ -40,7 +40,7 @@ import torch
 
 from mtplx_runtime.checkpoint import ModelConfig
 from mtplx_runtime.checkpoint.residents import resident_tensor_specs
-from mtplx_runtime.formats.residents import RESIDENT_DTYPES, quantizable
+from mtplx_runtime.formats.resident_layouts import RESIDENT_DTYPES, quantizable
 from mtplx_runtime.model.kimi_k3 import KimiK3
 from mtplx_runtime.model.load import group_residents, model_dtype
 from mtplx_runtime.model.moe import ExpertWeights, ResidentExpertProvider

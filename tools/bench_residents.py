@@ -32,7 +32,7 @@ from mtplx_runtime.cli.demo import PROMPT, TRAINED
 from mtplx_runtime.engine.generate import generate
 from mtplx_runtime.engine.tokenizer import load_tokenizer
 from mtplx_runtime.fixtures.tiny import make_tiny
-from mtplx_runtime.formats.residents import RESIDENT_DTYPES
+from mtplx_runtime.formats.resident_layouts import RESIDENT_DTYPES
 from mtplx_runtime.model.quant import Fp8Weight, shape_refusal
 
 EXCERPT = Path(__file__).resolve().parents[1] / "tests" / "data" / "kjv-heldout.txt"

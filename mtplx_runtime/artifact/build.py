@@ -29,7 +29,7 @@ from ..checkpoint import open_checkpoint
 from ..formats import FormatError
 from ..formats.ctint import pack_codes, pack_zero_points, unpack_codes, unpack_zero_points
 from ..formats.record import PROJECTIONS, RecordLayout, part_name, quantization_for, record_layout
-from ..formats.residents import RESIDENT_DTYPES
+from ..formats.resident_layouts import RESIDENT_DTYPES
 from ..formats.t158 import encode_t158
 from .journal import JOURNAL_FORMAT, BuildError, fsync_dir
 from .manifest import load_manifest, write_manifest

@@ -6,7 +6,7 @@ reading").
               else hash the whole file -> mismatch: IntegrityError naming the file
                                        -> match: write a receipt for the next load
 
-Records are checked where they are read (offload/reader.py hashes every record read against its
+Records are checked where they are read (offload/bank_reader.py hashes every record read against its
 manifest SHA-256), so only the resident shards need this pass. Hashing ~100 GiB of K3 residents
 takes about a minute, so a verified shard leaves a *receipt*: its device, inode, size, mtime and
 ctime. Any write to the file changes its ctime (which no user tool can set back), so a shard

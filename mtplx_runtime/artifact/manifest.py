@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..checkpoint.safetensors_io import CheckpointError, no_duplicate_keys, read_regular
 from ..formats.record import ALIGNMENT, MODES, PAD
-from ..formats.residents import RESIDENT_DTYPES
+from ..formats.resident_layouts import RESIDENT_DTYPES
 
 FORMAT = "mtplx-expert-manifest-v1"
 MANIFEST_NAME = "expert-manifest.json"

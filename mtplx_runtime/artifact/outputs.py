@@ -21,8 +21,8 @@ import numpy as np
 
 from ..checkpoint.residents import resident_tensor_specs
 from ..formats.record import ALIGNMENT, quantization_for
+from ..formats.resident_layouts import stored_tensors
 from ..formats.resident_quant import encode_stored
-from ..formats.residents import stored_tensors
 from . import part as _part
 from .journal import BuildError, fsync_dir
 from .manifest import (

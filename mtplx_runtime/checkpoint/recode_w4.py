@@ -28,9 +28,10 @@ from ..formats.ctint import (
     detect_layout,
     packed_width,
     parse_quantization_config,
+    recode_packed_w3_to_w4,
+    recode_zero_point_w3_to_w4,
     unpack_codes,
 )
-from ..formats.w4recode import recode_packed_w3_to_w4, recode_zero_point_w3_to_w4
 from .config import load_json
 from .safetensors_io import (
     ST_DTYPES,

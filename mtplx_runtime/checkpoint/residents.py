@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from ..formats.residents import stored_tensors
+from ..formats.resident_layouts import stored_tensors
 from .config import ModelConfig
 from .layouts import is_expert_tensor
 from .safetensors_io import CheckpointError, SafetensorsFile

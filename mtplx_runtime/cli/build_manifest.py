@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..formats.residents import RESIDENT_DTYPES
+from ..formats.resident_layouts import RESIDENT_DTYPES
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -109,8 +109,8 @@ def measure_disk_rate(artifact: Path, min_bytes: int = MIN_RATE_BYTES) -> tuple[
     (posix_fadvise DONTNEED), then the RecordReader reads every record."""
     from ..artifact.manifest import load_manifest
     from ..formats.record import align_up
+    from ..offload.bank_reader import from_manifest
     from ..offload.buffers import aligned_buffer
-    from ..offload.reader import from_manifest
 
     man = load_manifest(artifact / "expert-manifest.json")
     stride = align_up(max(r.sidecar_length for r in man.records))

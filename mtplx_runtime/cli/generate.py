@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..formats.residents import RESIDENT_DTYPES
+from ..formats.resident_layouts import RESIDENT_DTYPES
 from .model_dir import add_model_dir
 
 PROG = "mtplx generate"
@@ -74,8 +74,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="expert cache replacement policy (streaming)")
     p.add_argument("--lookahead", type=int, default=1,
                    help="prefetch experts this many layers ahead (streaming; 0 = off)")
+    from ..offload.bank_reader import DEFAULT_READ_DEPTH
     from ..offload.provider import DEFAULT_DECODE_DEPTH
-    from ..offload.reader import DEFAULT_READ_DEPTH
 
     p.add_argument("--read-depth", type=int, default=DEFAULT_READ_DEPTH, metavar="N",
                    help="expert reads in flight at once, a layer's misses and the lookahead's "

@@ -135,7 +135,7 @@ def model_id(args: argparse.Namespace) -> str:
 def build(args: argparse.Namespace):
     """(app, engine, runtime) from parsed flags; raises cli.generate.CliError on bad flags."""
     from ..server.app import App, ServerConfig
-    from ..server.engine import Engine
+    from ..server.worker import Engine
     from .generate import load_runtime
 
     check_args(args)

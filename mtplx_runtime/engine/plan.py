@@ -33,7 +33,7 @@ from ..artifact.manifest import DTYPE_BYTES, MANIFEST_NAME, load_manifest
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.residents import resident_tensor_specs
 from ..formats.record import align_up, record_layout
-from ..formats.residents import (
+from ..formats.resident_layouts import (
     RESIDENT_DTYPES,
     quantizable,
     quantized_bytes,
@@ -41,7 +41,7 @@ from ..formats.residents import (
 )
 from ..kernels import BACKENDS
 from ..kernels.cpu import NATIVE_MODES
-from ..offload.reader import DEFAULT_READ_DEPTH
+from ..offload.bank_reader import DEFAULT_READ_DEPTH
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2}
 ACT_BYTES = 4  # workspace activations are estimated in fp32 (the reference's fp32 islands)

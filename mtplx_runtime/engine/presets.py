@@ -25,7 +25,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser as a package (pyproject's marker)
     import tomli as tomllib
 
-from ..formats.residents import RESIDENT_DTYPES
+from ..formats.resident_layouts import RESIDENT_DTYPES
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 SIZES = ("memory_budget", "host_budget")

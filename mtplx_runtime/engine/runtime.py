@@ -29,8 +29,8 @@ from ..kernels import name_of, select_backend
 from ..model.kimi_k3 import KimiK3
 from ..model.load import check_resident_dtype, load_residents, model_dtype
 from ..model.moe import ResidentExpertProvider
+from ..offload.bank_reader import DEFAULT_READ_DEPTH
 from ..offload.provider import DEFAULT_DECODE_DEPTH, StreamingExpertProvider
-from ..offload.reader import DEFAULT_READ_DEPTH
 from ..offload.warm import WarmStart, warm_path
 from .plan import (
     DEFAULT_CONTEXT,
@@ -112,7 +112,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     time, then its learned XXH3: `offload.digests`) and every resident shard before use
     (`artifact.integrity.admit_shards`: hashed once, then trusted while the file is unchanged);
     False skips both. `read_depth` (streamed experts): reads in flight at once, a window's misses
-    and the lookahead's guesses together (`offload.reader.DEFAULT_READ_DEPTH`: BENCHMARKS.md
+    and the lookahead's guesses together (`offload.bank_reader.DEFAULT_READ_DEPTH`: BENCHMARKS.md
     "bench_io"); `decode_depth`: the fewer a one-token forward keeps in flight so its records
     land one by one and compute as they land (`offload.provider.DEFAULT_DECODE_DEPTH`).
     `warm` (streamed experts): 'off', 'auto' (the file beside the integrity receipts) or a

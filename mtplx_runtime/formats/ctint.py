@@ -404,3 +404,27 @@ class CtIntCodec(Codec):
         return dequantize(q, parts["weight_scale"], zp, parts.get("weight_g_idx"),
                           group_size=self.group_size)
 
+
+# ---- Exact W3 -> W4 recode (FORMAT.md "W4 recode") ----
+# 3-bit words (dense | legacy) -> u3 in [0, 7] -> u4 = u3 + 4 (= q + 8, in 4..11) -> 4-bit words.
+# The 4-bit packing is the same in every ct version, so the result is a standard W4A16 tensor
+# (vLLM `uint4b8`, or `uint4` with zero points); scales, weight_shape and g_idx are unchanged.
+
+# u4 = q + 8 = (u3 - 4) + 8
+_W4_SHIFT = code_offset(4) - code_offset(3)
+
+
+def recode_packed_w3_to_w4(words: np.ndarray, cols: int, layout: str) -> np.ndarray:
+    """3-bit `weight_packed` int32 [rows, W3] in `layout` -> 4-bit int32 [rows, ceil(cols/8)].
+
+    `cols` comes from `weight_shape`; the 3-bit width must match it (FormatError otherwise).
+    """
+    u3 = unpack_codes(words, 3, layout, cols)  # [rows, cols] uint8
+    return pack_codes(u3 + np.uint8(_W4_SHIFT), 4)
+
+
+def recode_zero_point_w3_to_w4(words: np.ndarray, rows: int, layout: str) -> np.ndarray:
+    """3-bit `weight_zero_point` int32 [W3(rows), G], packed along dim 0 -> 4-bit int32
+    [ceil(rows/8), G], also packed along dim 0."""
+    u3 = unpack_codes(np.asarray(words).T, 3, layout, rows)  # [G, rows]
+    return np.ascontiguousarray(pack_codes(u3 + np.uint8(_W4_SHIFT), 4).T)

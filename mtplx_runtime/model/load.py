@@ -15,7 +15,7 @@ import torch
 
 from ..checkpoint import Checkpoint, resident_tensor_specs
 from ..checkpoint.residents import BACKBONE, LM_HEAD
-from ..formats.residents import (
+from ..formats.resident_layouts import (
     RESIDENT_DTYPES,
     quantizable,
     resolve_resident_dtype,
@@ -80,7 +80,7 @@ def check_resident_dtype(resident_dtype: str | None, dtype: torch.dtype) -> None
 def load_residents(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu",
                    resident_dtype: str | None = None):
     """The checkpoint's residents grouped by `group_residents`, in the model dtype. The matrices
-    of `formats.residents.quantizable` are read as stored by an artifact built with
+    of `formats.resident_layouts.quantizable` are read as stored by an artifact built with
     `--resident-dtype` (then `resident_dtype` must be None or that dtype), or, from bf16 ones,
     quantized one at a time as they load when `resident_dtype` is int8/int4/fp8 (peak: the
     quantized total + one bf16 tensor + one row block). None: as the model stores them."""

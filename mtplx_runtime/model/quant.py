@@ -20,7 +20,7 @@ through the reference dequantization: same values, slower; a device without the 
 once in the log. A model holds one copy of each matrix: an int4 one a kernel takes is converted
 to that kernel's tiled layout when it is made on its device (at load).
 
-Which tensors are quantized is one rule, `formats.residents.quantizable`: routing, norms, the
+Which tensors are quantized is one rule, `formats.resident_layouts.quantizable`: routing, norms, the
 AttnRes mixes and everything fp32 stay as stored, so the router sees what a bf16 model gives it.
 """
 
@@ -34,8 +34,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from ..formats.resident_layouts import GROUP, RESIDENT_DTYPES, quantized_kind
 from ..formats.resident_quant import encode_fp8, encode_int4, encode_int8
-from ..formats.residents import GROUP, RESIDENT_DTYPES, quantized_kind
 
 __all__ = ["KERNEL_OPS", "ONE_THREAD_BYTES", "REFERENCE", "Fp8Weight", "Int4Packed",
            "Int4Weight", "Int8Weight", "device_kernel", "held", "kernel_for", "linear",

@@ -21,13 +21,13 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from .bank_reader import Digest, RecordHashError, check_digest
 from .buffers import (
     KvikioReader,
     aligned_buffer,
     buffer_address,
     gpu_reader_unavailable_reason,
 )
-from .reader import Digest, RecordHashError, check_digest
 
 log = logging.getLogger(__name__)
 

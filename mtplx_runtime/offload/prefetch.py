@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from functools import partial
 
-from .reader import DEFAULT_READ_DEPTH, Digest, RecordHashError
+from .bank_reader import DEFAULT_READ_DEPTH, Digest, RecordHashError
 
 __all__ = ["ExpertKey", "PrefetchError", "NoSlotError", "Prefetcher", "PrefetchStats"]
 

@@ -33,12 +33,12 @@ from ..artifact.open import BankExpertLayout
 from ..formats.record import ALIGNMENT, align_up
 from ..kernels import select_backend
 from ..kernels.reference import ExpertWeights, decode_record
+from .bank_reader import DEFAULT_READ_DEPTH, from_manifest
 from .cache import ExpertCache
 from .device_io import DeviceReader, SlotGuard
 from .digests import RecordCheck, RecordDigests
 from .lookahead import LookaheadScore, predicted_keys
 from .prefetch import Prefetcher
-from .reader import DEFAULT_READ_DEPTH, from_manifest
 from .warm import WarmStart
 
 # How long after a prefill layer's experts the prefill still counts as running: longer than the
@@ -77,7 +77,7 @@ class StreamingExpertProvider:
     policy, scope: ExpertCache replacement ('lru' | 'freq', 'layer' | 'global').
     lookahead: how many later MoE layers the model guesses for in decode (`hint`; 0: off).
     read_depth: reads in flight at once, demand and lookahead together (reader and prefetcher;
-    default offload.reader.DEFAULT_READ_DEPTH): prefill windows and the warm start read at it.
+    default offload.bank_reader.DEFAULT_READ_DEPTH): prefill windows and the warm start read at it.
     decode_depth: the reads in flight in a one-token forward, its misses and the lookahead's
     guesses together (at most read_depth; default DEFAULT_DECODE_DEPTH): few, so the records land
     one by one and compute as they land. max_inflight_bytes, direct: prefetcher and reader

@@ -20,9 +20,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .engine import QueueFull, Request
 from .metrics import metrics_text
 from .params import ApiError, chat_params, completion_params, error_body, parse_json
+from .worker import QueueFull, Request
 
 
 class _Gone(Exception):

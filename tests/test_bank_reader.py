@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 
 from mtplx_runtime.artifact.manifest import Record, Sidecar, SidecarPart
-from mtplx_runtime.offload.buffers import KvikioReader, gpu_reader_unavailable_reason
-from mtplx_runtime.offload.reader import (
+from mtplx_runtime.offload.bank_reader import (
     ReadError,
     RecordHashError,
     RecordReader,
     aligned_buffer,
     from_manifest,
 )
+from mtplx_runtime.offload.buffers import KvikioReader, gpu_reader_unavailable_reason
 
 PAGE = 4096
 REAL_PREADV = os.preadv
@@ -501,7 +501,7 @@ def test_gpu_path_degrades_cleanly(bank):
 
 
 def test_reader_import_does_not_import_cupy_or_kvikio():
-    code = ("import sys, mtplx_runtime.offload.reader; "
+    code = ("import sys, mtplx_runtime.offload.bank_reader; "
             "bad = [m for m in ('cupy', 'kvikio') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

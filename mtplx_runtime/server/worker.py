@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ..engine.chat import ChannelText
 
-log = logging.getLogger("mtplx_runtime.server.engine")
+log = logging.getLogger("mtplx_runtime.server.worker")
 
 # Events put on a request's asyncio queue: ("start",) once the first token is sampled (the
 # prompt ran and sampling works: a stream may send its 200 now); ("delta", kind, text) with kind
