@@ -239,7 +239,8 @@ def assemble_manifest(cfg, esrc, ckpt, results: dict, residents: Residents,
 
 
 def cfg_model_key(cfg) -> str:
-    return "kimi-k3" if cfg.hidden_size == 7168 else "kimi-k3-custom"
+    """The model's family ("kimi-k3", "deepseek-v3", "kimi-k2"); "-custom" at other widths."""
+    return cfg.family if cfg.hidden_size == 7168 else f"{cfg.family}-custom"
 
 
 def source_hashes(files: list[Path]) -> list[dict]:

@@ -124,6 +124,8 @@ class ModelConfig:
     max_position_embeddings: int = 1_048_576
     quantization_config: dict | None = None  # raw block, read by the checkpoint reader
 
+    family = "kimi-k3"  # names the model in artifact keys and messages
+
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)

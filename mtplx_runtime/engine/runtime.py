@@ -24,8 +24,10 @@ import torch
 
 from ..artifact.integrity import admit_shards
 from ..artifact.open import is_artifact, open_artifact, open_source
+from ..checkpoint import DeepseekV3Config
 from ..formats.record import align_up
 from ..kernels import name_of, select_backend
+from ..model.deepseek_v3 import DeepseekV3
 from ..model.kimi_k3 import KimiK3
 from ..model.load import check_resident_dtype, load_residents, model_dtype
 from ..model.moe import ResidentExpertProvider
@@ -53,7 +55,7 @@ class Runtime:
     the tokenizer, and for streamed experts the memory plan. `trace` (engine.trace.RouteTrace)
     is set by callers that record routes; `close()` closes it and the provider."""
 
-    model: KimiK3
+    model: KimiK3 | DeepseekV3
     tokenizer: Tokenizer | None
     provider: StreamingExpertProvider | ResidentExpertProvider
     plan: MemoryPlan | None = None
@@ -189,7 +191,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
 
 
 def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str = "float32",
-               resident_dtype: str | None = None) -> KimiK3:
+               resident_dtype: str | None = None) -> KimiK3 | DeepseekV3:
     """The reference model with every expert resident (decoded once): `load` without streaming,
     for any checkpoint or artifact the reader accepts."""
     torch_dtype = model_dtype(dtype)
@@ -200,6 +202,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str = "float
 
 
 def _build(ckpt, dtype: torch.dtype, device: str, provider,
-           resident_dtype: str | None) -> KimiK3:
+           resident_dtype: str | None) -> KimiK3 | DeepseekV3:
     top, layers = load_residents(ckpt, dtype, device, resident_dtype)
-    return KimiK3.from_weights(ckpt.config, top, layers, provider, dtype)
+    family = DeepseekV3 if isinstance(ckpt.config, DeepseekV3Config) else KimiK3
+    return family.from_weights(ckpt.config, top, layers, provider, dtype)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import Checkpoint, resident_tensor_specs
-from ..checkpoint.residents import BACKBONE, LM_HEAD
+from ..checkpoint.residents import naming
 from ..formats.resident_layouts import (
     RESIDENT_DTYPES,
     quantizable,
@@ -48,12 +48,13 @@ def group_residents(cfg, make):
     `make(name, spec)` giving each resident tensor of `resident_tensor_specs(cfg)`."""
     top: dict[str, torch.Tensor] = {}
     layers: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_hidden_layers)]
+    backbone, lm_head = naming(cfg)
     for name, spec in resident_tensor_specs(cfg).items():
         t = make(name, spec)
-        if name == LM_HEAD:
+        if name == lm_head:
             top["lm_head.weight"] = t
             continue
-        short = name[len(BACKBONE):]
+        short = name[len(backbone):]
         if short.startswith("layers."):
             _, layer, suffix = short.split(".", 2)
             layers[int(layer)][suffix] = t
@@ -93,7 +94,9 @@ def load_residents(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu",
             return held(*(_stored(ckpt, n, st, device)
                           for n, (st, _) in stored_tensors(name, spec.shape, spec.dtype,
                                                           stored).items()))
-        t = to_torch(ckpt.tensor(name), spec.dtype, dtype, device)
+        # As stored: the reader accepts a few tensors in either of two dtypes (the DeepSeek-V3
+        # family's correction bias, F32 or BF16).
+        t = to_torch(ckpt.tensor(name), ckpt.tensor_info(name).dtype, dtype, device)
         if resident_dtype != "bf16" and quantizable(name, spec.shape, spec.dtype):
             return quantize(t, resident_dtype)
         return t
