@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..artifact.manifest import DTYPE_BYTES, MANIFEST_NAME, load_manifest
+from ..checkpoint import load_config
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.residents import resident_tensor_specs
 from ..formats.record import align_up, record_layout
@@ -178,7 +179,7 @@ def facts_from_dir(model_dir: str | Path, manifest=None) -> ModelFacts:
             facts = facts_from_config(ckpt.config, src.mode, src.bits)
         return ModelFacts(facts.cfg, facts.mode, facts.record_bytes, facts.routed_layers,
                           facts.residents, "checkpoint")
-    cfg = ModelConfig.from_file(root / "config.json")
+    cfg = load_config(root / "config.json")
     m = manifest if manifest is not None else load_manifest(root / MANIFEST_NAME)
     sizes = {r.logical_bytes for r in m.records}
     if len(sizes) != 1:

@@ -40,6 +40,7 @@ import tiktoken
 
 from ..checkpoint.config import load_json
 from ..checkpoint.safetensors_io import read_regular
+from .hf_tokenizer import HFTokenizer, load_hf_tokenizer
 
 NUM_SPECIAL_IDS = 256
 MAX_RANKS_BYTES = 256 * 2**20  # K3's tiktoken.model is about 2.4 MB
@@ -96,6 +97,8 @@ K3_NAMED_SPECIALS: dict[int, str] = {
 K3_NOT_SKIPPED = frozenset({"<|open|>", "<|close|>", "<|sep|>"})
 END_OF_MSG = "<|end_of_msg|>"
 EOS = "[EOS]"
+# End of turn (K3's `<|end_of_msg|>`, Kimi K2's `<|im_end|>`) and end of document stop generation.
+STOP_NAMES = (END_OF_MSG, "<|im_end|>", EOS)
 
 
 def read_ranks(path: str | Path) -> dict[bytes, int]:
@@ -170,7 +173,8 @@ class Tokenizer:
         self.bos_id = self.special(bos)
         self.eos_id = self.special(eos)
         # Both end-of-turn and end-of-document stop generation (FORMAT.md "Tokenizer").
-        self.stop_ids = frozenset({self.special(END_OF_MSG), self.special(EOS), self.eos_id})
+        self.stop_ids = frozenset({*(self._by_name[n] for n in STOP_NAMES if n in self._by_name),
+                                   self.eos_id})
 
     @property
     def vocab_size(self) -> int:
@@ -255,9 +259,12 @@ def _token_name(value: object, default: str) -> str:
     return str(value)
 
 
-def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """Tokenizer of a model directory (`tiktoken.model` + optional `tokenizer_config.json`)."""
+def load_tokenizer(model_dir: str | Path) -> Tokenizer | HFTokenizer:
+    """Tokenizer of a model directory: `tiktoken.model` + optional `tokenizer_config.json`, or
+    a Hugging Face `tokenizer.json` (engine/hf_tokenizer.py) where there is no tiktoken.model."""
     root = Path(model_dir)
+    if not (root / "tiktoken.model").exists() and (root / "tokenizer.json").exists():
+        return load_hf_tokenizer(root)
     ranks = read_ranks(root / "tiktoken.model")
     cfg_path = root / "tokenizer_config.json"
     config = load_json(cfg_path) if cfg_path.exists() else {}  # ValueError naming the file
