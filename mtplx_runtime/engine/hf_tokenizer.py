@@ -18,6 +18,7 @@ from __future__ import annotations
 import codecs
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.config import load_json
@@ -42,6 +43,15 @@ def _byte_decoder() -> dict[str, int]:
     return chars
 
 
+@dataclass(frozen=True)
+class AddedToken:
+    """One of the file's added tokens (the tiktoken tokenizer's SpecialToken fields)."""
+
+    id: int
+    text: str
+    skipped: bool  # `"special": true`: dropped by decode(skip_special=True)
+
+
 class HFTokenizer:
     """Encode/decode for a directory with `tokenizer.json`. Build with `load_tokenizer`."""
 
@@ -59,10 +69,12 @@ class HFTokenizer:
         except Exception as e:  # the library raises its own exception type for a bad file
             raise ValueError(f"{path}: not a valid tokenizer.json: {e}") from None
         self._plain.encode_special_tokens = True  # special-token text is ordinary text here
-        added = self._special.get_added_tokens_decoder()  # {id: AddedToken}
-        self._added = {i: t.content for i, t in added.items()}
-        self._by_name = {t.content: i for i, t in added.items()}
-        self._skipped = frozenset(i for i, t in added.items() if t.special)
+        added = self._special.get_added_tokens_decoder()  # {id: tokenizers.AddedToken}
+        self.specials = [AddedToken(i, t.content, t.special) for i, t in sorted(added.items())]
+        self._added = {t.id: t.text for t in self.specials}
+        self._by_name = {t.text: t.id for t in self.specials}
+        self._skipped = frozenset(t.id for t in self.specials if t.skipped)
+        self.chat_template: str | None = None  # set by the loader for a family that has one
         self.vocab_size = self._special.get_vocab_size(with_added_tokens=True)
         self._bytes = self._token_bytes(text)
         self.bos_id = self._config_token(config, "bos_token", path)

@@ -34,6 +34,8 @@ from ..model.moe import ResidentExpertProvider
 from ..offload.bank_reader import DEFAULT_READ_DEPTH
 from ..offload.provider import DEFAULT_DECODE_DEPTH, StreamingExpertProvider
 from ..offload.warm import WarmStart, warm_path
+from .chat_template import read_chat_template
+from .hf_tokenizer import HFTokenizer
 from .plan import (
     DEFAULT_CONTEXT,
     MemoryPlan,
@@ -56,7 +58,7 @@ class Runtime:
     is set by callers that record routes; `close()` closes it and the provider."""
 
     model: KimiK3 | DeepseekV3
-    tokenizer: Tokenizer | None
+    tokenizer: Tokenizer | HFTokenizer | None
     provider: StreamingExpertProvider | ResidentExpertProvider
     plan: MemoryPlan | None = None
     trace: object | None = None
@@ -134,7 +136,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
             raise ValueError(f"kernels {kernels!r} run on streamed experts: give a streaming "
                              "artifact (mtplx build-manifest) or leave the kernels unset")
         ckpt = open_source(root)
-        tok = load_tokenizer(root) if tokenizer else None
+        tok = _tokenizer(root, ckpt.config) if tokenizer else None
         dev = device or "cpu"
         provider = ResidentExpertProvider(ckpt, torch_dtype, dev)
         return Runtime(_build(ckpt, torch_dtype, dev, provider, resident_dtype), tok, provider,
@@ -149,7 +151,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     dev = device or ("cuda" if backend.DEVICE == "cuda" else "cpu")
     ckpt = open_artifact(root, verify_sha256=verify)
     try:
-        tok = load_tokenizer(root) if tokenizer else None
+        tok = _tokenizer(root, ckpt.config) if tokenizer else None
         bank, cfg = ckpt.expert_layout, ckpt.config
         if verify:
             admit_shards(root, bank.manifest)
@@ -199,6 +201,15 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str = "float
     ckpt = open_source(path)
     provider = ResidentExpertProvider(ckpt, torch_dtype, device)
     return _build(ckpt, torch_dtype, device, provider, resident_dtype)
+
+
+def _tokenizer(root: Path, cfg) -> Tokenizer | HFTokenizer:
+    """The model directory's tokenizer; a DeepSeek-V3 family model's carries its Jinja chat
+    template (K3 chats are rendered natively: engine/chat.py)."""
+    tok = load_tokenizer(root)
+    if isinstance(cfg, DeepseekV3Config):
+        tok.chat_template = read_chat_template(root)
+    return tok
 
 
 def _build(ckpt, dtype: torch.dtype, device: str, provider,

@@ -172,6 +172,9 @@ class Tokenizer:
         )
         self.bos_id = self.special(bos)
         self.eos_id = self.special(eos)
+        # A Jinja chat template (the DeepSeek-V3 family's Kimi K2), set by the loader; K3 chats
+        # are rendered natively (engine/chat.py).
+        self.chat_template: str | None = None
         # Both end-of-turn and end-of-document stop generation (FORMAT.md "Tokenizer").
         self.stop_ids = frozenset({*(self._by_name[n] for n in STOP_NAMES if n in self._by_name),
                                    self.eos_id})
