@@ -78,3 +78,9 @@ def test_quantized_residents_keep_the_router(built, resident_dtype):
     assert not isinstance(model.layers[0].attn.o, torch.Tensor)  # a quantized matrix
     logits = model.logits(load_tokenizer(src).encode(PROMPT))
     assert torch.isfinite(logits).all()
+
+
+def test_artifact_leaves_the_mtp_module_out(built):
+    src, art = built
+    index = (art / "model.safetensors.index.json").read_text()
+    assert '"model.layers.2.' in index and '"model.layers.3.' not in index

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.residents import resident_tensor_specs
+from ..checkpoint.residents import resident_tensor_specs, unused_tensor
 from ..formats.modes import quantization_for
 from ..formats.record import ALIGNMENT
 from ..formats.resident_layouts import stored_tensors
@@ -117,7 +117,10 @@ class Residents:
 
 
 def resident_names(ckpt) -> list[str]:
-    return sorted(n for n in ckpt.tensor_names() if not _EXPERT.match(n))
+    """The source's non-expert tensors, without those its model never runs (the DeepSeek-V3
+    family's MTP modules)."""
+    return sorted(n for n in ckpt.tensor_names()
+                  if not _EXPERT.match(n) and not unused_tensor(ckpt.config, n))
 
 
 def _stored_residents(ckpt, resident_dtype: str) -> list[tuple[str, str, tuple, str]]:

@@ -203,7 +203,7 @@ def check_residents(
     text = (backbone, lm_head.rsplit(".", 1)[0] + ".")
     for name, shard in where.items():
         if (name.startswith(text) and name not in specs and not is_expert_tensor(name)
-                and not _ignored(cfg, name, backbone)):
+                and not unused_tensor(cfg, name)):
             raise CheckpointError(f"{shard.path}: tensor {name!r} is not used by the config "
                                   f"({_decided_by(name, cfg)}); a config that ignores weights "
                                   f"the checkpoint holds is refused")
@@ -231,10 +231,11 @@ def check_residents(
             )
 
 
-def _ignored(cfg, name: str, backbone: str) -> bool:
-    """Text tensors a family's published checkpoints hold that its model never runs: the
-    DeepSeek-V3 family's multi-token-prediction modules (layers past the last)."""
-    m = _LAYER.match(name, len(backbone))
+def unused_tensor(cfg, name: str) -> bool:
+    """Whether `name` is a text tensor a family's published checkpoints hold and its model never
+    runs: the DeepSeek-V3 family's multi-token-prediction modules (layers past the last)."""
+    backbone, _ = naming(cfg)
+    m = _LAYER.match(name, len(backbone)) if name.startswith(backbone) else None
     return bool(m) and mtp_layer(cfg, int(m[1]))
 
 
