@@ -34,7 +34,7 @@ T158_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _PER_EXPERT = re.compile(
     r"language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(\w+)"
 )
-DEEPSEEK_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+DEEPSEEK_PROJECTIONS = T158_PROJECTIONS  # transformers' projection names, as t158's
 _DEEPSEEK_EXPERT = re.compile(
     r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)")
 # The published t158 names are unconfirmed: accept an optional `language_model.`
