@@ -9,7 +9,7 @@ import torch
 from mtplx_runtime import load_model
 from mtplx_runtime.cli import main
 from mtplx_runtime.engine.generate import generate
-from mtplx_runtime.engine.tokenizer import load_tokenizer
+from mtplx_runtime.engine.hf_tokenizer import model_tokenizer as load_tokenizer
 from mtplx_runtime.fixtures.tiny_deepseek import make_tiny_deepseek
 
 CASES = [("bf16", "v3"), ("bf16", "k2")]

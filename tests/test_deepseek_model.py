@@ -155,3 +155,20 @@ def test_cpu_expert_kernel_runs_silu():
     assert float((got - want).norm() / want.norm()) < 1e-5
     situ = reference.expert_mlp(x, ids, w, slots, store, layout, shapes)
     assert float((situ - want).norm() / want.norm()) > 1e-2
+
+
+def test_lookahead_guesses_use_the_group_limit(tmp_path):
+    """A later layer's router applied to this state guesses its experts with the group stage
+    (model/moe.predict), as that layer will route."""
+    from mtplx_runtime import load_model
+    from mtplx_runtime.fixtures.tiny_deepseek import make_tiny_deepseek
+    from mtplx_runtime.model.moe import predict
+
+    model = load_model(make_tiny_deepseek(tmp_path / "m", "bf16", "v3").path, dtype="float32")
+    first, second = model.moe_blocks()
+    assert first.later == [second]
+    x = torch.randn(256, model.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    (layer, guess), = predict(x, first.later).items()
+    want, _ = route(x, second.router, second.bias, 2, n_group=4, topk_group=2)
+    free, _ = route(x, second.router, second.bias, 2)
+    assert layer == second.layer and torch.equal(guess, want) and not torch.equal(guess, free)

@@ -4,9 +4,6 @@ prompt opens `<think>`) apart from content, the same tokens as the engine genera
 template's prompt."""
 
 import argparse
-import socket
-import threading
-import time
 
 import pytest
 
@@ -16,13 +13,14 @@ pytest.importorskip("uvloop")
 pytest.importorskip("jinja2")
 pytest.importorskip("tokenizers")
 
+from test_server import TIMEOUT, _serve  # noqa: E402
+
 from mtplx_runtime.artifact.build import build_artifact  # noqa: E402
-from mtplx_runtime.cli.serve import add_args, build, make_server  # noqa: E402
+from mtplx_runtime.cli.serve import add_args, build  # noqa: E402
 from mtplx_runtime.engine.chat import parse_assistant, render_chat  # noqa: E402
 from mtplx_runtime.engine.generate import generate  # noqa: E402
 from mtplx_runtime.fixtures.tiny_deepseek import make_tiny_deepseek  # noqa: E402
 
-TIMEOUT = 30
 MESSAGES = [{"role": "user", "content": "Which experts stay in the cache?"}]
 
 
@@ -37,21 +35,10 @@ def served(tmp_path_factory):
                               "--served-model-name", "ds", "--max-tokens", "10",
                               "--memory-budget", "600MiB"])
     app, engine, rt = build(args)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = make_server(app, host="127.0.0.1", port=sock.getsockname()[1])
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
     try:
-        yield sock.getsockname()[1], rt
+        with _serve(app) as port:
+            yield port, rt
     finally:
-        srv.should_exit = True
-        thread.join(TIMEOUT)
-        sock.close()
         engine.close()
         rt.close()
 

@@ -18,7 +18,7 @@ from mtplx_runtime import load  # noqa: E402
 from mtplx_runtime.engine.chat import ChannelText, parse_assistant, render_chat  # noqa: E402
 from mtplx_runtime.engine.chat_template import read_chat_template  # noqa: E402
 from mtplx_runtime.engine.hf_tokenizer import HFTokenizer, load_hf_tokenizer  # noqa: E402
-from mtplx_runtime.engine.tokenizer import load_tokenizer  # noqa: E402
+from mtplx_runtime.engine.hf_tokenizer import model_tokenizer as load_tokenizer  # noqa: E402
 from mtplx_runtime.fixtures.tiny_deepseek import N_RANKS, make_tiny_deepseek  # noqa: E402
 
 TEXTS = ["The expert cache", "  leading spaces and\ttabs\n\nnewlines", "naïve café ünïcödé",

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .config import ConfigError, _short, load_json
+from .config import ConfigError, MoELayers, _short, load_json
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -71,7 +71,7 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, slots=True)
-class DeepseekV3Config:
+class DeepseekV3Config(MoELayers):
     """DeepSeek-V3 family text config (FORMAT.md "The DeepSeek-V3 family")."""
 
     model_type: str  # "deepseek_v3" | "kimi_k2"
@@ -161,32 +161,12 @@ class DeepseekV3Config:
         """"deepseek-v3" or "kimi-k2": names the model in artifact keys and messages."""
         return self.model_type.replace("_", "-")
 
-    # ---- derived layout helpers (0-based layer indices), as ModelConfig has them ----
+    # ---- derived layout helpers (0-based layer indices; the MoE ones: MoELayers) ----
 
     def is_kda_layer(self, layer: int) -> bool:
         """No KDA: every layer is MLA (with RoPE)."""
         self._check_index(layer)
         return False
-
-    def is_moe_layer(self, layer: int) -> bool:
-        self._check_index(layer)
-        return layer >= self.first_k_dense_replace
-
-    def _check_index(self, layer: int) -> None:
-        if not 0 <= layer < self.num_hidden_layers:
-            raise ValueError(f"layer {layer} is outside 0..{self.num_hidden_layers - 1}")
-
-    def check_expert_key(self, layer: int, expert: int) -> None:
-        """ValueError unless `layer` is an MoE layer and `expert` one of its experts."""
-        if not (0 <= layer < self.num_hidden_layers and self.is_moe_layer(layer)):
-            raise ValueError(f"layer {layer} is not an MoE layer (MoE layers "
-                             f"{self.first_k_dense_replace}..{self.num_hidden_layers - 1})")
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert {expert} is outside 0..{self.num_experts - 1}")
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return list(range(self.first_k_dense_replace, self.num_hidden_layers))
 
     @property
     def routed_expert_hidden_size(self) -> int:

@@ -1,7 +1,7 @@
 """A Hugging Face `tokenizer.json` tokenizer (DeepSeek-V3/R1 ship one) behind the interface of the
 tiktoken one (engine/tokenizer.py): encode, decode, decode_bytes, stream_decoder, special,
 is_special, vocab_size, bos_id, eos_id, stop_ids (FORMAT.md "Tokenizers of the DeepSeek-V3
-family").
+family"); `model_tokenizer` picks a model directory's tokenizer of the two.
 
     tokenizer.json --(the `tokenizers` library)--> model, pre-tokenizer, added tokens
     tokenizer_config.json --> bos / eos token;  generation_config.json --> more stop ids
@@ -15,14 +15,13 @@ streams correctly; other decoders decode per token to text.
 
 from __future__ import annotations
 
-import codecs
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.config import load_json
 from ..checkpoint.safetensors_io import read_regular
+from .tokenizer import SpecialToken, StreamDecoder, Tokenizer, load_tokenizer
 
 MAX_TOKENIZER_BYTES = 256 * 2**20  # DeepSeek-V3's tokenizer.json is about 7.8 MB
 FILE = "tokenizer.json"
@@ -43,15 +42,6 @@ def _byte_decoder() -> dict[str, int]:
     return chars
 
 
-@dataclass(frozen=True)
-class AddedToken:
-    """One of the file's added tokens (the tiktoken tokenizer's SpecialToken fields)."""
-
-    id: int
-    text: str
-    skipped: bool  # `"special": true`: dropped by decode(skip_special=True)
-
-
 class HFTokenizer:
     """Encode/decode for a directory with `tokenizer.json`. Build with `load_tokenizer`."""
 
@@ -70,7 +60,7 @@ class HFTokenizer:
             raise ValueError(f"{path}: not a valid tokenizer.json: {e}") from None
         self._plain.encode_special_tokens = True  # special-token text is ordinary text here
         added = self._special.get_added_tokens_decoder()  # {id: tokenizers.AddedToken}
-        self.specials = [AddedToken(i, t.content, t.special) for i, t in sorted(added.items())]
+        self.specials = [SpecialToken(i, t.content, t.special) for i, t in sorted(added.items())]
         self._added = {t.id: t.text for t in self.specials}
         self._by_name = {t.text: t.id for t in self.specials}
         self._skipped = frozenset(t.id for t in self.specials if t.skipped)
@@ -145,22 +135,8 @@ class HFTokenizer:
         return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
 
     def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
+        """engine/tokenizer.py's incremental decoder over this tokenizer's `decode_bytes`."""
         return StreamDecoder(self, skip_special)
-
-
-class StreamDecoder:
-    """Incremental detokenisation (engine/tokenizer.py's, for this tokenizer): `push(id)` gives
-    the complete text so far, holding back a UTF-8 character split across tokens."""
-
-    def __init__(self, tokenizer: HFTokenizer, skip_special: bool = False):
-        self._tok, self._skip = tokenizer, skip_special
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, token_id: int) -> str:
-        return self._utf8.decode(self._tok.decode_bytes([token_id], self._skip))
-
-    def flush(self) -> str:
-        return self._utf8.decode(b"", final=True)
 
 
 def generation_stop_ids(model_dir: Path) -> list[int]:
@@ -185,3 +161,12 @@ def load_hf_tokenizer(model_dir: str | Path) -> HFTokenizer:
     if not isinstance(config, dict):
         raise ValueError(f"{cfg_path}: not a JSON object")
     return HFTokenizer(root / FILE, config, generation_stop_ids(root))
+
+
+def model_tokenizer(model_dir: str | Path) -> Tokenizer | HFTokenizer:
+    """The tokenizer of a model directory: `tiktoken.model` (engine/tokenizer.py: K3, Kimi K2)
+    when there is one, else `tokenizer.json` (DeepSeek-V3/R1)."""
+    root = Path(model_dir)
+    if not (root / "tiktoken.model").exists() and (root / "tokenizer.json").exists():
+        return load_hf_tokenizer(root)
+    return load_tokenizer(root)

@@ -35,7 +35,7 @@ from ..offload.bank_reader import DEFAULT_READ_DEPTH
 from ..offload.provider import DEFAULT_DECODE_DEPTH, StreamingExpertProvider
 from ..offload.warm import WarmStart, warm_path
 from .chat_template import read_chat_template
-from .hf_tokenizer import HFTokenizer
+from .hf_tokenizer import HFTokenizer, model_tokenizer
 from .plan import (
     DEFAULT_CONTEXT,
     MemoryPlan,
@@ -44,7 +44,7 @@ from .plan import (
     mem_available_bytes,
     plan_for,
 )
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer
 
 __all__ = ["Runtime", "load", "load_model"]
 
@@ -206,7 +206,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str = "float
 def _tokenizer(root: Path, cfg) -> Tokenizer | HFTokenizer:
     """The model directory's tokenizer; a DeepSeek-V3 family model's carries its Jinja chat
     template (K3 chats are rendered natively: engine/chat.py)."""
-    tok = load_tokenizer(root)
+    tok = model_tokenizer(root)
     if isinstance(cfg, DeepseekV3Config):
         tok.chat_template = read_chat_template(root)
     return tok

@@ -40,7 +40,6 @@ import tiktoken
 
 from ..checkpoint.config import load_json
 from ..checkpoint.safetensors_io import read_regular
-from .hf_tokenizer import HFTokenizer, load_hf_tokenizer
 
 NUM_SPECIAL_IDS = 256
 MAX_RANKS_BYTES = 256 * 2**20  # K3's tiktoken.model is about 2.4 MB
@@ -262,12 +261,9 @@ def _token_name(value: object, default: str) -> str:
     return str(value)
 
 
-def load_tokenizer(model_dir: str | Path) -> Tokenizer | HFTokenizer:
-    """Tokenizer of a model directory: `tiktoken.model` + optional `tokenizer_config.json`, or
-    a Hugging Face `tokenizer.json` (engine/hf_tokenizer.py) where there is no tiktoken.model."""
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """Tokenizer of a model directory (`tiktoken.model` + optional `tokenizer_config.json`)."""
     root = Path(model_dir)
-    if not (root / "tiktoken.model").exists() and (root / "tokenizer.json").exists():
-        return load_hf_tokenizer(root)
     ranks = read_ranks(root / "tiktoken.model")
     cfg_path = root / "tokenizer_config.json"
     config = load_json(cfg_path) if cfg_path.exists() else {}  # ValueError naming the file

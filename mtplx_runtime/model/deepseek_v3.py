@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from ..checkpoint.deepseek_config import DeepseekV3Config, RopeScaling
-from .kimi_k3 import SequenceState
+from .causal_lm import CausalLM, SequenceState
 from .layers import GluMLP, rms_norm
 from .load import sub
 from .mla import MLACache, MLALayer
@@ -151,7 +151,6 @@ class DecoderLayer:
     def __init__(self, cfg: DeepseekV3Config, index: int, w: dict[str, torch.Tensor],
                  provider: ExpertProvider):
         self.index, self.cfg = index, cfg
-        self.kda = False  # every layer is MLA; what SequenceState users check
         self.input_norm = w["input_layernorm.weight"]
         self.post_norm = w["post_attention_layernorm.weight"]
         self.attn = RopeMLALayer(cfg, sub(w, "self_attn."))
@@ -164,48 +163,29 @@ class DecoderLayer:
         return h + self.mlp.forward(rms_norm(h, self.post_norm, eps))
 
 
-class DeepseekV3:
+class DeepseekV3(CausalLM):
     """The reference DeepSeek-V3 family text model on CPU (or any torch device), float32 or
-    bfloat16; the same interface as `KimiK3` (new_state, prefill, decode, logits, moe_blocks,
-    use_provider)."""
-
-    def __init__(self, cfg: DeepseekV3Config, top: dict[str, torch.Tensor],
-                 layers: list[DecoderLayer], dtype: torch.dtype):
-        self.cfg, self.top, self.layers, self.dtype = cfg, top, layers, dtype
+    bfloat16; the interface of every family (`CausalLM`: new_state, prefill, decode, logits,
+    moe_blocks, use_provider)."""
 
     @classmethod
     def from_weights(cls, cfg: DeepseekV3Config, top: dict[str, torch.Tensor],
                      layer_weights: list[dict[str, torch.Tensor]], provider: ExpertProvider,
                      dtype: torch.dtype) -> DeepseekV3:
         """Every layer from resident weights (`load.load_residents`) and an expert provider."""
-        layers = [DecoderLayer(cfg, i, w, provider) for i, w in enumerate(layer_weights)]
-        model = cls(cfg, top, layers, dtype)
-        moes = model.moe_blocks()
-        for i, moe in enumerate(moes):
-            moe.later = moes[i + 1:]  # lookahead routes through these
-        return model
+        return cls(cfg, top, [DecoderLayer(cfg, i, w, provider)
+                              for i, w in enumerate(layer_weights)], dtype)
 
     def moe_blocks(self) -> list[DeepseekMoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, DeepseekMoE)]
-
-    def use_provider(self, provider: ExpertProvider) -> None:
-        """Make every MoE block use `provider` (tests and benchmarks comparing providers)."""
-        for moe in self.moe_blocks():
-            moe.provider = provider
 
     def new_state(self) -> SequenceState:
         device = self.top["embed_tokens.weight"].device
         return SequenceState([MLACache.empty(self.cfg, self.dtype, device) for _ in self.layers])
 
-    @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        """Logits [T, V] for `token_ids` [T] continuing `state` (updated in place)."""
-        return self.run(token_ids, state)
-
     def run(self, token_ids: torch.Tensor, state: SequenceState | None) -> torch.Tensor:
-        """`forward` outside inference mode. `state` None: a fresh sequence, not kept."""
-        for provider in {id(m.provider): m.provider for m in self.moe_blocks()}.values():
-            provider.begin_forward(int(token_ids.numel()))
+        """Logits [T, V], outside inference mode. `state` None: a fresh sequence, not kept."""
+        self.begin_forward(int(token_ids.numel()))
         embed = self.top["embed_tokens.weight"]
         h = embed[token_ids.to(embed.device)]  # [T, D]
         caches = [None] * len(self.layers) if state is None else state.layers
@@ -215,15 +195,3 @@ class DeepseekV3:
         if state is not None:
             state.tokens += int(token_ids.numel())
         return linear(h, self.top["lm_head.weight"])  # [T, V] in the model dtype
-
-    def logits(self, token_ids) -> torch.Tensor:
-        """Full causal forward over `token_ids` from a fresh state."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long)
-        return self.forward(ids, self.new_state())
-
-    def prefill(self, token_ids, state: SequenceState) -> torch.Tensor:
-        return self.forward(torch.as_tensor(token_ids, dtype=torch.long), state)
-
-    def decode(self, token_id: int, state: SequenceState) -> torch.Tensor:
-        """Logits [V] of one next token."""
-        return self.forward(torch.tensor([token_id], dtype=torch.long), state)[0]

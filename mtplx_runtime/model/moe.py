@@ -85,8 +85,10 @@ def predict(x: torch.Tensor, later: Sequence[LatentMoE]) -> dict[int, torch.Tens
     router, {layer: ids [T, K]} (exactly `route` with that router: ids sorted ascending). A later
     router applied to the current hidden state recovers most of its real top-k (ARCHITECTURE.md
     "Lookahead"); the provider prefetches the guesses."""
+    # A config without group fields has one group (K3 has them, at 1).
     return {m.layer: route(x, m.router, m.bias, m.cfg.num_experts_per_token,
-                           n_group=m.cfg.num_expert_group, topk_group=m.cfg.topk_group)[0]
+                           n_group=getattr(m.cfg, "num_expert_group", 1),
+                           topk_group=getattr(m.cfg, "topk_group", 1))[0]
             for m in later}
 
 
