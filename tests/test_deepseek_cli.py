@@ -84,3 +84,20 @@ def test_artifact_leaves_the_mtp_module_out(built):
     src, art = built
     index = (art / "model.safetensors.index.json").read_text()
     assert '"model.layers.2.' in index and '"model.layers.3.' not in index
+
+
+def test_route_trace_and_profiler(built, tmp_path, capsys):
+    import json
+
+    _, art = built
+    trace = tmp_path / "routes.jsonl"
+    assert main(["generate", "--model", str(art), "--prompt", PROMPT, "--max-tokens", "5",
+                 "--memory-budget", "600MiB", "--warm", "off", "--trace-routes",
+                 str(trace)]) == 0
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert {k: lines[0][k] for k in ("layers", "experts", "top_k")} == {
+        "layers": [1, 2], "experts": 8, "top_k": 2}
+    assert all(len(ids) == 2 for line in lines[1:] for ids in line["routes"].values())
+    capsys.readouterr()
+    assert main(["profile", str(trace), "--capacity", "4,8"]) == 0
+    assert "2 layers x 8 experts top-2" in capsys.readouterr().out
