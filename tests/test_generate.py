@@ -212,6 +212,54 @@ def test_sampled_generation_is_seeded(model, tok):
         list(generate_step(model, ids, seed=3, **kw))
 
 
+def test_sampling_without_a_seed_is_fresh_and_the_stats_seed_repeats_it(model, tok):
+    ids = tok.encode(PROMPT)
+    kw = dict(max_tokens=8, temperature=1.0)
+    runs = [generate(model, ids, **kw) for _ in range(2)]
+    (a, sa), (b, sb) = runs
+    assert sa.seed != sb.seed and a != b  # a fresh seed each run, not a fixed default
+    assert f"; seed {sa.seed}" in sa.summary()
+    assert generate(model, ids, seed=sa.seed, **kw)[0] == a  # the printed seed repeats it
+    greedy, sg = generate(model, ids, max_tokens=8, seed=5)
+    assert sg.seed is None and "seed" not in sg.summary()  # greedy draws nothing
+    assert generate(model, ids, max_tokens=8)[0] == greedy
+
+
+class _FixedLogits:
+    """A model whose logits are always `row` (penalties alone change what is picked)."""
+
+    def __init__(self, row):
+        self.row = torch.tensor(row)
+
+    def new_state(self):
+        return type("S", (), {"tokens": 0})()
+
+    def prefill(self, ids, state):
+        state.tokens += len(ids)
+        return self.row.expand(len(ids), -1).clone()
+
+    def decode(self, t, state):
+        return self.prefill([t], state)[0]
+
+
+@pytest.mark.parametrize("fp,pp", [(0.6, 0.0), (0.0, 1.1), (0.3, 0.5), (-0.5, 0.2)])
+def test_penalties_follow_openai(fp, pp):
+    """logit - count * frequency_penalty - (count > 0) * presence_penalty over the ids generated
+    so far (not the prompt), before greedy or sampled choice: checked against that formula."""
+    from collections import Counter
+
+    row = [3.0, 2.6, 2.2, 1.0, -1.0]
+    got, _ = generate(_FixedLogits(row), [0, 0, 1], max_tokens=12, frequency_penalty=fp,
+                      presence_penalty=pp)
+    want, counts = [], Counter()
+    for _ in range(12):
+        scores = [x - counts[i] * fp - (counts[i] > 0) * pp for i, x in enumerate(row)]
+        want.append(max(range(len(row)), key=lambda i: (scores[i], -i)))
+        counts[want[-1]] += 1
+    assert got == want
+    assert fp < 0 or len(set(want)) > 1  # a positive penalty moves greedy off its favourite
+
+
 # ---- route trace -------------------------------------------------------------------------------
 
 def test_trace_lists_k_experts_per_moe_layer_per_token(model, tok, tmp_path):
@@ -491,3 +539,4 @@ def test_prefill_progress_lines_for_a_long_prompt(cli, tiny, model, tok, monkeyp
     n = len(tok.encode(PROMPT))
     assert f"mtplx: prefill {n:,}/{n:,} tokens" in err_text
     assert out == tok.decode(_manual_greedy(model, tok.encode(PROMPT), 3)) + "\n"
+
