@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -343,7 +344,7 @@ def test_cli_generate_streams_text_and_stats(cli, tiny, model, tok, tmp_path, ca
                 "--max-tokens", "6", "--trace-routes", str(trace)]) == 0
     out, err = capsys.readouterr()
     want = _manual_greedy(model, tok.encode(PROMPT), 6)
-    assert out == tok.decode(want) + "\n"
+    assert out == tok.decode(want, skip_special=True) + "\n"
     assert "generated 6 tok" in err and "decode" in err and "tok/s" in err
     header, lines = read_trace(trace)
     assert header["record_bytes"] > 0 and len(list(lines)) == len(tok.encode(PROMPT)) + 5
@@ -435,7 +436,7 @@ def test_cli_streamed_generation_matches_resident(cli, tiny, model, tok, tmp_pat
                 "--max-tokens", "6", "--memory-budget", "2GiB", "--lookahead", "1",
                 "--kernels", "reference", "--read-depth", "1"]) == 0
     out, err = capsys.readouterr()
-    assert out == tok.decode(_manual_greedy(model, tok.encode(PROMPT), 6)) + "\n"
+    assert out == tok.decode(_manual_greedy(model, tok.encode(PROMPT), 6), skip_special=True) + "\n"
     assert "cache hit rate" in err and "kernels reference" in err
     assert "CUDA unavailable" not in err  # an explicit choice is not a fallback
     # The native CPU kernels give the same greedy text, in the default bf16 model too.
@@ -477,7 +478,7 @@ def test_cli_context_is_enforced_truncated_or_shortens_the_reply(cli, tiny, mode
     out, err = capsys.readouterr()
     assert f"prompt cut from {n} to its last {n - 2} tokens" in err
     want = generate(model, ids[-(n - 2):], max_tokens=2)[0]
-    assert out == tok.decode(want) + "\n"
+    assert out == tok.decode(want, skip_special=True) + "\n"
 
     assert cli([*flags, "--context", str(n + 2), "--max-tokens", "5"]) == 0
     out, err = capsys.readouterr()
@@ -492,7 +493,7 @@ def test_cli_device_slots_show_cache_misses_on_a_small_model(cli, tiny, model, t
 
     art = tmp_path / "art"
     build_artifact(tiny, art, codec="keep", progress=False)
-    want = tok.decode(_manual_greedy(model, tok.encode(PROMPT), 6)) + "\n"
+    want = tok.decode(_manual_greedy(model, tok.encode(PROMPT), 6), skip_special=True) + "\n"
     flags = ["generate", "--model", str(art), "--prompt", PROMPT, "--dtype", "float32",
              "--max-tokens", "6", "--kernels", "reference"]
     rates = []
@@ -538,5 +539,29 @@ def test_prefill_progress_lines_for_a_long_prompt(cli, tiny, model, tok, monkeyp
     out, err_text = capsys.readouterr()
     n = len(tok.encode(PROMPT))
     assert f"mtplx: prefill {n:,}/{n:,} tokens" in err_text
-    assert out == tok.decode(_manual_greedy(model, tok.encode(PROMPT), 3)) + "\n"
+    assert out == tok.decode(_manual_greedy(model, tok.encode(PROMPT), 3), skip_special=True) + "\n"
 
+
+def test_cli_generate_prints_a_fresh_seed_that_repeats_the_run(cli, tiny, capsys):
+    flags = ["generate", "--model", str(tiny), "--prompt", PROMPT, "--dtype", "float32",
+             "--max-tokens", "8", "--temperature", "1"]
+    runs = []
+    for _ in range(2):
+        assert cli(flags) == 0
+        out, err = capsys.readouterr()
+        runs.append((out, int(re.search(r"; seed (\d+)", err)[1])))
+    assert runs[0] != runs[1]
+    assert cli([*flags, "--seed", str(runs[0][1])]) == 0
+    out, err = capsys.readouterr()
+    assert (out, f"; seed {runs[0][1]}" in err) == (runs[0][0], True)
+
+
+def test_cli_generate_skips_special_tokens_unless_kept(cli, tiny, model, tok, capsys):
+    ids = _manual_greedy(model, tok.encode(PROMPT), 3)
+    assert "<|reserved_token_" in tok.decode(ids)  # this reply holds a special id
+    flags = ["generate", "--model", str(tiny), "--prompt", PROMPT, "--dtype", "float32",
+             "--max-tokens", "3"]
+    assert cli(flags) == 0
+    assert capsys.readouterr().out == tok.decode(ids, skip_special=True) + "\n"
+    assert cli([*flags, "--keep-special-tokens"]) == 0
+    assert capsys.readouterr().out == tok.decode(ids) + "\n"
