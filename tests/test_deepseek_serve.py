@@ -47,7 +47,8 @@ def test_chat_completion_through_the_template(served):
     port, rt = served
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                            max_retries=0, timeout=TIMEOUT)
-    r = client.chat.completions.create(model="ds", messages=MESSAGES, max_tokens=10)
+    r = client.chat.completions.create(model="ds", messages=MESSAGES, max_tokens=10,
+                                       temperature=0)
     tok = rt.tokenizer
     ids, _ = generate(rt.model, render_chat(tok, MESSAGES), max_tokens=10,
                       stop_ids=tok.stop_ids)

@@ -70,6 +70,14 @@ def test_special_ids_and_stops(hf_pair):
         [ours.bos_id, 65], skip_special_tokens=True)
 
 
+def test_ids_past_the_vocabulary_decode_to_nothing(hf_pair):
+    """The model's embedding is padded past the tokenizer (fixture: 528 rows, 520 tokens, like
+    DeepSeek-V3's 129,280 for 128,815): such an id has no text, as in the tokenizers library."""
+    ours, theirs = hf_pair
+    ids = [65, ours.vocab_size + 3, 66]
+    assert ours.decode(ids) == theirs.decode(ids) == "AB"
+
+
 def test_stream_decoder_holds_split_characters(hf_pair):
     ours, _ = hf_pair
     ids = ours.encode("é€😀𝄞 and ü")

@@ -121,13 +121,13 @@ class HFTokenizer:
         ids = [int(t) for t in ids]
         if skip_special:
             ids = [t for t in ids if t not in self._skipped]
+        # An id past the tokenizer's vocabulary (the model's embedding is padded: DeepSeek-V3 has
+        # 129,280 rows for 128,815 tokens) has no text, as in the tokenizers library.
+        ids = [t for t in ids if 0 <= t < self.vocab_size]
         if self._bytes is None:
             return b"".join(self._special.decode([t], skip_special_tokens=False).encode()
                             for t in ids)
-        try:
-            return b"".join(self._bytes[t] for t in ids)
-        except IndexError:
-            raise ValueError(f"token id outside 0..{self.vocab_size - 1} in {ids}") from None
+        return b"".join(self._bytes[t] for t in ids)
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids` (invalid UTF-8 replaced); skip_special drops added tokens marked
