@@ -669,30 +669,37 @@ def test_the_warm_waits_for_a_prompt_and_has_no_thread_of_its_own():
         assert sorted(r for r in cache.records if r[0][0] == 3) == [(k, REC, 0.0)
                                                                     for k in keys(3, 5)]
         assert pf.stats.demand_reads == 1 and pf.stats.spec_issued == 0
+        assert pf.stats.warm_reads == 5 and pf.stats.warm_bytes == 5 * REC
 
 
 def test_the_warm_passes_over_what_is_cached_and_retries_a_transient_slot_once():
     """A warm key already cached is passed over; one in a prefill's transient slot is tried again
-    after the others and, still transient, reported skipped; a read that fails is reported
-    failed; a key a forward demands while its warm read runs shares that read."""
+    once the others are done: read then if the slot has gone, else reported skipped; a key
+    refused a slot is skipped; a read that fails is reported failed; a key a forward demands
+    while its warm read runs shares that read."""
     reader, cache, sink = HeldReader(), SpyCache(refuse={(3, 4)}), WarmSink()
     cache.reserve((3, 0))
     cache.commit((3, 0))
-    cache.reserve((3, 1), transient=True)
-    cache.commit((3, 1))
+    cache.reserve((3, 1), transient=True)  # a prefill is reading it
+    cache.reserve((3, 5), transient=True)
+    cache.commit((3, 5))
     with prefetcher(reader, cache, read_depth=1, max_inflight_bytes=64 * REC) as pf:
-        pf.warm(keys(3, 5), sink)
+        pf.warm(keys(3, 6), sink)
         assert reader.inflight() == [(3, 2)]
         shared = pf.demand([(3, 2)])  # a forward needs it now: no second read
         reader.land((3, 2))
         assert pf.wait(shared, timeout=T_OUT) == {(3, 2): cache.where((3, 2))}
         assert reader.inflight() == [(3, 3)]
+        cache.abort((3, 1))  # the prefill's read of it went away
         buf, fut = reader.held.pop((3, 3))
         fut.set_exception(OSError(5, "Input/output error"))
+        assert reader.inflight() == [(3, 1)]  # the retry, after every other warm read
+        reader.land((3, 1))
         assert sink.calls == [("landed", (3, 2), REC), ("failed", (3, 3), "PrefetchError"),
-                              ("finished", 2)]  # (3, 1) still transient, (3, 4) refused a slot
-        assert reader.started == [(3, 2), (3, 3)] and (3, 3) not in cache
-        assert cache.where((3, 1)).transient
+                              ("landed", (3, 1), REC),
+                              ("finished", 2)]  # (3, 5) still transient, (3, 4) refused a slot
+        assert reader.started == [(3, 2), (3, 3), (3, 1)] and (3, 3) not in cache
+        assert cache.where((3, 5)).transient and not cache.where((3, 1)).transient
 
 
 def test_a_held_window_is_claimed_once_or_released():

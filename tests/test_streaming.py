@@ -430,3 +430,34 @@ def test_a_one_token_hint_starts_the_layers_reads_before_its_compute(built):
         assert any(e.pins for k, e in provider.cache._entries.items() if k[0] == second)
     # close released the window the prefetcher held for the second hint
     assert not any(e.pins for e in provider.cache._entries.values())
+
+
+def test_a_backend_repack_lays_out_every_record_it_reads(built):
+    """A kernel backend with its own record layout defines `repack(layout, buf)`: the fill
+    applies it once to every record read, after the check and before the slot is a hit, so the
+    backend's kernels only ever see repacked bytes (here: a XOR the kernels undo; the logits stay
+    the resident model's bit for bit)."""
+    from types import ModuleType
+
+    import numpy as np
+
+    from mtplx_runtime.kernels import reference
+
+    src, art, want_logits, want_tokens = built["t158"]
+    repacked: list[int] = []
+    backend = ModuleType("xor_backend")
+    backend.__dict__.update({k: v for k, v in vars(reference).items() if not k.startswith("__")})
+
+    def repack(layout, buf):
+        repacked.append(buf.nbytes)
+        np.bitwise_xor(buf, 0x5A, out=buf)
+
+    def expert_mlp(x, ids, weights, slots, storage, layout, *a, **kw):
+        plain = {e: np.bitwise_xor(buf, 0x5A) for e, buf in storage.items()}
+        return reference.expert_mlp(x, ids, weights, slots, plain, layout, *a, **kw)
+
+    backend.repack, backend.expert_mlp = repack, expert_mlp
+    model, provider = streamed(src, art, kernels=backend)  # lookahead 0: every read waited for
+    with provider:
+        check_same(run(model), (want_logits, want_tokens))
+        assert len(repacked) == provider.stats()["prefetch"]["demand_reads"] > 0

@@ -72,11 +72,13 @@ class PrefetchStats:
     when demanded; `spec_lead_ms`: summed over the others, the time from a guess landing to its
     first use (mean lead = spec_lead_ms / (spec_used - spec_late)); `spec_wasted`: speculative
     reads that landed and were settled unused by `cancel_stale`; `spec_cancelled`: dropped before
-    any byte was read. The warm start's reads count in none of these (`offload.warm` has
-    theirs)."""
+    any byte was read. The warm start's reads count apart (`warm_reads`, `warm_bytes`), also
+    when a forward demands one already at the drive."""
 
     demand_reads: int = 0
     demand_bytes: int = 0
+    warm_reads: int = 0
+    warm_bytes: int = 0
     spec_issued: int = 0
     spec_bytes: int = 0
     spec_used: int = 0
@@ -307,7 +309,6 @@ class Prefetcher:
         """Which class of read the drive would get next: 'demand', 'guess', 'warm', or None
         when none may go now (`_next_class_locked`)."""
         with self._cond:
-            self._warm_retry_locked()
             return self._next_class_locked()
 
     # -- windows held between a hint and its run_experts -----------------------------------
@@ -554,6 +555,8 @@ class Prefetcher:
         job.future.set_running_or_notify_cancel()
         self._jobs[key] = job
         self._warm_out += 1
+        self.stats.warm_reads += 1
+        self.stats.warm_bytes += extent.length
         return job
 
     def _warm_retry_locked(self) -> None:
