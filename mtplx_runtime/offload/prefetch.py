@@ -2,7 +2,8 @@
 once, and it alone decides which read the drive gets next: demand, then guesses, then the warm
 start, the warm only while no prompt holds it (`_next_class_locked`, the one rule).
 
-    demand(keys) | speculate(keys) | warm(keys) -> reserve slot, queue of that class
+    demand(keys) | speculate(keys) | warm(keys) -> the queue of that class (a slot reserved;
+                                                   a warm read's when its turn comes)
         -> pump: the rule picks, within the read depth and byte budget -> fill.land, fill.read
         -> bytes in (reader thread): off the drive -> pump (the drive's next read)
            -> fill.check -> fill.repack -> fill.commit (offload/fill.py) -> settle: resolve
@@ -512,7 +513,8 @@ class Prefetcher:
         """Every read the rule lets go now, marked running and landed (fill.land), in order."""
         batch: list[_Job] = []
         while True:
-            self._warm_retry_locked()
+            if self._warm_later:
+                self._warm_retry_locked()
             kind = self._next_class_locked()
             if kind is None:
                 break
@@ -596,7 +598,7 @@ class Prefetcher:
                     batch = self._pick_locked()
                     if not batch:
                         self._pumping = False
-                        sink = self._warm_finished_locked()
+                        sink = self._warm_finished_locked() if self._warm is not None else None
                         break
                 self._hand_over(batch)
         except BaseException:
