@@ -161,3 +161,16 @@ def test_load_attaches_the_family_template(fixtures):
         assert rt.tokenizer.chat_template == read_chat_template(fixtures["k2"])
         ids = render_chat(rt.tokenizer, [{"role": "user", "content": "hi"}])
         assert ids[0] == rt.tokenizer.special("<|im_user|>")
+
+
+def test_template_file_is_read_as_a_regular_file(fixtures, tmp_path):
+    import os
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert read_chat_template(d) == "{{ messages[0]['content'] }}"
+    (d / "chat_template.jinja").unlink()
+    os.mkfifo(d / "chat_template.jinja")  # would block a plain open
+    with pytest.raises(ValueError, match="chat_template.jinja: not a regular file"):
+        read_chat_template(d)

@@ -22,7 +22,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.config import load_json
+from ..checkpoint.config import MAX_JSON_BYTES, load_json
+from ..checkpoint.safetensors_io import read_regular
 
 # Private-use markers around control-token text found in caller strings (stripped first, so a
 # caller cannot forge them).
@@ -48,7 +49,11 @@ def read_chat_template(model_dir: str | Path) -> str | None:
             return tpl
     path = root / TEMPLATE_FILE
     if path.exists():
-        return path.read_text(encoding="utf-8")
+        raw = read_regular(path, limit=MAX_JSON_BYTES, error=ValueError, what="chat template")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text: {e}") from None
     return None
 
 
