@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -250,7 +251,8 @@ STAGES = {  # a file of each build stage: (glob the fault hits, the file the mes
     "metadata": ("config.json.partial", "config.json.partial"),
     "index": ("model.safetensors.index.json.partial", "model.safetensors.index.json.partial"),
     "receipt": ("build-receipt.json.partial", "build-receipt.json.partial"),
-    "manifest": ("expert-manifest.json.partial", "expert-manifest.json.partial"),
+    # written by files.atomic_write: a temporary name of its own, the message names the file
+    "manifest": (".expert-manifest.json.*.partial", "expert-manifest.json"),
 }
 WHY = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
        errno.EIO: "I/O error"}
@@ -530,16 +532,23 @@ def test_finished_layers_extend_to_all(sources, tmp_path):
 
 def test_hf_snapshot_source_keeps_its_metadata_files(sources, tmp_path):
     """An HF cache snapshot holds only symlinks into ../../blobs; config and tokenizer files
-    must still be copied (verify derives the record layout from config.json)."""
-    snap = tmp_path / "m" / "snapshots" / "rev"
+    must still be copied (verify derives the record layout from config.json), while a link
+    leaving the snapshot and its blobs is refused."""
+    snap, blobs = tmp_path / "m" / "snapshots" / "rev", tmp_path / "m" / "blobs"
     snap.mkdir(parents=True)
+    blobs.mkdir()
     for p in sources["bf16"].iterdir():
-        os.symlink(p, snap / p.name)
+        shutil.copyfile(p, blobs / f"blob-{p.name}")
+        os.symlink(f"../../blobs/blob-{p.name}", snap / p.name)
     out = tmp_path / "art"
     build_artifact(snap, out, progress=False)
     for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (sources["bf16"] / name).read_bytes()
     assert verify_artifact(out).problems == []
+    (snap / "tokenizer_config.json").unlink()
+    os.symlink(sources["bf16"] / "tokenizer_config.json", snap / "tokenizer_config.json")
+    with pytest.raises(BuildError, match="tokenizer_config.json: resolves to .*outside"):
+        build_artifact(snap, tmp_path / "art2", progress=False)
 
 
 HOLD_BUILD = """

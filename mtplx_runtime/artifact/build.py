@@ -26,12 +26,13 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint import open_checkpoint
+from ..files import fsync_dir
 from ..formats import FormatError
 from ..formats.ctint import pack_codes, pack_zero_points, unpack_codes, unpack_zero_points
 from ..formats.record import PROJECTIONS, RecordLayout, part_name, quantization_for, record_layout
 from ..formats.resident_layouts import RESIDENT_DTYPES
 from ..formats.t158 import encode_t158
-from .journal import JOURNAL_FORMAT, BuildError, fsync_dir
+from .journal import JOURNAL_FORMAT, BuildError
 from .manifest import load_manifest, write_manifest
 from .outputs import (
     INDEX,
@@ -426,17 +427,10 @@ def _unlink_if_present(path: Path) -> None:
 
 
 def _install_manifest(manifest, path: Path) -> None:
-    """`write_manifest` (temp file, fsync, rename), with a full disk named like every stage."""
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        with disk_errors(tmp, f"writing {path.name}"):
-            write_manifest(manifest, path)
-    except BaseException:
-        try:  # give the space back (an old manifest, when extending, stays); a rerun writes it
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """`write_manifest` (temp file, fsync, rename; a failed write removes the temp file, an old
+    manifest when extending stays), with a full disk named like every stage."""
+    with disk_errors(path, f"writing {path.name}"):
+        write_manifest(manifest, path)
 
 
 def _refuse_foreign_parts(out: Path, mode: str) -> None:

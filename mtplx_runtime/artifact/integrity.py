@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.safetensors_io import CheckpointError, read_regular
+from ..checkpoint.safetensors_io import CheckpointError
+from ..files import read_regular
 from .manifest import Manifest
 
 __all__ = ["IntegrityError", "ShardAdmission", "admit_shards", "receipt_path", "receipts_dir"]

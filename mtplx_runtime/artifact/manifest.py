@@ -21,7 +21,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.safetensors_io import CheckpointError, no_duplicate_keys, read_regular
+from ..checkpoint.safetensors_io import CheckpointError, no_duplicate_keys
+from ..files import atomic_write, read_regular
 from ..formats.record import ALIGNMENT, MODES, PAD
 from ..formats.resident_layouts import RESIDENT_DTYPES
 
@@ -248,13 +249,15 @@ def parse_manifest_bytes(raw: bytes, *, where: str = "manifest",
         elif claimed is None:  # an explicit null is not "absent" (lowercase hex is required)
             raise ManifestError(f"{where}: manifest_sha256 must be 64 lowercase hex "
                                 "characters, got None")
-        m = Manifest.from_dict(d)
-        if claimed is not None:
-            if type(claimed) is not str or not _HEX64.fullmatch(claimed):
-                raise ManifestError(f"{where}: manifest_sha256 must be 64 lowercase hex "
-                                    f"characters, got {claimed!r}")
-            m.manifest_sha256 = claimed
-        validate_structure(m)
+        if claimed is not None and (type(claimed) is not str or not _HEX64.fullmatch(claimed)):
+            raise ManifestError(f"{where}: manifest_sha256 must be 64 lowercase hex "
+                                f"characters, got {claimed!r}")
+        try:
+            m = Manifest.from_dict(d)
+            validate_structure(m)
+        except ManifestError as e:  # the value and structure rules name the object, not the file
+            raise ManifestError(e if str(e).startswith(where) else f"{where}: {e}") from None
+        m.manifest_sha256 = claimed
         # Fast path: the parsed dict re-serializes to the input bytes, so the input held no
         # duplicate key and, with no explicit defaults, its canonical form is the digest input.
         body = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -304,18 +307,7 @@ def write_manifest(manifest: Manifest, path: str | os.PathLike) -> str:
     data = canonical_json(manifest.to_dict()) + b"\n"
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{path}: {len(data)} bytes would exceed the manifest size cap")
-    path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    atomic_write(path, data, durable=True)
     return manifest.manifest_sha256
 
 

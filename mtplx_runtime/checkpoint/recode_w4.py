@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import atomic_write
 from ..formats.base import FormatError
 from ..formats.ctint import (
     GROUP_SIZE,
@@ -80,7 +81,7 @@ def _qc_holders(cfg: object, path: Path) -> list[dict]:
 def _open_shards(src: Path) -> tuple[dict | None, dict[str, SafetensorsFile], dict[str, str]]:
     """(index or None, shard name -> open file, tensor name -> shard name), cross-checked."""
     if (src / INDEX).exists():
-        index = load_json(src / INDEX)
+        index = load_json(src / INDEX, root=src)
         where = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(where, dict) or not where:
             raise CheckpointError(f"{src / INDEX}: no weight_map")
@@ -92,7 +93,7 @@ def _open_shards(src: Path) -> tuple[dict | None, dict[str, SafetensorsFile], di
         index, names, where = None, [SINGLE], None
     else:
         raise CheckpointError(f"{src}: neither {INDEX} nor {SINGLE} found")
-    files = {n: SafetensorsFile(src / n) for n in names}
+    files = {n: SafetensorsFile(src / n, root=src) for n in names}
     if where is None:
         where = {t: SINGLE for t in files[SINGLE].tensors}
     mapped: dict[str, set[str]] = {n: set() for n in files}
@@ -176,9 +177,7 @@ def _recode(name: str, words: np.ndarray, n: int, layout: str, zero_point: bool)
 
 
 def _write_json(path: Path, obj: object) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode())
 
 
 def recode_checkpoint(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
@@ -197,7 +196,7 @@ def recode_checkpoint(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
     if dst.resolve().is_relative_to(src.resolve()):
         raise CheckpointError(f"{dst}: must not lie inside the source folder {src}")
     cfg_path = src / "config.json"
-    cfg = load_json(cfg_path)
+    cfg = load_json(cfg_path, root=src)
     holders = _qc_holders(cfg, cfg_path)
     try:
         scheme = parse_quantization_config(holders[0]["quantization_config"])

@@ -39,7 +39,7 @@ from pathlib import Path
 import tiktoken
 
 from ..checkpoint.config import load_json
-from ..checkpoint.safetensors_io import read_regular
+from ..files import read_regular
 
 NUM_SPECIAL_IDS = 256
 MAX_RANKS_BYTES = 256 * 2**20  # K3's tiktoken.model is about 2.4 MB
@@ -98,11 +98,12 @@ END_OF_MSG = "<|end_of_msg|>"
 EOS = "[EOS]"
 
 
-def read_ranks(path: str | Path) -> dict[bytes, int]:
+def read_ranks(path: str | Path, *, root: str | Path | None = None) -> dict[bytes, int]:
     """Parse a tiktoken BPE file (`base64 rank` per line) without tiktoken's path-keyed cache."""
     ranks: dict[bytes, int] = {}
     # A regular file opened without blocking (a FIFO or directory is a ValueError naming it).
-    raw = read_regular(path, limit=MAX_RANKS_BYTES, what="tokenizer file")
+    raw = read_regular(path, limit=MAX_RANKS_BYTES, root=root, error=ValueError,
+                       what="tokenizer file")
     for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue

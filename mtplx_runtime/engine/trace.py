@@ -31,7 +31,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..checkpoint.safetensors_io import open_regular
+from ..files import InputError, open_regular
 
 TRACE_FORMAT = "mtplx-route-trace-v1"
 
@@ -111,7 +111,7 @@ class RouteTrace:
         self.close()
 
 
-class TraceError(ValueError):
+class TraceError(InputError):
     """A route-trace file that is not `mtplx-route-trace-v1`; the message names the file and
     line."""
 

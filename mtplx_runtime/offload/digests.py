@@ -31,7 +31,8 @@ import numpy as np
 
 from ..artifact.integrity import receipt_path
 from ..artifact.manifest import Manifest
-from ..checkpoint.safetensors_io import CheckpointError, read_regular
+from ..checkpoint.safetensors_io import CheckpointError
+from ..files import read_regular
 from ..kernels import cpu_native
 
 __all__ = ["RecordCheck", "RecordDigests", "fast_hash"]
@@ -141,7 +142,7 @@ class RecordDigests:
             return
         try:
             data = read_regular(self._path, limit=16 + 8 * n, follow_symlinks=False,
-                                what="record checksum file")
+                                error=CheckpointError, what="record checksum file")
         except CheckpointError as e:
             log.warning("ignoring the record checksums %s: %s", self._path, e)
             return

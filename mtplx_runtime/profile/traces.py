@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.safetensors_io import open_regular
 from ..engine.trace import MAX_TRACE_ID, TRACE_FORMAT, TraceError, read_trace
+from ..files import open_regular
 
 # What `load` accepts, for error messages that tell a user what a trace should be.
 SOURCES = ("mtplx-route-trace-v1 JSONL, a plain route list (UTF-8 text), an integer .npy "
