@@ -62,6 +62,8 @@ def stat_regular(path: str | os.PathLike, *, follow_symlinks: bool = True,
         raise error(f"{path}: file not found") from None
     except OSError as e:
         raise error(f"{path}: cannot examine the {what}: {e.strerror}") from None
+    except ValueError:  # a NUL byte: no file has that name
+        raise error(f"{str(path)[:200]!r}: not a file name (it holds a NUL byte)") from None
     if stat.S_ISLNK(st.st_mode):
         raise error(f"{path}: is a symlink (the {what} is read without following symlinks)")
     if not stat.S_ISREG(st.st_mode):

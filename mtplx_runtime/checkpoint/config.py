@@ -49,9 +49,10 @@ _K3_MARKERS = (
 # generous next to K3's values (FORMAT.md "Geometry"), small enough that nothing derived from
 # them (layer lists, tensor tables, shapes) is unbounded.
 MAX_LAYERS = 1024
+MAX_EXPERTS = 1 << 16
 _INT_BOUNDS = {
     "vocab_size": 1 << 24, "hidden_size": 1 << 20, "num_hidden_layers": MAX_LAYERS,
-    "intermediate_size": 1 << 22, "num_experts": 1 << 16, "num_experts_per_token": 1 << 16,
+    "intermediate_size": 1 << 22, "num_experts": MAX_EXPERTS, "num_experts_per_token": MAX_EXPERTS,
     "moe_intermediate_size": 1 << 20, "routed_expert_hidden_size": 1 << 20,
     "num_shared_experts": 256, "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
     "q_lora_rank": 1 << 20, "kv_lora_rank": 1 << 20, "qk_nope_head_dim": 1 << 12,
