@@ -315,10 +315,11 @@ def _config_specials(config: dict, n_ranks: int, where: Path) -> list[SpecialTok
     if len({s.text for s in out}) != len(out):
         raise TokenizerError(f"{where}: added_tokens_decoder: special token names are not "
                              "unique")
-    moved = [v for k, v in K3_NAMED_SPECIALS.items() if named.get(n_ranks + k, (v,))[0] != v]
+    moved = [v for k, v in K3_NAMED_SPECIALS.items() if named.get(n_ranks + k, (None,))[0] != v]
     if moved:
-        log.warning("%s: special tokens %s are not where K3 has them (first special id + %s); "
-                    "this runtime runs K3's chat format with K3's ids", where, moved[:4],
+        log.warning("%s: special tokens %s are not where K3 has them (first special id + %s; "
+                    "missing or at another id): this runtime runs K3's chat format with K3's "
+                    "ids", where, moved[:4],
                     [k for k, v in K3_NAMED_SPECIALS.items() if v in moved][:4])
     return out
 
