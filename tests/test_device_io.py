@@ -1,17 +1,24 @@
-"""DeviceReader's staged path (pread -> host staging -> copy into the slot) and SlotGuard, driven
-without a GPU: the "device" slots are host arrays and the copy is a host copy, so the ordering
-(guard wait before the copy, future resolved after it) and the error paths are checked here."""
+"""The staged path to device slots (pread -> pinned staging -> check -> copy into the slot) through
+the fill pipeline and the prefetcher, and SlotGuard, driven without a GPU: the "device" slots are
+host arrays and the copy is a host copy, so the ordering (check before the copy, guard wait
+before the copy, commit after it), the staging pool's bound and the error paths are checked
+here."""
 
 import hashlib
 
 import numpy as np
 import pytest
 
-from mtplx_runtime.offload.bank_reader import RecordHashError, RecordReader
+from mtplx_runtime.artifact.open import RecordLocation
+from mtplx_runtime.offload.bank_reader import RecordReader
 from mtplx_runtime.offload.buffers import aligned_buffer
-from mtplx_runtime.offload.device_io import DeviceReader, SlotGuard, kvikio_mode
+from mtplx_runtime.offload.cache import ExpertCache
+from mtplx_runtime.offload.device_io import SlotGuard, Staging, device_reads, kvikio_mode
+from mtplx_runtime.offload.fill import Fill
+from mtplx_runtime.offload.prefetch import Prefetcher, PrefetchError
 
 PAGE = 4096
+T_OUT = 10.0
 
 
 class Event:
@@ -31,58 +38,109 @@ def part(tmp_path):
     return tmp_path, data
 
 
-def reader_for(root, data, **kw):
-    rr = RecordReader(root, [("part0.bin", data.nbytes)], direct=False)
-    log = []
+class Bank:
+    """Expert e of layer 1 is page e of part0.bin."""
+
+    def locate(self, layer, expert):
+        if not 0 <= expert < 4:
+            raise KeyError((layer, expert))
+        return RecordLocation(0, expert * PAGE, PAGE, None)
+
+
+class Digests:
+    """Each record's SHA-256, noting which bytes the check saw; `bad` keys get a wrong one."""
+
+    def __init__(self, data, log, bad=()):
+        self.data, self.log, self.bad = data, log, set(bad)
+
+    def check(self, key):
+        digests = self
+
+        class Check:
+            def verify(self, view):
+                digests.log.append(("check", bytes(view[:8])))
+                want = ("0" * 64 if key in digests.bad else
+                        hashlib.sha256(digests.data[key[1] * PAGE:(key[1] + 1) * PAGE]).hexdigest())
+                return None if hashlib.sha256(view).hexdigest() == want else "do not match"
+
+        return Check()
+
+
+def staged(root, data, log, *, staging=2, read_depth=2, bad=()):
+    """A prefetcher filling "device" slots (host memory) through `staging` staging buffers."""
+    guard = SlotGuard()
 
     def to_device(host, dev):
         log.append("copy")
         np.copyto(dev, host)
 
-    return DeviceReader(rr, staging_bytes=2 * PAGE, use_kvikio=False, threads=2,
-                        to_device=to_device, **kw), log
+    reader = RecordReader(root, [("part0.bin", data.nbytes)], direct=False, read_depth=read_depth)
+    reader, stage = device_reads(reader, staging_bytes=PAGE, guard=guard, threads=staging,
+                                 use_kvikio=False, to_device=to_device)
+    cache = ExpertCache(PAGE, 4 * PAGE, scope="global", device="cpu")
+    fill = Fill(reader, Bank(), cache, digests=Digests(data, log, bad), staging=stage)
+    return Prefetcher(fill, max_inflight_bytes=64 * PAGE, read_depth=read_depth), guard, reader
 
 
-def test_staged_reads_land_in_the_slot_after_the_guard(part):
+def test_staged_reads_are_checked_in_staging_then_copied_after_the_guard(part):
     root, data = part
-    guard = SlotGuard()
-    dr, log = reader_for(root, data, guard=guard)
-    slots = aligned_buffer(4 * PAGE).reshape(2, 2 * PAGE)
-    guard.mark([slots[1]], Event(log))  # a kernel still reads slot 1
+    log: list = []
+    pf, guard, reader = staged(root, data, log)
+    assert isinstance(pf.fill.staging, Staging) and pf.fill.staging.free() == 2
     try:
-        assert "staged" in dr.mode and not dr.kvikio
-        assert dr.read_into(0, PAGE, 2 * PAGE, slots[1]).result() == 2 * PAGE
-        assert log == ["wait", "copy"]  # the event is waited on before the slot is written
-        assert np.array_equal(slots[1], data[PAGE:3 * PAGE])
-        digest = hashlib.sha256(data[:PAGE].tobytes()).hexdigest()
-        def on_read():
-            log.append("read")
-
-        assert dr.read_into(0, 0, PAGE, slots[0], digest=digest, on_read=on_read).result() == PAGE
-        # slot 0 had no kernel: no wait; slot 1's is gone. The drive is done before the copy.
-        assert log == ["wait", "copy", "read", "copy"]
-        assert np.array_equal(slots[0][:PAGE], data[:PAGE])
-        futs = [dr.read_into(0, i * PAGE, PAGE, slots[i % 2]) for i in range(4)]
-        assert [f.result() for f in futs] == [PAGE] * 4
+        guard.mark([pf.cache.tier("compute").view(0)], Event(log))  # a kernel reads slot 0
+        ref = pf.wait(pf.demand([(1, 1)]), timeout=T_OUT)[(1, 1)]
+        assert ref.slot == 0  # the first free slot
+        # the check saw the staged bytes before any copy; the guard was waited on before the copy
+        assert log == [("check", data[PAGE:PAGE + 8].tobytes()), "wait", "copy"]
+        assert np.array_equal(pf.cache.buffer(ref), data[PAGE:2 * PAGE])
+        assert pf.fill.staging.free() == 2  # the staging buffer came back
+        refs = pf.wait(pf.demand([(1, 0), (1, 2), (1, 3)]), timeout=T_OUT)
+        for key, r in refs.items():
+            assert np.array_equal(pf.cache.buffer(r), data[key[1] * PAGE:(key[1] + 1) * PAGE])
+        assert log.count("wait") == 1 and log.count("copy") == 4
     finally:
-        dr.close()
+        pf.shutdown()
+        reader.close()
 
 
-def test_staged_read_errors_reach_the_future(part):
+def test_a_staged_record_that_fails_its_check_never_reaches_the_slot(part):
     root, data = part
-    dr, log = reader_for(root, data)
-    slot = aligned_buffer(2 * PAGE)
+    log: list = []
+    pf, guard, reader = staged(root, data, log, bad={(1, 2)})
     try:
-        with pytest.raises(RecordHashError):
-            dr.read_into(0, 0, PAGE, slot, digest="0" * 64).result()
-        with pytest.raises(ValueError, match="outside the part"):
-            dr.read_into(0, 3 * PAGE, 2 * PAGE, slot).result()
-        with pytest.raises(ValueError, match="destination holds"):
-            dr.read_into(0, 0, 2 * PAGE, slot[:PAGE])
-        assert log == []  # nothing was copied into the slot
-        assert dr.read_into(0, 0, PAGE, slot).result() == PAGE  # staging buffers came back
+        with pytest.raises(PrefetchError, match="part0.bin.*do not match"):
+            pf.wait(pf.demand([(1, 2)]), timeout=T_OUT)
+        assert "copy" not in log and (1, 2) not in pf.cache  # checked, refused, slot aborted
+        assert pf.fill.staging.free() == 2
+        ref = pf.wait(pf.demand([(1, 0)]), timeout=T_OUT)[(1, 0)]
+        assert np.array_equal(pf.cache.buffer(ref), data[:PAGE]) and log[-1] == "copy"
     finally:
-        dr.close()
+        pf.shutdown()
+        reader.close()
+
+
+def test_reads_wait_in_the_prefetcher_for_a_free_staging_buffer(part, monkeypatch):
+    """With one staging buffer a second read is not handed over (however deep the reader) until
+    the first one's bytes are in their slot and its buffer is back."""
+    root, data = part
+    log: list = []
+    pf, guard, reader = staged(root, data, log, staging=1, read_depth=4)
+    inflight: list = []
+    real = pf.fill.read
+
+    def read(job):
+        inflight.append(pf.inflight()["inflight_reads"])
+        return real(job)
+
+    monkeypatch.setattr(pf.fill, "read", read)
+    try:
+        refs = pf.wait(pf.demand([(1, 0), (1, 1), (1, 2), (1, 3)]), timeout=T_OUT)
+        assert len(refs) == 4 and inflight == [1, 1, 1, 1] and log.count("copy") == 4
+        assert pf.stats.peak_inflight_reads == 1
+    finally:
+        pf.shutdown()
+        reader.close()
 
 
 def test_guard_waits_once_per_mark():
@@ -104,6 +162,8 @@ def test_kvikio_demanded_but_missing_is_a_clear_error(part, monkeypatch):
     root, data = part
     rr = RecordReader(root, [("part0.bin", data.nbytes)], direct=False)
     with pytest.raises(RuntimeError, match="use_kvikio=True but kvikio unavailable"):
-        DeviceReader(rr, staging_bytes=PAGE, use_kvikio=True)
+        device_reads(rr, staging_bytes=PAGE, guard=SlotGuard(), threads=2, use_kvikio=True)
+    reader, staging = device_reads(rr, staging_bytes=PAGE, guard=SlotGuard(), threads=2)
+    assert reader is rr and staging.free() == 2  # auto: staged, one buffer per read in flight
     rr.close()
     assert kvikio_mode()  # the real probe never raises

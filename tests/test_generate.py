@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -212,6 +213,54 @@ def test_sampled_generation_is_seeded(model, tok):
         list(generate_step(model, ids, seed=3, **kw))
 
 
+def test_sampling_without_a_seed_is_fresh_and_the_stats_seed_repeats_it(model, tok):
+    ids = tok.encode(PROMPT)
+    kw = dict(max_tokens=8, temperature=1.0)
+    runs = [generate(model, ids, **kw) for _ in range(2)]
+    (a, sa), (b, sb) = runs
+    assert sa.seed != sb.seed and a != b  # a fresh seed each run, not a fixed default
+    assert f"; seed {sa.seed}" in sa.summary()
+    assert generate(model, ids, seed=sa.seed, **kw)[0] == a  # the printed seed repeats it
+    greedy, sg = generate(model, ids, max_tokens=8, seed=5)
+    assert sg.seed is None and "seed" not in sg.summary()  # greedy draws nothing
+    assert generate(model, ids, max_tokens=8)[0] == greedy
+
+
+class _FixedLogits:
+    """A model whose logits are always `row` (penalties alone change what is picked)."""
+
+    def __init__(self, row):
+        self.row = torch.tensor(row)
+
+    def new_state(self):
+        return type("S", (), {"tokens": 0})()
+
+    def prefill(self, ids, state):
+        state.tokens += len(ids)
+        return self.row.expand(len(ids), -1).clone()
+
+    def decode(self, t, state):
+        return self.prefill([t], state)[0]
+
+
+@pytest.mark.parametrize("fp,pp", [(0.6, 0.0), (0.0, 1.1), (0.3, 0.5), (-0.5, 0.2)])
+def test_penalties_follow_openai(fp, pp):
+    """logit - count * frequency_penalty - (count > 0) * presence_penalty over the ids generated
+    so far (not the prompt), before greedy or sampled choice: checked against that formula."""
+    from collections import Counter
+
+    row = [3.0, 2.6, 2.2, 1.0, -1.0]
+    got, _ = generate(_FixedLogits(row), [0, 0, 1], max_tokens=12, frequency_penalty=fp,
+                      presence_penalty=pp)
+    want, counts = [], Counter()
+    for _ in range(12):
+        scores = [x - counts[i] * fp - (counts[i] > 0) * pp for i, x in enumerate(row)]
+        want.append(max(range(len(row)), key=lambda i: (scores[i], -i)))
+        counts[want[-1]] += 1
+    assert got == want
+    assert fp < 0 or len(set(want)) > 1  # a positive penalty moves greedy off its favourite
+
+
 # ---- route trace -------------------------------------------------------------------------------
 
 def test_trace_lists_k_experts_per_moe_layer_per_token(model, tok, tmp_path):
@@ -295,7 +344,7 @@ def test_cli_generate_streams_text_and_stats(cli, tiny, model, tok, tmp_path, ca
                 "--max-tokens", "6", "--trace-routes", str(trace)]) == 0
     out, err = capsys.readouterr()
     want = _manual_greedy(model, tok.encode(PROMPT), 6)
-    assert out == tok.decode(want) + "\n"
+    assert out == tok.decode(want, skip_special=True) + "\n"
     assert "generated 6 tok" in err and "decode" in err and "tok/s" in err
     header, lines = read_trace(trace)
     assert header["record_bytes"] > 0 and len(list(lines)) == len(tok.encode(PROMPT)) + 5
@@ -387,7 +436,7 @@ def test_cli_streamed_generation_matches_resident(cli, tiny, model, tok, tmp_pat
                 "--max-tokens", "6", "--memory-budget", "2GiB", "--lookahead", "1",
                 "--kernels", "reference", "--read-depth", "1"]) == 0
     out, err = capsys.readouterr()
-    assert out == tok.decode(_manual_greedy(model, tok.encode(PROMPT), 6)) + "\n"
+    assert out == tok.decode(_manual_greedy(model, tok.encode(PROMPT), 6), skip_special=True) + "\n"
     assert "cache hit rate" in err and "kernels reference" in err
     assert "CUDA unavailable" not in err  # an explicit choice is not a fallback
     # The native CPU kernels give the same greedy text, in the default bf16 model too.
@@ -429,7 +478,7 @@ def test_cli_context_is_enforced_truncated_or_shortens_the_reply(cli, tiny, mode
     out, err = capsys.readouterr()
     assert f"prompt cut from {n} to its last {n - 2} tokens" in err
     want = generate(model, ids[-(n - 2):], max_tokens=2)[0]
-    assert out == tok.decode(want) + "\n"
+    assert out == tok.decode(want, skip_special=True) + "\n"
 
     assert cli([*flags, "--context", str(n + 2), "--max-tokens", "5"]) == 0
     out, err = capsys.readouterr()
@@ -444,7 +493,7 @@ def test_cli_device_slots_show_cache_misses_on_a_small_model(cli, tiny, model, t
 
     art = tmp_path / "art"
     build_artifact(tiny, art, codec="keep", progress=False)
-    want = tok.decode(_manual_greedy(model, tok.encode(PROMPT), 6)) + "\n"
+    want = tok.decode(_manual_greedy(model, tok.encode(PROMPT), 6), skip_special=True) + "\n"
     flags = ["generate", "--model", str(art), "--prompt", PROMPT, "--dtype", "float32",
              "--max-tokens", "6", "--kernels", "reference"]
     rates = []
@@ -490,4 +539,29 @@ def test_prefill_progress_lines_for_a_long_prompt(cli, tiny, model, tok, monkeyp
     out, err_text = capsys.readouterr()
     n = len(tok.encode(PROMPT))
     assert f"mtplx: prefill {n:,}/{n:,} tokens" in err_text
-    assert out == tok.decode(_manual_greedy(model, tok.encode(PROMPT), 3)) + "\n"
+    assert out == tok.decode(_manual_greedy(model, tok.encode(PROMPT), 3), skip_special=True) + "\n"
+
+
+def test_cli_generate_prints_a_fresh_seed_that_repeats_the_run(cli, tiny, capsys):
+    flags = ["generate", "--model", str(tiny), "--prompt", PROMPT, "--dtype", "float32",
+             "--max-tokens", "8", "--temperature", "1"]
+    runs = []
+    for _ in range(2):
+        assert cli(flags) == 0
+        out, err = capsys.readouterr()
+        runs.append((out, int(re.search(r"; seed (\d+)", err)[1])))
+    assert runs[0] != runs[1]
+    assert cli([*flags, "--seed", str(runs[0][1])]) == 0
+    out, err = capsys.readouterr()
+    assert (out, f"; seed {runs[0][1]}" in err) == (runs[0][0], True)
+
+
+def test_cli_generate_skips_special_tokens_unless_kept(cli, tiny, model, tok, capsys):
+    ids = _manual_greedy(model, tok.encode(PROMPT), 3)
+    assert "<|reserved_token_" in tok.decode(ids)  # this reply holds a special id
+    flags = ["generate", "--model", str(tiny), "--prompt", PROMPT, "--dtype", "float32",
+             "--max-tokens", "3"]
+    assert cli(flags) == 0
+    assert capsys.readouterr().out == tok.decode(ids, skip_special=True) + "\n"
+    assert cli([*flags, "--keep-special-tokens"]) == 0
+    assert capsys.readouterr().out == tok.decode(ids) + "\n"

@@ -1,6 +1,7 @@
-"""Prefetcher against a fake slow bank and the real ExpertCache (CPU slots, calls recorded):
-ordering, back-pressure, speculation cap, stale cancellation, promotion, errors, shutdown without
-hang; plus one run on a real artifact."""
+"""Prefetcher (the read scheduler) and the fill pipeline against a fake slow bank and the real
+ExpertCache (CPU slots, calls recorded): the read priority (demand, guesses, warm; the prompt's
+hold), ordering, back-pressure, speculation cap, stale cancellation, promotion, held windows,
+the fill's steps, errors, shutdown without hang; plus one run on a real artifact."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from mtplx_runtime.artifact.open import RecordLocation
+from mtplx_runtime.offload.bank_reader import RecordHashError
 from mtplx_runtime.offload.cache import ExpertCache
-from mtplx_runtime.offload.prefetch import NoSlotError, Prefetcher, PrefetchError
+from mtplx_runtime.offload.fill import Fill
+from mtplx_runtime.offload.prefetch import NoSlotError, Prefetcher, PrefetchError, Window
 
 REC = 4096  # bytes per fake record
 T_OUT = 10.0  # every wait in this file is bounded
@@ -38,8 +42,23 @@ def key_of(offset):
     return (i // 1000, i % 1000)
 
 
-def locate(key):
-    return 0, offset_of(key), REC, None
+class Bank:
+    """Record (layer, expert) at offset_of(key) of part 0; KeyError for `missing` experts, and
+    `bug` experts raise TypeError (a bug in locating, not a missing record)."""
+
+    def __init__(self, missing=(), bug=()):
+        self.missing, self.bug = set(missing), set(bug)
+
+    def locate(self, layer, expert):
+        if expert in self.missing:
+            raise KeyError((layer, expert))
+        if expert in self.bug:
+            raise TypeError("locate bug")
+        return RecordLocation(0, offset_of((layer, expert)), REC, None)
+
+
+def prefetcher(reader, cache, bank=None, digests=None, repack=None, **kw):
+    return Prefetcher(Fill(reader, bank or Bank(), cache, digests=digests, repack=repack), **kw)
 
 
 def pattern(key, n=REC):
@@ -48,8 +67,8 @@ def pattern(key, n=REC):
 
 class FakeReader:
     """Async reads on its own threads; optional gate holds every read until released.
-    Instruments bytes in flight (max_bytes) and the order reads start. Calls on_read once the
-    bytes are in, before the future resolves, as RecordReader does."""
+    Instruments bytes in flight (max_bytes) and the order reads start; a read's future
+    resolves once its bytes are in, as RecordReader's does."""
 
     parts = [("bank.bin", 1 << 40, 0)]
 
@@ -65,7 +84,7 @@ class FakeReader:
         self.reads: Counter = Counter()
         self.on_land = lambda: None  # called as each read lands, before its future resolves
 
-    def read_into(self, part, offset, length, buf, digest=None, on_read=None):
+    def read_into(self, part, offset, length, buf):
         fut: Future = Future()
         key = key_of(offset)
         with self.lock:
@@ -87,10 +106,8 @@ class FakeReader:
                     self.cur_bytes -= length
                 fut.set_exception(e)
                 return
-            with self.lock:  # before on_read: the budget frees once the bytes are in
+            with self.lock:  # before the future: the budget frees once the bytes are in
                 self.cur_bytes -= length
-            if on_read is not None:
-                on_read()
             self.on_land()
             fut.set_result(n)
 
@@ -146,7 +163,7 @@ def make():
         reader = reader or FakeReader()
         cache = cache or SpyCache()
         kw.setdefault("max_inflight_bytes", 8 * REC)
-        pf = Prefetcher(reader, locate, cache, **kw)
+        pf = prefetcher(reader, cache, **kw)
         made.append((pf, reader))
         return pf, reader, cache
 
@@ -246,24 +263,25 @@ def test_demand_goes_before_queued_speculation(make, limit):
 
 class HeldReader:
     """Reads that land only on command: `read_into` returns a pending future and `land(key)`
-    fills the slot, calls on_read and resolves it on the calling thread; `bytes_in(key)` does
-    only the first two (the check still running). Counts reads in flight (and their peak) under
-    a condition, so tests wait for an exact count, never for time."""
+    fills the slot and resolves it on the calling thread (where the fill's check and commit then
+    run). Counts reads in flight (and their peak) under a condition, so tests wait for an exact
+    count, never for time."""
 
     parts = [("bank.bin", 1 << 40, 0)]
 
     def __init__(self):
         self.cond = threading.Condition()
-        self.held: dict = {}  # key -> (buffer, future, on_read), in the order reads started
-        self.checking: dict = {}  # key -> future: bytes in, not resolved
+        self.held: dict = {}  # key -> (buffer, future), in the order reads started
+        self.started: list = []  # every read's key, in the order they started
         self.peak = 0
         self.peak_by_layer: Counter = Counter()  # most reads of each layer in flight at once
 
-    def read_into(self, part, offset, length, buf, digest=None, on_read=None):
+    def read_into(self, part, offset, length, buf):
         fut: Future = Future()
         key = key_of(offset)
         with self.cond:
-            self.held[key] = (buf, fut, on_read)
+            self.held[key] = (buf, fut)
+            self.started.append(key)
             self.peak = max(self.peak, len(self.held))
             now = Counter(k[0] for k in self.held)
             for layer, n in now.items():
@@ -281,19 +299,10 @@ class HeldReader:
             assert self.cond.wait_for(lambda: pred(list(self.held)), T_OUT), list(self.held)
             return list(self.held)
 
-    def bytes_in(self, key) -> None:
-        with self.cond:
-            buf, fut, on_read = self.held.pop(key)
-            self.checking[key] = fut
-        buf[:REC] = pattern(key)
-        if on_read is not None:
-            on_read()
-
     def land(self, key) -> None:
-        if key not in self.checking:
-            self.bytes_in(key)
         with self.cond:
-            fut = self.checking.pop(key)
+            buf, fut = self.held.pop(key)
+        buf[:REC] = pattern(key)
         fut.set_result(REC)
 
 
@@ -303,7 +312,7 @@ def test_demand_and_lookahead_reads_share_the_read_depth():
     guesses held to their share so the misses start at once."""
     depth = 8
     reader, cache = HeldReader(), SpyCache()
-    with Prefetcher(reader, locate, cache, read_depth=depth, speculative_fraction=0.5,
+    with prefetcher(reader, cache, read_depth=depth, speculative_fraction=0.5,
                     max_inflight_bytes=64 * REC) as pf:
         assert pf.spec_depth == 4
         guesses, misses = keys(2, 8), keys(1, 6)
@@ -315,7 +324,7 @@ def test_demand_and_lookahead_reads_share_the_read_depth():
         assert sorted(on) == sorted(guesses[:4] + misses[:4])
         assert pf.inflight() == {"inflight_bytes": depth * REC, "inflight_reads": depth,
                                  "inflight_spec_reads": 4, "checking_reads": 0, "queued_demand": 2,
-                                 "queued_spec": 4, "spec_bytes": 8 * REC}
+                                 "queued_spec": 4, "queued_warm": 0, "spec_bytes": 8 * REC}
         # A guess lands: its place goes to the next miss, not to the next guess.
         reader.land(guesses[0])
         on = reader.wait_inflight(lambda ks: len(ks) == depth)
@@ -342,7 +351,7 @@ def test_a_call_depth_caps_its_own_reads_below_the_read_depth():
     the guesses at most half of them, though the read depth is 16; a later call at the full
     depth (a prefill window) fills the reader to 16."""
     reader, cache = HeldReader(), SpyCache()
-    with Prefetcher(reader, locate, cache, read_depth=16, speculative_fraction=0.5,
+    with prefetcher(reader, cache, read_depth=16, speculative_fraction=0.5,
                     max_inflight_bytes=64 * REC) as pf:
         guesses, misses, window = keys(2, 6), keys(1, 6), keys(3, 20)
         assert pf.speculate(guesses, depth=4) == guesses
@@ -371,7 +380,7 @@ def test_a_call_depth_caps_its_own_reads_below_the_read_depth():
 
 def test_a_guess_demanded_in_flight_gives_its_speculative_place_back():
     reader, cache = HeldReader(), SpyCache()
-    with Prefetcher(reader, locate, cache, read_depth=4, speculative_fraction=0.5,
+    with prefetcher(reader, cache, read_depth=4, speculative_fraction=0.5,
                     max_inflight_bytes=64 * REC) as pf:
         guesses = keys(3, 4)
         assert pf.speculate(guesses) == guesses and pf.spec_depth == 2
@@ -391,7 +400,7 @@ def test_reads_are_handed_over_on_the_thread_that_made_room_for_them():
     hands the next queued one over on the landing thread: no other thread has to wake (and
     wait for the GIL) between a free place and the drive's next read."""
     reader, cache = HeldReader(), SpyCache()
-    with Prefetcher(reader, locate, cache, read_depth=2, max_inflight_bytes=64 * REC) as pf:
+    with prefetcher(reader, cache, read_depth=2, max_inflight_bytes=64 * REC) as pf:
         misses = keys(1, 5)
         futs = pf.demand(misses)
         assert reader.inflight() == misses[:2]  # no wait: already in the reader
@@ -412,10 +421,8 @@ class SyncReader:
 
     parts = [("bank.bin", 1 << 40, 0)]
 
-    def read_into(self, part, offset, length, buf, digest=None, on_read=None):
+    def read_into(self, part, offset, length, buf):
         buf[:length] = pattern(key_of(offset), length)
-        if on_read is not None:
-            on_read()
         fut: Future = Future()
         fut.set_result(length)
         return fut
@@ -426,7 +433,7 @@ def test_a_reader_that_completes_inside_read_into_does_not_recurse():
     reads over, 3000 of them at depth 1 go one after another, not 3000 calls deep."""
     many = [k for layer in (1, 2, 3) for k in keys(layer, 1000)]  # 1000 a layer: offset_of
     cache = SpyCache(slots=len(many))
-    with Prefetcher(SyncReader(), locate, cache, read_depth=1,
+    with prefetcher(SyncReader(), cache, read_depth=1,
                     max_inflight_bytes=4 * REC) as pf:
         futs = pf.demand(many)
         assert all(f.done() for f in futs.values())
@@ -442,10 +449,10 @@ class RefusingReader(HeldReader):
         super().__init__()
         self.refuse = set(refuse)
 
-    def read_into(self, part, offset, length, buf, digest=None, on_read=None):
+    def read_into(self, part, offset, length, buf):
         if key_of(offset) in self.refuse:
             raise ValueError(f"refused {key_of(offset)}")
-        return super().read_into(part, offset, length, buf, digest, on_read)
+        return super().read_into(part, offset, length, buf)
 
 
 def test_a_read_refused_at_hand_over_fails_its_key_and_the_pump_goes_on():
@@ -454,7 +461,7 @@ def test_a_read_refused_at_hand_over_fails_its_key_and_the_pump_goes_on():
     behind it still go."""
     misses = keys(1, 4)
     reader, cache = RefusingReader(refuse={misses[0], misses[2]}), SpyCache()
-    with Prefetcher(reader, locate, cache, read_depth=1, max_inflight_bytes=64 * REC) as pf:
+    with prefetcher(reader, cache, read_depth=1, max_inflight_bytes=64 * REC) as pf:
         futs = pf.demand(misses)  # (1, 0) refused inside demand; (1, 1) handed over after it
         assert reader.inflight() == [misses[1]]
         reader.land(misses[1])  # this landing hands over (1, 2): refused; then (1, 3)
@@ -475,7 +482,7 @@ def test_a_pump_that_fails_still_resolves_the_read_that_landed(monkeypatch, capl
     raise (a bug), the landed read still resolves, the error is logged by the future's callback
     runner, and the next pump hands over what was left queued."""
     reader, cache = HeldReader(), SpyCache()
-    with Prefetcher(reader, locate, cache, read_depth=1, max_inflight_bytes=64 * REC) as pf:
+    with prefetcher(reader, cache, read_depth=1, max_inflight_bytes=64 * REC) as pf:
         futs = pf.demand(keys(1, 2))
         pick = pf._pick_locked
         monkeypatch.setattr(pf, "_pick_locked", lambda: (_ for _ in ()).throw(RuntimeError("bug")))
@@ -490,34 +497,301 @@ def test_a_pump_that_fails_still_resolves_the_read_that_landed(monkeypatch, capl
         assert pf.wait({**futs, **more}, timeout=T_OUT).keys() == set(keys(1, 3))
 
 
+class Gate:
+    """A record check that runs until the test opens it: the bytes are in, the check is not
+    done. `started` is set once it runs; `ok=False` fails it."""
+
+    def __init__(self, ok=True):
+        self.started, self.opened, self.ok = threading.Event(), threading.Event(), ok
+
+    def verify(self, view) -> str | None:
+        self.started.set()
+        assert self.opened.wait(T_OUT)
+        return None if self.ok else "do not match (test)"
+
+
+class Checks:
+    """A RecordDigests stand-in: the check of each key (`gates`), a passing one for the rest."""
+
+    class Pass:
+        def verify(self, view):
+            return None
+
+    def __init__(self, gates=None):
+        self.gates = gates or {}
+
+    def check(self, key):
+        return self.gates.get(key) or self.Pass()
+
+
+def land_in_thread(reader, key) -> threading.Thread:
+    """Land `key` on a thread of its own: the fill's check runs there."""
+    t = threading.Thread(target=reader.land, args=(key,))
+    t.start()
+    return t
+
+
 def test_a_landed_read_gives_its_place_to_the_next_before_its_check_ends():
-    """The depth counts reads at the drive: once a read's bytes are in (on_read), the next read
-    goes while the first is still being checked, and the first's slot is committed only when
-    its check has passed. A guess demanded while it is checked gives back no place twice."""
+    """The depth counts reads at the drive: once a read's bytes are in, the next read goes
+    while the first is still being checked, and the first's slot is committed only when its
+    check has passed. A guess demanded while it is checked gives back no place twice."""
+    first, guess = Gate(), Gate()
     reader, cache = HeldReader(), SpyCache()
-    with Prefetcher(reader, locate, cache, read_depth=1, max_inflight_bytes=64 * REC) as pf:
+    with prefetcher(reader, cache, digests=Checks({(1, 0): first, (2, 0): guess}),
+                    read_depth=1, max_inflight_bytes=64 * REC) as pf:
         futs = pf.demand(keys(1, 2))
         assert reader.inflight() == [(1, 0)]
-        reader.bytes_in((1, 0))  # its check is running: (1, 1) goes to the drive meanwhile
+        lander = land_in_thread(reader, (1, 0))
+        assert first.started.wait(T_OUT)  # its check is running: (1, 1) went to the drive before
         assert reader.inflight() == [(1, 1)]
         assert not futs[(1, 0)].done() and not cache.ready((1, 0))
         assert pf.inflight()["inflight_reads"] == 1 and pf.inflight()["checking_reads"] == 1
-        reader.land((1, 0))
+        first.opened.set()
+        lander.join(T_OUT)
         assert futs[(1, 0)].result(T_OUT) == cache.where((1, 0)) and cache.ready((1, 0))
         assert pf.inflight()["checking_reads"] == 0
         reader.land((1, 1))
         assert pf.wait(futs, timeout=T_OUT).keys() == set(keys(1, 2))
-        guess = (2, 0)
-        assert pf.speculate([guess]) == [guess]
-        reader.bytes_in(guess)
+        assert pf.speculate([(2, 0)]) == [(2, 0)]
+        lander = land_in_thread(reader, (2, 0))
+        assert guess.started.wait(T_OUT)
         assert pf.inflight()["inflight_spec_reads"] == 0
-        more = pf.demand([guess])  # promoted while checked: its place was already given back
+        more = pf.demand([(2, 0)])  # promoted while checked: its place was already given back
         assert pf.inflight()["inflight_spec_reads"] == 0 and pf.stats.spec_used == 1
-        reader.land(guess)
-        assert pf.wait(more, timeout=T_OUT).keys() == {guess}
+        guess.opened.set()
+        lander.join(T_OUT)
+        assert pf.wait(more, timeout=T_OUT).keys() == {(2, 0)}
         assert pf.inflight() == {"inflight_bytes": 0, "inflight_reads": 0,
                                  "inflight_spec_reads": 0, "checking_reads": 0,
-                                 "queued_demand": 0, "queued_spec": 0, "spec_bytes": 0}
+                                 "queued_demand": 0, "queued_spec": 0, "queued_warm": 0,
+                                 "spec_bytes": 0}
+
+
+class WarmSink:
+    """What offload/warm.WarmStart hears from the prefetcher: each call, with its thread."""
+
+    def __init__(self):
+        self.calls: list = []
+        self.threads: set = set()
+
+    def landed(self, key, nbytes):
+        self.calls.append(("landed", key, nbytes))
+        self.threads.add(threading.current_thread())
+
+    def failed(self, key, error):
+        self.calls.append(("failed", key, type(error).__name__))
+        self.threads.add(threading.current_thread())
+
+    def finished(self, skipped):
+        self.calls.append(("finished", skipped))
+        self.threads.add(threading.current_thread())
+
+
+def test_the_read_priority_is_demand_then_guesses_then_warm():
+    """One rule orders every read: each place the drive frees goes to a queued demand read
+    first, then to a queued guess, then to the warm start, each class in its own order."""
+    reader, cache, sink = HeldReader(), SpyCache(), WarmSink()
+    with prefetcher(reader, cache, read_depth=4, speculative_fraction=1.0,
+                    max_inflight_bytes=64 * REC) as pf:
+        assert pf.next_class() is None  # nothing queued
+        pf.warm(keys(3, 6), sink)  # an idle drive: the warm fills the read depth at once
+        assert reader.inflight() == keys(3, 4)
+        assert pf.speculate(keys(2, 2)) == keys(2, 2)
+        pf.demand(keys(1, 2))
+        assert pf.next_class() is None  # the depth is full: nothing goes
+        assert pf.inflight()["queued_warm"] == 2 and pf.inflight()["queued_spec"] == 2
+        for key in keys(3, 4) + keys(1, 2) + keys(2, 2) + keys(3, 2, start=4):
+            reader.land(key)
+        assert reader.started == keys(3, 4) + keys(1, 2) + keys(2, 2) + keys(3, 2, start=4)
+        assert sink.calls[-1] == ("finished", 0) and len(sink.calls) == 7
+
+
+def test_a_queued_read_that_cannot_go_holds_back_every_lower_class():
+    """A demand read waiting for its depth (1, full) keeps a guess whose own depth (4) has room
+    off the drive, and a waiting guess does the same to the warm start: the classes never
+    overtake each other, whatever their depths."""
+    reader, cache, sink = HeldReader(), SpyCache(), WarmSink()
+    with prefetcher(reader, cache, read_depth=4, speculative_fraction=1.0,
+                    max_inflight_bytes=64 * REC) as pf:
+        first = pf.demand([(1, 0)])
+        pf.demand([(1, 1)], depth=1)  # waits: one read is at the drive
+        pf.speculate(keys(2, 2), depth=4)  # would fit (1 of 4), but a demand read waits
+        pf.warm(keys(3, 2), sink)  # would fit too
+        assert reader.inflight() == [(1, 0)] and pf.next_class() is None
+        reader.land((1, 0))  # the waiting demand read goes, then the guesses, then the warm
+        assert reader.inflight() == [(1, 1), (2, 0), (2, 1), (3, 0)]
+        assert pf.wait(first, timeout=T_OUT).keys() == {(1, 0)}
+    reader, cache, sink = HeldReader(), SpyCache(), WarmSink()
+    with prefetcher(reader, cache, read_depth=4, speculative_fraction=1.0,
+                    max_inflight_bytes=64 * REC) as pf:
+        pf.demand([(1, 0)])
+        pf.speculate([(2, 0)], depth=1)  # waits: one read is at the drive
+        pf.warm(keys(3, 2), sink)  # would fit (1 of 4), but a guess waits
+        assert reader.inflight() == [(1, 0)] and pf.next_class() is None
+        reader.land((1, 0))  # the guess goes first, and then the warm
+        assert reader.inflight() == [(2, 0), (3, 0), (3, 1)]
+
+
+def test_the_warm_waits_for_a_prompt_and_has_no_thread_of_its_own():
+    """While a prompt holds it the warm issues nothing (a prompt's own reads go); released, its
+    reads start on the releasing thread, to the read depth, and each landing hands over the
+    next: the whole warm runs on the threads that land reads, here the test's own, and reports
+    each read, then its end. A hold taken mid-warm stops new warm reads; those at the drive
+    finish."""
+    threads = threading.active_count()
+    reader, cache, sink = HeldReader(), SpyCache(), WarmSink()
+    with prefetcher(reader, cache, read_depth=2, max_inflight_bytes=64 * REC) as pf:
+        pf.hold_prompt()
+        assert pf.prompt_held
+        pf.warm(keys(3, 5), sink)
+        assert not reader.inflight() and pf.next_class() is None
+        prompt = pf.demand([(1, 0)])  # the prompt's reads go while the warm waits
+        assert reader.inflight() == [(1, 0)]
+        reader.land((1, 0))
+        assert pf.wait(prompt, timeout=T_OUT).keys() == {(1, 0)}
+        assert not reader.inflight() and pf.inflight()["queued_warm"] == 5
+        pf.release_prompt()
+        assert not pf.prompt_held and reader.inflight() == keys(3, 2)
+        reader.land((3, 0))
+        assert reader.inflight() == [(3, 1), (3, 2)]
+        pf.hold_prompt()  # a new prompt: what is at the drive finishes, nothing new starts
+        reader.land((3, 1))
+        reader.land((3, 2))
+        assert not reader.inflight() and pf.next_class() is None
+        pf.release_prompt()
+        for key in keys(3, 2, start=3):
+            reader.land(key)
+        assert threading.active_count() == threads
+        assert sink.threads == {threading.current_thread()}
+        assert sink.calls == [("landed", k, REC) for k in keys(3, 5)] + [("finished", 0)]
+        assert all(cache.ready(k) for k in keys(3, 5))
+        # a warm read is recorded once, at landing (nobody waits on it), with no stall
+        assert sorted(r for r in cache.records if r[0][0] == 3) == [(k, REC, 0.0)
+                                                                    for k in keys(3, 5)]
+        assert pf.stats.demand_reads == 1 and pf.stats.spec_issued == 0
+        assert pf.stats.warm_reads == 5 and pf.stats.warm_bytes == 5 * REC
+
+
+def test_the_warm_passes_over_what_is_cached_and_retries_a_transient_slot_once():
+    """A warm key already cached is passed over; one in a prefill's transient slot is tried again
+    once the others are done: read then if the slot has gone, else reported skipped; a key
+    refused a slot is skipped; a read that fails is reported failed; a key a forward demands
+    while its warm read runs shares that read."""
+    reader, cache, sink = HeldReader(), SpyCache(refuse={(3, 4)}), WarmSink()
+    cache.reserve((3, 0))
+    cache.commit((3, 0))
+    cache.reserve((3, 1), transient=True)  # a prefill is reading it
+    cache.reserve((3, 5), transient=True)
+    cache.commit((3, 5))
+    with prefetcher(reader, cache, read_depth=1, max_inflight_bytes=64 * REC) as pf:
+        pf.warm(keys(3, 6), sink)
+        assert reader.inflight() == [(3, 2)]
+        shared = pf.demand([(3, 2)])  # a forward needs it now: no second read
+        reader.land((3, 2))
+        assert pf.wait(shared, timeout=T_OUT) == {(3, 2): cache.where((3, 2))}
+        assert reader.inflight() == [(3, 3)]
+        cache.abort((3, 1))  # the prefill's read of it went away
+        buf, fut = reader.held.pop((3, 3))
+        fut.set_exception(OSError(5, "Input/output error"))
+        assert reader.inflight() == [(3, 1)]  # the retry, after every other warm read
+        reader.land((3, 1))
+        assert sink.calls == [("landed", (3, 2), REC), ("failed", (3, 3), "PrefetchError"),
+                              ("landed", (3, 1), REC),
+                              ("finished", 2)]  # (3, 5) still transient, (3, 4) refused a slot
+        assert reader.started == [(3, 2), (3, 3), (3, 1)] and (3, 3) not in cache
+        assert cache.where((3, 5)).transient and not cache.where((3, 1)).transient
+
+
+def test_a_held_window_is_claimed_once_or_released():
+    """The window a hint opened is held until run_experts claims exactly its (layer, keys); a
+    claim for other keys, a new reservation or shutdown closes it (unpins), once."""
+    closed: list = []
+
+    def window(name):
+        return Window({}, {}, lambda: closed.append(name))
+
+    reader, cache = HeldReader(), SpyCache()
+    pf = prefetcher(reader, cache, max_inflight_bytes=64 * REC)
+    a = window("a")
+    pf.reserve(1, keys(1, 2), a)
+    assert pf.claim(1, keys(1, 2)) is a and closed == []  # now the claimer's to close
+    assert pf.claim(1, keys(1, 2)) is None  # claimed once
+    pf.reserve(1, keys(1, 2), window("b"))
+    assert pf.claim(1, keys(1, 3)) is None and closed == ["b"]  # other keys: released
+    pf.reserve(2, keys(2, 2), window("c"))
+    assert pf.claim(3, keys(2, 2)) is None and closed == ["b", "c"]  # another layer: released
+    pf.reserve(2, keys(2, 2), window("d"))
+    pf.reserve(3, keys(3, 2), window("e"))  # a hint whose run_experts never came
+    assert closed == ["b", "c", "d"]
+    pf.release_reserved()
+    pf.reserve(4, keys(4, 2), window("f"))
+    pf.shutdown()
+    assert closed == ["b", "c", "d", "e", "f"]
+    a.close()
+    a.close()
+    assert closed == ["b", "c", "d", "e", "f", "a"]
+
+
+def test_the_fill_checks_then_repacks_then_commits_each_read_once():
+    """A record's steps run in order on its landed bytes: the check sees them as read, the
+    repack after it (the slot still loading), the commit last, and the slot holds the repacked
+    bytes. A failed check repacks and commits nothing: the slot is aborted and the error names
+    the damage; a failed repack aborts the slot too."""
+    events: list = []
+
+    class Seen:
+        def __init__(self, ok=True):
+            self.ok = ok
+
+        def verify(self, view):
+            events.append(("check", bytes(view[:1])[0]))
+            return None if self.ok else "do not match sha256 (test)"
+
+    def repack(buf):
+        key = (1, 2) if buf[0] == pattern((1, 2))[0] else (1, 0)
+        events.append(("repack", int(buf[0]), cache.is_loading(key)))
+        if key == (1, 2):
+            raise RuntimeError("repack bug")
+        buf ^= 0xFF
+
+    reader, cache = HeldReader(), SpyCache()
+    digests = Checks({(1, 0): Seen(), (1, 1): Seen(ok=False), (1, 2): Seen()})
+    with prefetcher(reader, cache, digests=digests, repack=repack,
+                    max_inflight_bytes=64 * REC) as pf:
+        futs = pf.demand(keys(1, 3))
+        reader.land((1, 0))
+        p = int(pattern((1, 0))[0])
+        assert events == [("check", p), ("repack", p, True)]
+        assert futs[(1, 0)].result(T_OUT) == cache.where((1, 0))
+        assert np.array_equal(cache.data((1, 0)), pattern((1, 0)) ^ 0xFF)
+        events.clear()
+        reader.land((1, 1))
+        assert events == [("check", int(pattern((1, 1))[0]))]  # no repack after a failed check
+        with pytest.raises(PrefetchError, match="do not match sha256.*mtplx verify --records"
+                           ) as ei:
+            futs[(1, 1)].result(T_OUT)
+        assert isinstance(ei.value.__cause__, RecordHashError)
+        reader.land((1, 2))
+        with pytest.raises(PrefetchError, match="repack bug"):
+            futs[(1, 2)].result(T_OUT)
+        assert cache.aborted == [(1, 1), (1, 2)] and (1, 1) not in cache and (1, 2) not in cache
+        assert pf.stats.failed_reads == 2
+
+
+def test_a_verified_record_without_a_digest_is_not_committed():
+    """With verification on, a record the manifest gives no SHA-256 fails its read instead of
+    reaching a kernel unchecked."""
+    class NoDigest:
+        def check(self, key):
+            return None
+
+    reader, cache = FakeReader(), SpyCache()
+    with prefetcher(reader, cache, digests=NoDigest(), max_inflight_bytes=64 * REC) as pf:
+        fut = pf.demand([(1, 0)])[(1, 0)]
+        with pytest.raises(PrefetchError, match="gives this one no SHA-256"):
+            fut.result(T_OUT)
+        assert cache.aborted == [(1, 0)]
+    reader.close()
 
 
 def test_inflight_bytes_never_exceed_budget(make):
@@ -639,13 +913,8 @@ def test_read_error_names_the_key_and_aborts_the_slot(make, mode):
 
 
 def test_no_slot_and_unknown_record_fail_the_future(make):
-    def picky_locate(key):
-        if key[1] == 99:
-            raise KeyError(key)
-        return locate(key)
-
     reader, cache = FakeReader(), SpyCache(refuse={(1, 1)})
-    pf = Prefetcher(reader, picky_locate, cache, max_inflight_bytes=4 * REC)
+    pf = prefetcher(reader, cache, Bank(missing={99}), max_inflight_bytes=4 * REC)
     try:
         futs = pf.demand([(1, 0), (1, 1), (1, 99)], transient=False)
         with pytest.raises(NoSlotError, match="layer 1, expert 1"):
@@ -688,16 +957,9 @@ def test_demand_for_a_loading_key_the_prefetcher_does_not_own_is_an_error(make):
 
 def test_locate_bug_is_not_swallowed(make):
     """KeyError (no such record) is a bad guess for speculate and a PrefetchError for demand;
-    any other exception from locate is a bug and reaches the caller as it is."""
-    def buggy_locate(key):
-        if key[1] == 98:
-            raise KeyError(key)
-        if key[1] == 99:
-            raise TypeError("locate bug")
-        return locate(key)
-
+    any other exception from the bank's locate is a bug and reaches the caller as it is."""
     reader, cache = FakeReader(), SpyCache()
-    pf = Prefetcher(reader, buggy_locate, cache, max_inflight_bytes=8 * REC,
+    pf = prefetcher(reader, cache, Bank(missing={98}, bug={99}), max_inflight_bytes=8 * REC,
                     speculative_fraction=1.0)
     try:
         assert pf.speculate([(1, 98), (1, 0)]) == [(1, 0)]
@@ -805,23 +1067,23 @@ def test_many_concurrent_demands_complete(make):
 
 def test_real_reader_reads_record_bytes_into_slots(tmp_path, monkeypatch):
     """Record bytes land straight in their slots: every preadv destination is a slot, with no
-    staging buffer and copy between."""
+    staging buffer and copy between; the fill checks each record once (SHA-256, first read)."""
     from mtplx_runtime.artifact.build import build_artifact
-    from mtplx_runtime.artifact.manifest import load_manifest
+    from mtplx_runtime.artifact.open import open_source
     from mtplx_runtime.fixtures.tiny import make_tiny
     from mtplx_runtime.offload.bank_reader import from_manifest
     from mtplx_runtime.offload.buffers import buffer_address
+    from mtplx_runtime.offload.digests import RecordDigests
 
     make_tiny(tmp_path / "src", "t158")
     build_artifact(tmp_path / "src", tmp_path / "out", progress=False)
     root = tmp_path / "out"
-    man = load_manifest(root / "expert-manifest.json")
+    with open_source(root) as a:
+        bank = a.expert_layout
+    man = bank.manifest
     parts = man.sidecar.parts
     recs = {(r.layer, r.expert): r for r in man.records}
-
-    def real_locate(key):
-        r = recs[key]
-        return r.part, parts[r.part].data_start + r.sidecar_offset, r.sidecar_length, r.sha256
+    digests = RecordDigests(root, man, receipts=tmp_path / "receipts")
 
     record_bytes = max(r.sidecar_length for r in recs.values())
     cache = SpyCache(slots=len(recs), record_bytes=record_bytes)
@@ -833,8 +1095,8 @@ def test_real_reader_reads_record_bytes_into_slots(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "preadv", spy)
     with from_manifest(root, man, direct="auto", read_depth=4) as reader:
-        pf = Prefetcher(reader, real_locate, cache, max_inflight_bytes=256 << 10, read_depth=4,
-                        speculative_fraction=0.5)
+        pf = prefetcher(reader, cache, bank, digests, max_inflight_bytes=256 << 10,
+                        read_depth=4, speculative_fraction=0.5)
         try:
             half = sorted(recs)[: len(recs) // 2]
             pf.wait(pf.demand(half), timeout=T_OUT)
@@ -859,6 +1121,7 @@ def test_real_reader_reads_record_bytes_into_slots(tmp_path, monkeypatch):
     assert len(landed) - len(slots) in (0, 1)
     assert sorted((k, n) for k, n, _ in cache.records) == sorted(
         (k, recs[k].sidecar_length) for k in half + issued)
+    assert digests.stats()["sha256"] == len(half) + len(issued)  # each checked, once
 
 
 class ManualClock:
@@ -898,12 +1161,16 @@ def test_busy_seconds_count_only_time_with_a_read_at_the_drive(make, monkeypatch
     until(lambda: pf.inflight()["inflight_reads"] == 0)
     assert pf.busy_seconds() == pytest.approx(2.5)
     # A read whose bytes are in is being checked, not read: that time is not the drive's.
+    class SlowCheck:
+        def verify(self, view):
+            clock.now += 3.0  # the check of the landed bytes takes 3 s
+            return None
+
     held = HeldReader()
-    with Prefetcher(held, locate, SpyCache(), read_depth=1, max_inflight_bytes=64 * REC) as pf2:
+    with prefetcher(held, SpyCache(), digests=Checks({(1, 0): SlowCheck()}), read_depth=1,
+                    max_inflight_bytes=64 * REC) as pf2:
         futs = pf2.demand(keys(1, 1))
         clock.now += 1.0
-        held.bytes_in((1, 0))
-        clock.now += 3.0  # its check
         held.land((1, 0))
         pf2.wait(futs, timeout=T_OUT)
         assert pf2.busy_seconds() == pytest.approx(1.0) == pf2.stats.busy_ms / 1e3

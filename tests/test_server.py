@@ -23,6 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -57,7 +59,7 @@ def server(art):
     args = parser.parse_args(
         ["--model", str(art), "--dtype", "float32", "--api-key", KEY,
          "--served-model-name", MODEL, "--context", "4096", "--max-tokens", "12",
-         "--max-body-bytes", "65536"])
+         "--max-body-bytes", "65536", "--temperature", "0"])  # greedy unless a request says
     app, engine, rt = build(args)
     try:
         with _serve(app) as port:
@@ -125,9 +127,11 @@ def test_help_shows_every_default():
     for block in blocks:
         if not block.startswith(("-h", "--model ")):  # --help; --model is required
             assert "default" in block, block
-    for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: none, open to all)",
-                  "(default: bfloat16)", "affords, 4,096 to 32,768"):
-        assert shown in text
+    flat = " ".join(text.split())
+    for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: bfloat16)",
+                  "(default: $MTPLX_API_KEY, else none, open to all)", "affords, 4,096 to 32,768",
+                  "0 = greedy (default: 1.0)"):
+        assert shown in flat
     assert re.search(r"--access-log +one line per request[^-]*\(default: off\)", text), text
 
 
@@ -151,6 +155,8 @@ def _serve_main(argv, monkeypatch):
         return real_load(args)
 
     class FakeServer:
+        stop_signal = stop_time = None  # never signalled
+
         def __init__(self, app, **kwargs):
             self.app = app
 
@@ -277,6 +283,46 @@ def test_stop_filter_holds_back_prefixes():
     assert "".join(out) == "abc ENx " and f.hit
 
 
+def _first_stop(text: str, stops: list[str]) -> str:
+    """The oracle: `text` up to the stop occurrence that ends first (of those ending at the
+    same character, the longest), found by brute force."""
+    for end in range(1, len(text) + 1):
+        done = [s for s in stops if text[:end].endswith(s)]
+        if done:
+            return text[:end - max(map(len, done))]
+    return text
+
+
+def _filtered(stops: list[str], pieces: list[str]) -> tuple[str, bool, list[str]]:
+    out: list[str] = []
+    f = StopFilter(stops, lambda kind, s: out.append(s))
+    for piece in pieces:
+        f.push("content", piece)
+    f.flush()
+    return "".join(out), f.hit, out
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.text("ab", min_size=1, max_size=6), min_size=1, max_size=4),
+       st.lists(st.text("abc", max_size=5), max_size=12))
+def test_stop_filter_matches_the_brute_force_oracle(stops, pieces):
+    """Every way of cutting the text gives the oracle's answer, and nothing emitted is ever
+    taken back (each emission extends the final text)."""
+    text = "".join(pieces)
+    got, hit, emitted = _filtered(stops, pieces)
+    want = _first_stop(text, stops)
+    assert (got, hit) == (want, want != text)
+    assert _filtered(stops, list(text))[:2] == (got, hit)  # one character at a time
+    assert _filtered(stops, [text])[:2] == (got, hit)  # all at once
+
+
+def test_stop_filter_result_does_not_depend_on_the_cut():
+    """"bc" ends before "abcd" does: the text stops at "bc" however it arrives (the old filter
+    cut at "abcd" when both came in one piece)."""
+    for pieces in (["abcd"], ["abc", "d"], ["a", "b", "c", "d"]):
+        assert _filtered(["abcd", "bc"], pieces)[:2] == ("a", True)
+
+
 @pytest.mark.parametrize("body,status,param", [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
@@ -286,6 +332,19 @@ def test_stop_filter_holds_back_prefixes():
     ({"model": MODEL, "prompt": PROMPT, "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "prompt": {"a": 1}}, 400, "prompt"),
     ({"model": MODEL, "prompt": PROMPT, "stop": [1]}, 400, "stop"),
+    ({"model": MODEL, "prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": MODEL, "prompt": PROMPT, "stop": "x" * 1025}, 400, "stop"),  # over 1024 bytes
+    ({"model": MODEL, "prompt": PROMPT, "stop": ["é" * 513]}, 400, "stop"),  # 1026 bytes
+    ({"model": MODEL, "prompt": PROMPT, "max_tokens": 100000}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": PROMPT, "max_completion_tokens": 5000}, 400,
+     "max_completion_tokens"),
+    ({"model": MODEL, "prompt": PROMPT, "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ({"model": MODEL, "prompt": PROMPT, "presence_penalty": "x"}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": PROMPT, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ({"model": MODEL, "prompt": PROMPT, "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": PROMPT, "skip_special_tokens": "no"}, 400,
+     "skip_special_tokens"),
     ({"model": MODEL, "prompt": PROMPT, "n": 2}, 400, "n"),
     ({"model": MODEL, "prompt": "word " * 5000}, 400, "prompt"),  # over the 4096 context
     ({"model": MODEL, "prompt": "x" * 70000}, 413, None),  # over --max-body-bytes
@@ -752,3 +811,167 @@ def test_a_request_without_max_tokens_gets_the_rest_of_the_context(server):
         completion_params({"model": MODEL, "prompt": PROMPT},
                           ServerConfig(model_id=MODEL, context=n), tok)
     assert e.value.status == 400
+
+
+# ---- OpenAI defaults, sampling fields, special tokens ------------------------------------------
+
+def test_refusals_name_the_limit(server):
+    """A stop sequence over the cap, a max_tokens past --context, an unsupported
+    response_format: each 400 names what to change."""
+    for body, param, words in (
+            ({"stop": ["ok", "x" * 1025]}, "stop", "at most 1024 bytes (UTF-8); this one has 1025"),
+            ({"max_tokens": 100000}, "max_tokens", "max_tokens is 100000, more than the server's "
+                                                   "--context of 4096 tokens"),
+            ({"response_format": {"type": "json_schema"}}, "response_format",
+             'only {"type": "text"} is supported')):
+        got, payload = _raw(server, "POST", "/v1/completions",
+                            {"model": MODEL, "prompt": PROMPT, **body})
+        err = json.loads(payload)["error"]
+        assert got == 400 and err["param"] == param and words in err["message"], err
+    got, payload = _raw(server, "POST", "/v1/completions",
+                        {"model": MODEL, "prompt": PROMPT, "max_tokens": 2,
+                         "response_format": {"type": "text"}})
+    assert got == 200, payload
+
+
+def test_model_is_optional(server, expected):
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for path, field in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", chat)):
+        got, payload = _raw(server, "POST", path, {**field, "max_tokens": 12})
+        assert got == 200, payload
+        assert json.loads(payload)["model"] == MODEL
+    got, payload = _raw(server, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 12})
+    assert json.loads(payload)["choices"][0]["text"] == expected
+
+
+def test_openai_defaults_sample_with_a_fresh_seed_that_repeats(server):
+    """Without --temperature the server samples at OpenAI's temperature 1; a request without a
+    seed gets a fresh one, returned as `seed`, and sending it back repeats the answer."""
+    from mtplx_runtime.server.app import App, ServerConfig
+
+    app = App(server["engine"], ServerConfig(model_id=MODEL, api_key=KEY, context=4096))
+    with _serve(app) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY,
+                               max_retries=0, timeout=TIMEOUT)
+        runs = [client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8)
+                for _ in range(2)]
+        seeds = [r.model_extra["seed"] for r in runs]
+        assert seeds[0] != seeds[1] and runs[0].choices[0].text != runs[1].choices[0].text
+        again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
+                                          seed=seeds[0])
+        assert again.choices[0].text == runs[0].choices[0].text
+        assert again.model_extra["seed"] == seeds[0]
+        chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
+                                                seed=seeds[1], stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == \
+            runs[1].choices[0].text
+        assert {c.model_extra["seed"] for c in chunks} == {seeds[1]}
+        greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
+                                           temperature=0)
+        assert "seed" not in greedy.model_extra  # greedy draws nothing
+
+
+def test_penalties_reach_the_engine(server, client):
+    """frequency_penalty and presence_penalty are applied (OpenAI's formula, engine-tested in
+    test_generate): the served greedy text equals generate_step's with the same penalties."""
+    rt = server["rt"]
+    ids = rt.tokenizer.encode(PROMPT)
+    for fp, pp in ((-2.0, 0.0), (0.0, -2.0)):
+        want, _ = generate(rt.model, ids, max_tokens=6, frequency_penalty=fp, presence_penalty=pp,
+                           stop_ids=rt.tokenizer.stop_ids)
+        plain, _ = generate(rt.model, ids, max_tokens=6, stop_ids=rt.tokenizer.stop_ids)
+        assert want != plain  # the penalty changes this text
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                      frequency_penalty=fp, presence_penalty=pp)
+        assert r.choices[0].text == rt.tokenizer.decode(want, skip_special=True)
+
+
+def test_completions_skip_special_tokens_unless_asked(server, client):
+    rt = server["rt"]
+    ids, _ = generate(rt.model, rt.tokenizer.encode(PROMPT), max_tokens=3,
+                      stop_ids=rt.tokenizer.stop_ids)
+    kept = rt.tokenizer.decode(ids)
+    assert "<|reserved_token_" in kept  # this prompt's reply starts with a special id
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
+    assert r.choices[0].text == rt.tokenizer.decode(ids, skip_special=True) != kept
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
+                                  extra_body={"skip_special_tokens": False})
+    assert r.choices[0].text == kept
+
+
+# ---- API key, head size, stopping -------------------------------------------------------------
+
+def test_api_key_from_env_or_file_never_the_command_line(art, tmp_path, monkeypatch):
+    from mtplx_runtime.cli.generate import CliError
+    from mtplx_runtime.cli.serve import api_key
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+
+    def key(*argv):
+        return api_key(parser.parse_args(["--model", str(art), *argv]))
+
+    monkeypatch.delenv("MTPLX_API_KEY", raising=False)
+    assert key() is None
+    monkeypatch.setenv("MTPLX_API_KEY", "sk-env")
+    assert key() == "sk-env"
+    assert key("--api-key", "sk-flag") == "sk-flag"  # a flag wins over the environment
+    (tmp_path / "k").write_text("sk-file \nsecond line\n")
+    assert key("--api-key-file", str(tmp_path / "k")) == "sk-file"
+    (tmp_path / "empty").write_text("\n")
+    for argv, words in ((["--api-key-file", str(tmp_path / "empty")], "the API key is empty"),
+                        (["--api-key-file", str(tmp_path / "none")], "No such file")):
+        with pytest.raises(CliError, match=words):
+            key(*argv)
+    monkeypatch.setenv("MTPLX_API_KEY", "")
+    with pytest.raises(CliError, match=r"\$MTPLX_API_KEY: the API key is empty"):
+        key()
+    with pytest.raises(SystemExit):  # one source on the command line
+        key("--api-key", "a", "--api-key-file", str(tmp_path / "k"))
+
+
+def test_api_key_compared_in_constant_time(server, monkeypatch):
+    import hmac
+
+    from mtplx_runtime.server import app as app_module
+
+    seen, real = [], hmac.compare_digest
+
+    def compare(a, b):
+        seen.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(app_module.hmac, "compare_digest", compare)
+    assert _raw(server, "GET", "/v1/models", key="sk-wrong")[0] == 401
+    assert _raw(server, "GET", "/v1/models")[0] == 200
+    assert seen == [(b"Bearer sk-wrong", f"Bearer {KEY}".encode()),
+                    (f"Bearer {KEY}".encode(), f"Bearer {KEY}".encode())]
+
+
+@pytest.mark.parametrize("size,status", [(15 * 1024, 200), (17 * 1024, 400), (60 * 1024, 400)])
+def test_request_head_over_16_kib_is_400_even_in_one_read(server, size, status):
+    head = (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * size
+            + b"\r\nConnection: close\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server["port"]), timeout=TIMEOUT) as s:
+        s.sendall(head)  # the whole head in one write: one read on loopback
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    assert got.startswith(f"HTTP/1.1 {status} ".encode()), got[:200]
+
+
+def test_stopping_answers_a_half_sent_request_with_503(server):
+    """A client still sending its body when the server stops gets 503 at once: the shutdown
+    does not wait out its body deadline."""
+    with _serve(server["app"], body_timeout=600) as port:
+        s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                  + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.2)  # not a timing check: lets the head reach the app before the stop
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    s.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 30" in head.lower(), got
+    assert json.loads(body)["error"]["code"] == "server_shutting_down"

@@ -264,9 +264,10 @@ def test_kernels_that_cannot_run_the_bank_are_refused_at_load(built, monkeypatch
 
 
 class _ReorderingReader:
-    """Wraps the provider's reader: each read runs for real, but lands after a delay that
-    shrinks with its submission index, so the reads of a window tend to land in reverse order.
-    The assertions hold for any landing order; this only makes the unusual ones likely."""
+    """Wraps the reader of the provider's fill pipeline: each read runs for real, but lands
+    after a delay that shrinks with its submission index, so the reads of a window tend to land
+    in reverse order. The assertions hold for any landing order; this only makes the unusual
+    ones likely."""
 
     def __init__(self, reader, span: int = 8, step_s: float = 0.002):
         self.reader, self.span, self.step_s = reader, span, step_s
@@ -275,10 +276,10 @@ class _ReorderingReader:
         self._n = 0
         self._lock = threading.Lock()
 
-    def read_into(self, part, offset, length, buf, digest=None, on_read=None):
+    def read_into(self, part, offset, length, buf):
         with self._lock:
             i, self._n = self._n, self._n + 1
-        inner = self.reader.read_into(part, offset, length, buf, digest=digest, on_read=on_read)
+        inner = self.reader.read_into(part, offset, length, buf)
         out: Future = Future()
         out.set_running_or_notify_cancel()
 
@@ -309,9 +310,9 @@ def test_decode_computes_experts_as_they_land_and_stays_exact(built, codec, look
     src, art, want_logits, want_tokens = built[codec]
     model, provider = streamed(src, art, lookahead=lookahead)
     with provider:
-        provider.prefetcher.reader = _ReorderingReader(provider.prefetcher.reader)
+        provider.fill.reader = _ReorderingReader(provider.fill.reader)
         check_same(run(model), (want_logits, want_tokens))
-        assert provider.prefetcher.reader.order  # the wrapped reader did the reads
+        assert provider.fill.reader.order  # the wrapped reader did the reads
 
 
 def test_decode_keeps_its_reads_to_the_decode_depth(built):
@@ -321,7 +322,7 @@ def test_decode_keeps_its_reads_to_the_decode_depth(built):
     model, provider = streamed(src, art, lookahead=1, read_depth=8, decode_depth=2)
     with provider:
         assert provider.decode_depth == 2
-        provider.prefetcher.reader = _ReorderingReader(provider.prefetcher.reader)
+        provider.fill.reader = _ReorderingReader(provider.fill.reader)
         state = model.new_state()
         logits = [model.prefill(PROMPT, state)]
         stats = provider.prefetcher.stats
@@ -426,4 +427,37 @@ def test_a_one_token_hint_starts_the_layers_reads_before_its_compute(built):
         assert held and all(k[0] == first for k in held)
         provider.hint(second, route, {})  # the first layer's run_experts never came
         assert not any(e.pins for k, e in provider.cache._entries.items() if k[0] == first)
-    assert provider._started is None  # close dropped the second hint's window
+        assert any(e.pins for k, e in provider.cache._entries.items() if k[0] == second)
+    # close released the window the prefetcher held for the second hint
+    assert not any(e.pins for e in provider.cache._entries.values())
+
+
+def test_a_backend_repack_lays_out_every_record_it_reads(built):
+    """A kernel backend with its own record layout defines `repack(layout, buf)`: the fill
+    applies it once to every record read, after the check and before the slot is a hit, so the
+    backend's kernels only ever see repacked bytes (here: a XOR the kernels undo; the logits stay
+    the resident model's bit for bit)."""
+    from types import ModuleType
+
+    import numpy as np
+
+    from mtplx_runtime.kernels import reference
+
+    src, art, want_logits, want_tokens = built["t158"]
+    repacked: list[int] = []
+    backend = ModuleType("xor_backend")
+    backend.__dict__.update({k: v for k, v in vars(reference).items() if not k.startswith("__")})
+
+    def repack(layout, buf):
+        repacked.append(buf.nbytes)
+        np.bitwise_xor(buf, 0x5A, out=buf)
+
+    def expert_mlp(x, ids, weights, slots, storage, layout, *a, **kw):
+        plain = {e: np.bitwise_xor(buf, 0x5A) for e, buf in storage.items()}
+        return reference.expert_mlp(x, ids, weights, slots, plain, layout, *a, **kw)
+
+    backend.repack, backend.expert_mlp = repack, expert_mlp
+    model, provider = streamed(src, art, kernels=backend)  # lookahead 0: every read waited for
+    with provider:
+        check_same(run(model), (want_logits, want_tokens))
+        assert len(repacked) == provider.stats()["prefetch"]["demand_reads"] > 0

@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 import mtplx_runtime
 from mtplx_runtime.artifact.build import build_artifact
@@ -21,6 +22,7 @@ from mtplx_runtime.engine import generate as generate_module
 from mtplx_runtime.engine.generate import generate
 from mtplx_runtime.fixtures.tiny import make_tiny
 from mtplx_runtime.offload import warm as warm_module
+from mtplx_runtime.offload.prefetch import PrefetchError
 from mtplx_runtime.offload.warm import DECAY, read_counts, write_counts
 
 PROMPT = [5, 6, 7, 8]
@@ -89,7 +91,7 @@ def test_warm_start_fills_the_cache_with_the_hottest_records_in_file_order(art, 
     with mtplx_runtime.load(root, dtype="float32", kernels="reference", cache_slots=(2, 0),
                             warm=path, warm_progress=lines.append) as rt:
         w = rt.provider.warm
-        plan = w.plan()
+        plan = w.planned
         locs = [rt.provider.bank.locate(*k)[:2] for k in plan]
         assert locs == sorted(locs)  # one pass through each part, in offset order
         assert w.wait(60)
@@ -291,8 +293,8 @@ def test_a_record_in_a_transient_slot_is_not_counted_as_warm(art, manifest, tmp_
         cache = rt.provider.cache
         ref = cache.reserve((layer, 4), transient=True)  # as a prefill window would
         cache.commit((layer, 4))
-        w = WarmStart(rt.provider, path)
-        w.start()
+        w = WarmStart(rt.provider.manifest, path)
+        rt.provider.start_warm(w)
         assert w.wait(60)
         st = w.stats()
         assert cache.where((layer, 4)) == ref  # left where the prefill put it
@@ -300,11 +302,11 @@ def test_a_record_in_a_transient_slot_is_not_counted_as_warm(art, manifest, tmp_
         assert st["skipped"] == 1 and st["records"] == st["planned"] - 1
 
 
-def test_the_warm_reads_nothing_while_a_prefill_runs(art, manifest, tmp_path, monkeypatch):
-    """While the provider says a prefill runs (`prefill_hold_until` ahead), the warm issues no
-    read; once the hold ends it warms everything it planned. A multi-token forward sets the
-    hold, a one-token (decode) forward ends it."""
-    import time
+def test_the_warm_reads_nothing_while_a_prefill_runs(art, manifest, tmp_path):
+    """While a prompt's forward runs its MoE layers the warm issues no read; once its last MoE
+    layer is computed, or a one-token forward begins, it warms everything it planned, with no
+    thread of its own. A prompt forward that fails releases the hold too."""
+    import threading
 
     from mtplx_runtime.offload.warm import WarmStart
 
@@ -312,29 +314,41 @@ def test_the_warm_reads_nothing_while_a_prefill_runs(art, manifest, tmp_path, mo
     layer = manifest.records[0].layer
     path = tmp_path / "t.warm"
     assert write_counts(path, manifest, _counts_for(manifest, {layer: [4, 6]}))
+    threads = threading.active_count()
     with _load(root, "off") as rt:
         p = rt.provider
-        p.prefill_hold_until = time.monotonic() + 3600.0  # a prefill that never ends
-        w = WarmStart(p, path)
-        w.start()
+        p.begin_forward(3)  # a prompt that has not reached its first MoE layer yet
+        w = WarmStart(p.manifest, path)
+        p.start_warm(w)
         assert not w.wait(0.5)
         assert w.stats()["records"] == 0 and p.prefetcher.stats.demand_reads == 0
-        p.prefill_hold_until = 0.0
+        assert threading.active_count() == threads  # the warm started no thread
+        p.begin_forward(1)  # a decode step releases it
         assert w.wait(60) and w.stats()["records"] == w.stats()["planned"] >= 2
 
-    from mtplx_runtime.offload import provider as provider_module
-
-    monkeypatch.setattr(provider_module, "PREFILL_HOLD_S", 3600.0)  # no race with the clock
     with _load(root, "off") as rt:
         p = rt.provider
+        held: list[bool] = []
+        run_experts = p.run_experts
+
+        def spy(layer, x, *a):
+            if x.shape[0] > 1:
+                held.append(p.prefetcher.prompt_held)
+            return run_experts(layer, x, *a)
+
+        p.run_experts = spy
         gen = generate_module.generate_step(rt.model, PROMPT, max_tokens=2)
-        next(gen)  # the prompt's forward ran: a prefill, so the hold runs past it
-        assert p.prefill_hold_until > time.monotonic()
-        next(gen)  # one decode forward
-        assert p.prefill_hold_until == 0.0
-        # A prompt's forward holds from its start, for a bounded time until its first MoE layer
-        t = time.monotonic()
+        next(gen)  # the prompt's forward: held in every MoE layer, released after the last
+        assert held == [True] * len(rt.model.cfg.moe_layers)
+        assert not p.prefetcher.prompt_held
         p.begin_forward(3)
-        assert t < p.prefill_hold_until <= time.monotonic() + provider_module.PREFILL_BEGIN_HOLD_S
-        p.begin_forward(1)
-        assert p.prefill_hold_until == 0.0
+        assert p.prefetcher.prompt_held
+        next(gen)  # one decode forward
+        assert not p.prefetcher.prompt_held
+        p.begin_forward(3)
+        ids = torch.zeros(3, rt.model.cfg.num_experts_per_token, dtype=torch.long)
+        x = torch.zeros(3, rt.model.cfg.routed_expert_hidden_size)
+        p.prefetcher.fill.reader.close()  # its reads now fail: the prompt forward fails
+        with pytest.raises(PrefetchError, match="RecordReader is closed"):
+            p.run_experts(rt.model.cfg.moe_layers[0], x, ids, torch.ones(3, ids.shape[1]))
+        assert not p.prefetcher.prompt_held

@@ -192,7 +192,7 @@ def expert_seconds(art: Path, model, kernels, repeats: int = 3) -> float:
                                  kernels="reference") as prov:
         bufs = [aligned_buffer(prov.stride_bytes) for _ in range(k)]
         for e, buf in enumerate(bufs):
-            part, off, length, check = prov.locate((cfg.moe_layers[0], e))
+            part, off, length, check = prov.fill.locate((cfg.moe_layers[0], e))
             prov.reader.read_into(part, off, length, buf, digest=check).result()
         layout = prov.layout
     args = dict(shapes=cfg.expert_shapes, beta=cfg.activation_situ_beta,

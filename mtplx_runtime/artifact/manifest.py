@@ -23,7 +23,8 @@ from pathlib import Path
 
 from ..checkpoint.safetensors_io import CheckpointError, no_duplicate_keys
 from ..files import atomic_write, read_regular
-from ..formats.record import ALIGNMENT, MODES, PAD
+from ..formats.modes import MODES
+from ..formats.record import ALIGNMENT, PAD
 from ..formats.resident_layouts import RESIDENT_DTYPES
 
 FORMAT = "mtplx-expert-manifest-v1"

@@ -21,7 +21,8 @@ import numpy as np
 
 from ..checkpoint.residents import resident_tensor_specs
 from ..files import HASH_CHUNK, fsync_dir, read_regular, sha256_file
-from ..formats.record import ALIGNMENT, quantization_for
+from ..formats.modes import quantization_for
+from ..formats.record import ALIGNMENT
 from ..formats.resident_layouts import stored_tensors
 from ..formats.resident_quant import encode_stored
 from . import part as _part

@@ -99,6 +99,19 @@ def _command(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C wherever the subcommand does not handle it itself: parsing the flags imports
+        # torch (a second or more), loading a model takes minutes. One line, never a traceback;
+        # on a terminal the line starts below the echoed ^C.
+        cmd = _command(argv)
+        print(("\n" if sys.stderr.isatty() else "")
+              + ("mtplx" if cmd is None else f"mtplx {cmd}") + ": interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     # torch's OpenMP workers spin after every op by libgomp's default and crowd the native expert
     # kernels' threads off the cores: all-cached decode took 40.3 ms per token with them sleeping
     # against 50.1 (medians of 3, BENCHMARKS.md "bench_peers"). A default only, set before any
@@ -115,9 +128,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:
         # The reader of our output left (`mtplx inspect DIR | head`): stop quietly, as Unix
         # tools do; stdout goes to /dev/null so the exit-time flush cannot fail again.

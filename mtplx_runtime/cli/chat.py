@@ -14,12 +14,11 @@ turn (`engine.session`), so a turn prefills only what the state has not seen.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from collections.abc import Callable
 from typing import TextIO
 
-from .generate import CliError, ReplyPrinter, add_model_args, load_runtime, stats_line
+from .generate import CliError, CtrlC, ReplyPrinter, add_model_args, load_runtime, stats_line
 
 PROG = "mtplx chat"
 BANNER = (f"{PROG}: /help, /exit, /reset, /thinking on|off, /stats; "
@@ -39,24 +38,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="an optional system message")
     add_model_args(p)
     p.set_defaults(max_tokens=None)  # chat: a reply may use the rest of --context
-
-
-class CtrlC:
-    """While a reply is generated, SIGINT asks it to stop (`requested`) instead of raising; a
-    second SIGINT before it stopped raises KeyboardInterrupt. Main thread only."""
-
-    def __enter__(self) -> CtrlC:
-        self.requested = False
-        self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc) -> None:
-        signal.signal(signal.SIGINT, self._previous)
 
 
 def _cache_counters(rt) -> dict | None:

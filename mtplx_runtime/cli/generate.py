@@ -3,6 +3,10 @@
     --model DIR -> engine.runtime.load (tokenizer, model, expert provider, memory plan)
         -> prompt ids -> generate_step -> text to stdout as produced; one stats line to stderr
 
+Ctrl-C stops generation at the next forward: the text's line is ended and the stats line
+printed (exit status 130); a second Ctrl-C quits at once. Sampling without `--seed` draws a
+fresh seed, which the stats line shows.
+
 Routed experts stream from disk when `--memory-budget` is given or DIR is a streaming artifact
 (`expert-manifest.json`): the memory plan splits the budget into cache slots (without a budget
 an artifact gets the memory the OS reports available, MemAvailable). Otherwise experts are
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -54,7 +59,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1 = all)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely ids (0 = all)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: a fresh one for each reply, shown in the stats "
+                        "line, or returned as `seed` by serve, so that it can be repeated; "
+                        "greedy decoding, --temperature 0, needs none)")
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per forward")
     p.add_argument("--memory-budget", default=None,
                    help="stream experts within this budget, e.g. 24GiB (default: resident, or "
@@ -114,6 +122,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--truncate", action="store_true",
                    help="cut a prompt that does not fit --context from the left (its start) "
                         "instead of refusing it")
+    p.add_argument("--keep-special-tokens", action="store_true",
+                   help="print special tokens the model generates (e.g. <|reserved_token_9|>) "
+                        "instead of skipping them")
     add_model_args(p)
 
 
@@ -224,6 +235,24 @@ def load_runtime(args):
     return rt
 
 
+class CtrlC:
+    """While a reply is generated, SIGINT asks it to stop (`requested`) instead of raising; a
+    second SIGINT before it stopped raises KeyboardInterrupt. Main thread only."""
+
+    def __enter__(self) -> CtrlC:
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
 class ReplyPrinter:
     """Streams a chat reply as text (`engine.chat.ChannelText` underneath): the think channel
     shows as `<think>` ... `</think>`, the response channel bare, other XTML tags (tool calls)
@@ -290,7 +319,9 @@ class PrefillProgress:
 
 def run_turn(rt, args, prompt_ids: list[int], printer, out=None):
     """Generate from prompt_ids, writing printer text to `out` as produced; (ids, stats).
-    A prompt of PROGRESS_MIN_TOKENS or more reports its prefill progress on stderr."""
+    A prompt of PROGRESS_MIN_TOKENS or more reports its prefill progress on stderr. Ctrl-C
+    stops generation after the current forward (`stats.stop_reason` "Ctrl-C"); the text still
+    ends with a newline."""
     from ..engine.generate import GenerationStats, generate_step
 
     out = sys.stdout if out is None else out
@@ -300,13 +331,19 @@ def run_turn(rt, args, prompt_ids: list[int], printer, out=None):
     if len(prompt_ids) >= PROGRESS_MIN_TOKENS:
         hook = PrefillProgress(len(prompt_ids), sys.stderr, inner=rt.trace)
     out.write(getattr(printer, "prefix", ""))
-    for t in generate_step(rt.model, prompt_ids, max_tokens=args.max_tokens,
-                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                           seed=args.seed, stop_ids=rt.tokenizer.stop_ids,
-                           prefill_chunk=args.prefill_chunk, trace=hook, stats=stats):
-        ids.append(t)
-        out.write(printer.push(t))
-        out.flush()
+    with CtrlC() as ctrl_c:
+        for t in generate_step(rt.model, prompt_ids, max_tokens=args.max_tokens,
+                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                               seed=args.seed, stop_ids=rt.tokenizer.stop_ids,
+                               prefill_chunk=args.prefill_chunk, trace=hook, stats=stats,
+                               stop=lambda: ctrl_c.requested):
+            ids.append(t)
+            out.write(printer.push(t))
+            out.flush()
+            if ctrl_c.requested:
+                break
+    if ctrl_c.requested:
+        stats.stop_reason = "Ctrl-C"
     out.write(printer.flush() + "\n")
     out.flush()
     return ids, stats
@@ -360,7 +397,7 @@ def main(args: argparse.Namespace) -> int:
             printer = ReplyPrinter(rt.tokenizer, thinking)
         else:
             prompt = rt.tokenizer.encode(text)
-            printer = rt.tokenizer.stream_decoder()
+            printer = rt.tokenizer.stream_decoder(skip_special=not args.keep_special_tokens)
         if not prompt:
             print(f"{PROG}: error: the prompt encodes to no tokens", file=sys.stderr)
             return 2
@@ -382,4 +419,4 @@ def main(args: argparse.Namespace) -> int:
         print(f"{PROG}: {stats_line(rt, stats)}", file=sys.stderr)
     finally:
         rt.close()
-    return 0
+    return 130 if stats.stop_reason == "Ctrl-C" else 0

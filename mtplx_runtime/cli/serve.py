@@ -6,6 +6,15 @@
         -> uvicorn (uvloop, loopback by default) on that socket, over server/conn's h11 protocol
            (request read deadlines, bounded connections that keep room for complete requests)
 
+Stopping. The first SIGINT (Ctrl-C) or SIGTERM prints one line and stops the engine: queued
+requests and those without a first token get 503 with Retry-After, streams under way end with
+`finish_reason` "abort" (server/app), the listener closes. Within SHUTDOWN_S seconds of the
+signal the connections still open are dropped, the worker is joined and the model released
+(warm-start counts written); exit status 130 after SIGINT, 0 after SIGTERM. A forward that
+outlasts the deadline is not waited for (exit without releasing the model). A second signal
+exits at once (128 + its number). uvicorn's own signal handling (wait for every response, then
+re-raise) and its tracebacks of the tasks cancelled at the deadline are replaced and silenced.
+
 uvicorn and uvloop come with the `server` extra and are imported only when serving, so this
 module and `--help` work without them.
 """
@@ -13,12 +22,21 @@ module and `--help` work without them.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import errno
+import logging
 import os
+import signal
 import socket
 import sys
+import threading
+import time
 
 PROG = "mtplx serve"
+SHUTDOWN_S = 5.0  # from the first signal to exit: connections dropped, the worker joined
+API_KEY_ENV = "MTPLX_API_KEY"
+MAX_KEY_FILE_BYTES = 4096
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -27,9 +45,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (loopback; 0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
-    p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* and /metrics (default: "
-                        "none, open to all)")
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None, metavar="KEY",
+                      help="require `Authorization: Bearer KEY` on /v1/* and /metrics; other "
+                           "users of the machine can read it in the process list: prefer "
+                           f"--api-key-file or ${API_KEY_ENV} (default: ${API_KEY_ENV}, else "
+                           "none, open to all)")
+    keys.add_argument("--api-key-file", default=None, metavar="FILE",
+                      help="read the API key from the first line of FILE")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send (default: the model directory's name)")
     p.add_argument("--max-queue", type=int, default=64,
@@ -50,7 +73,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="one line per request on stderr: client, method, path, status, "
                         "duration, response body bytes")
     add_model_args(p)  # --context bounds prompt + max_tokens; --max-tokens is the default
-    p.set_defaults(max_tokens=None)  # a request without max_tokens gets the rest of --context
+    # Defaults for requests that do not say: the rest of --context, and OpenAI's temperature.
+    p.set_defaults(max_tokens=None, temperature=1.0)
 
 
 def _uvicorn():
@@ -63,22 +87,74 @@ def _uvicorn():
     return uvicorn
 
 
+class _NoCancelledTracebacks(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" records for tasks cancelled at the
+    shutdown deadline: a cancelled request is the deadline working, not an application bug."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
+
+
+_QUIET = _NoCancelledTracebacks()
+
+
 def make_server(app, *, host: str = "127.0.0.1", port: int = 0, max_connections: int = 128,
-                header_timeout: float = 10.0, body_timeout: float = 30.0):
+                header_timeout: float = 10.0, body_timeout: float = 30.0,
+                on_stop=None, shutdown_s: float = SHUTDOWN_S):
     """A uvicorn.Server for `app` on uvloop; run with `.run()` or `.run(sockets=[sock])`
     (blocks; set `.should_exit = True` from another thread to stop it).
 
     uvicorn cannot time out a slow request head, so the HTTP protocol is `server.conn`'s h11
-    subclass: read deadlines (408 and close) and shedding of the longest-incomplete connection
-    at `max_connections`; uvicorn's own 503 at the cap stays for when all are busy."""
+    subclass: read deadlines (408 and close), a 16 KiB head limit, and shedding of the
+    longest-incomplete connection at `max_connections`; uvicorn's own 503 at the cap stays for
+    when all are busy. Signals (module docstring): the first SIGINT or SIGTERM calls
+    `on_stop(signum)` on the event loop and stops the server, dropping what is still open
+    `shutdown_s` seconds later; `.stop_signal` and `.stop_time` (monotonic) record it."""
     uvicorn = _uvicorn()
-    from ..server.conn import guarded_h11
+    from ..server.conn import MAX_HEAD_BYTES, guarded_h11
 
     config = uvicorn.Config(app, host=host, port=port, loop="uvloop",
                             http=guarded_h11(header_timeout, body_timeout),
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                             lifespan="on", limit_concurrency=max_connections,
                             log_level="warning", access_log=False, server_header=False)
-    return uvicorn.Server(config)
+    logging.getLogger("uvicorn.error").addFilter(_QUIET)  # once: the same filter object
+
+    class Server(uvicorn.Server):
+        stop_signal: int | None = None
+        stop_time: float | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield  # signals reach the main thread only (tests run servers in threads)
+                return
+            loop = asyncio.get_running_loop()
+
+            def handle(signum, frame) -> None:
+                # Signal context: only flags and a wake-up here, the work runs on the loop.
+                if self.stop_signal is not None:
+                    os._exit(128 + signum)  # the second signal: at once, no cleanup
+                self.stop_signal, self.stop_time = signum, time.monotonic()
+                loop.call_soon_threadsafe(self._stop)
+
+            previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:  # uvicorn would re-raise the signal here; the caller decides the exit
+                for s, h in previous.items():
+                    signal.signal(s, h)
+
+        def _stop(self) -> None:
+            if on_stop is not None:
+                on_stop(self.stop_signal)
+            self.should_exit = True  # uvicorn: close the listener, ask connections to end
+            asyncio.get_running_loop().call_later(shutdown_s, self._drop)
+
+        def _drop(self) -> None:
+            self.force_exit = True  # stop waiting; asyncio.run cancels what is left
+
+    return Server(config)
 
 
 def _host_port(host: str, port: int) -> str:
@@ -106,6 +182,33 @@ def listen_socket(host: str, port: int) -> socket.socket:
         raise CliError(f"cannot listen on {_host_port(host, port)}: "
                        f"{e.strerror or e}{hint}") from None
     return sock
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The API key: --api-key, the first line of --api-key-file, else $MTPLX_API_KEY; None
+    when none is set. Raises cli.generate.CliError for an unreadable file or an empty key."""
+    from .generate import CliError
+
+    if args.api_key_file is not None:
+        try:  # plain open: a pipe such as <(pass show k3) is fine
+            with open(args.api_key_file, "rb") as f:
+                raw = f.read(MAX_KEY_FILE_BYTES + 1)
+            key = raw.decode("utf-8").split("\n", 1)[0].strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CliError(f"--api-key-file {args.api_key_file}: {e}") from None
+        if len(raw) > MAX_KEY_FILE_BYTES:
+            raise CliError(f"--api-key-file {args.api_key_file}: over {MAX_KEY_FILE_BYTES} "
+                           "bytes, not a key file")
+        source = f"--api-key-file {args.api_key_file}"
+    elif args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    elif API_KEY_ENV in os.environ:
+        key, source = os.environ[API_KEY_ENV], f"${API_KEY_ENV}"
+    else:
+        return None
+    if not key:
+        raise CliError(f"{source}: the API key is empty")
+    return key
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -142,9 +245,10 @@ def build(args: argparse.Namespace):
     rt = load_runtime(args)
     engine = Engine(rt, max_queue=args.max_queue, top_k=args.top_k,
                     prefill_chunk=args.prefill_chunk)
-    cfg = ServerConfig(model_id=model_id(args), api_key=args.api_key,
+    cfg = ServerConfig(model_id=model_id(args), api_key=api_key(args),
                        max_body_bytes=args.max_body_bytes, context=args.context,
-                       default_max_tokens=args.max_tokens, thinking=not args.no_thinking)
+                       default_max_tokens=args.max_tokens, thinking=not args.no_thinking,
+                       temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     return App(engine, cfg), engine, rt
 
 
@@ -158,13 +262,14 @@ def main(args: argparse.Namespace) -> int:
     try:
         _uvicorn()
         check_args(args)
+        key = api_key(args)
         sock = listen_socket(args.host, args.port)
     except (RuntimeError, CliError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     with sock:
-        if args.host not in ("127.0.0.1", "::1", "localhost") and args.api_key is None:
-            print(f"{PROG}: warning: listening on {args.host} without --api-key",
+        if args.host not in ("127.0.0.1", "::1", "localhost") and key is None:
+            print(f"{PROG}: warning: listening on {args.host} without an API key",
                   file=sys.stderr)
         try:
             app, engine, rt = build(args)
@@ -179,11 +284,27 @@ def main(args: argparse.Namespace) -> int:
             from ..server.access import AccessLog
 
             app = AccessLog(app, _stderr_line)
+
+        def stopping(signum: int) -> None:
+            again = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            print(f"{PROG}: {signal.Signals(signum).name}: stopping; requests in flight are "
+                  f"aborted (a second {again} quits at once)", file=sys.stderr, flush=True)
+            engine.stop()
+
+        server = make_server(app, host=args.host, port=port,
+                             max_connections=args.max_connections,
+                             header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                             on_stop=stopping)
         try:
-            make_server(app, host=args.host, port=port, max_connections=args.max_connections,
-                        header_timeout=args.header_timeout,
-                        body_timeout=args.body_timeout).run(sockets=[sock])
+            server.run(sockets=[sock])
         finally:
-            engine.close()
+            left = SHUTDOWN_S - (time.monotonic() - (server.stop_time or time.monotonic()))
+            if not engine.close(timeout=max(left, 0.1)):
+                # A forward outlasted the deadline: the model stays in use, so it cannot be
+                # released; exit without waiting for it (os._exit: no thread joins).
+                print(f"{PROG}: the engine did not stop within {SHUTDOWN_S:g} s (a forward in "
+                      "progress); exiting without releasing the model", file=sys.stderr,
+                      flush=True)
+                os._exit(130 if server.stop_signal == signal.SIGINT else 1)
             rt.close()
-    return 0
+    return 130 if server.stop_signal == signal.SIGINT else 0

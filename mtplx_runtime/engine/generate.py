@@ -16,12 +16,16 @@ yielded id when `max_tokens` ends generation (its logits would never be used).
 Logits that are not all finite (NaN/inf: a corrupt checkpoint or artifact) stop generation with
 `NonFiniteLogits` rather than sampling garbage or nothing.
 
+Sampling (temperature > 0) without a seed draws a fresh one (`fresh_seed`), so two runs differ;
+`stats.seed` holds the seed used, which repeats the run. Greedy decoding needs none.
+
 Shape legend: T tokens, V vocab (163840).
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -64,8 +68,9 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     ttft_s: float = 0.0  # start of prefill -> first sampled id (model work only)
-    stop_reason: str = ""  # "stop" | "length" | "" while running
+    stop_reason: str = ""  # "stop" | "length" | "stopped" (`stop()` said so) | "" while running
     stop_id: int | None = None
+    seed: int | None = None  # the sampling seed (given or fresh); None when decoding greedily
 
     @property
     def prefill_tok_s(self) -> float:
@@ -79,7 +84,26 @@ class GenerationStats:
         """One line: tokens, prefill and decode speed, TTFT, why it stopped."""
         return (f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok; "
                 f"prefill {self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.1f} tok/s, "
-                f"TTFT {1000 * self.ttft_s:.0f} ms; stop: {self.stop_reason or 'running'}")
+                f"TTFT {1000 * self.ttft_s:.0f} ms; stop: {self.stop_reason or 'running'}"
+                + ("" if self.seed is None else f"; seed {self.seed}"))
+
+
+def fresh_seed() -> int:
+    """A seed for a run that was given none: random, 32 bits (short enough to copy from a
+    stats line into `--seed`)."""
+    return secrets.randbits(32)
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether `sample` decodes greedily at this temperature (no draw, no seed needed)."""
+    return temperature < _MIN_TEMPERATURE
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, frequency: float,
+                    presence: float) -> torch.Tensor:
+    """OpenAI's frequency and presence penalties: logits [V] - counts [V] * frequency -
+    (counts > 0) * presence, in fp32; `counts` is how often each id was generated so far."""
+    return logits.float() - counts * frequency - (counts > 0).float() * presence  # [V]
 
 
 def sample(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0,
@@ -98,7 +122,7 @@ def sample(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0
         raise ValueError(f"need finite temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
                          f"{temperature}, {top_p}, {top_k}")
     x = logits.float().reshape(-1)  # [V] fp32
-    if temperature < _MIN_TEMPERATURE:
+    if is_greedy(temperature):
         return int(torch.argmax(x))
     x = (x - x.max()) / temperature  # max -> 0, the rest <= 0 (-inf when tiny): no NaN
     if 0 < top_k < x.numel():
@@ -142,38 +166,65 @@ def prefill(model, state, ids: Sequence[int], chunk: int = 64,
     return last
 
 
+class _Stopped(Exception):
+    """`stop()` said yes after a forward (raised through `prefill`, caught in generate_step)."""
+
+
 def generate_step(model, prompt_ids: Iterable[int], *, max_tokens: int,
-                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                  stop_ids: Iterable[int] = (), prefill_chunk: int = 64, trace=None,
-                  stats: GenerationStats | None = None, state=None
-                  ) -> Iterator[int]:
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                  seed: int | None = None, frequency_penalty: float = 0.0,
+                  presence_penalty: float = 0.0, stop_ids: Iterable[int] = (),
+                  prefill_chunk: int = 64, trace=None, stats: GenerationStats | None = None,
+                  state=None, stop: Callable[[], bool] | None = None) -> Iterator[int]:
     """Yield generated token ids one by one as they are produced.
 
     Prefills `prompt_ids` (chunks of `prefill_chunk`) into a fresh state (or `state`, which is
     continued and left holding the sequence), then samples (see `sample`; `seed` seeds one
-    torch.Generator for the whole run) and decodes until a stop id (not yielded) or `max_tokens`
-    ids. `trace`: an object with `on_forward(model, phase, first_position, n_tokens)` (e.g.
-    `trace.RouteTrace`), called after every forward. `stats` (optional) is filled as it runs; the
-    same `GenerationStats` is the generator's return value (`StopIteration.value`).
+    torch.Generator for the whole run, None: `fresh_seed()`, kept in `stats.seed`) and decodes
+    until a stop id (not yielded) or `max_tokens` ids. `frequency_penalty` / `presence_penalty`
+    (OpenAI's, `apply_penalties`) lower the logits of ids already generated, greedy included.
+    `trace`: an object with `on_forward(model, phase, first_position, n_tokens)` (e.g.
+    `trace.RouteTrace`), called after every forward. `stop()` is asked after every forward
+    (prefill chunks included): True ends generation there, `stats.stop_reason` "stopped", with
+    the state whole. `stats` (optional) is filled as it runs; the same `GenerationStats` is the
+    generator's return value (`StopIteration.value`).
     Each step blocks on the model (and on expert I/O when streaming).
     """
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if not (math.isfinite(frequency_penalty) and math.isfinite(presence_penalty)):
+        raise ValueError(f"penalties must be finite, got {frequency_penalty}, {presence_penalty}")
     stats = GenerationStats() if stats is None else stats
     prompt = [int(t) for t in prompt_ids]
     stops = frozenset(int(t) for t in stop_ids)
     stats.prompt_tokens = len(prompt)
     state = model.new_state() if state is None else state
-    hook = None if trace is None else (lambda ph, pos, n: trace.on_forward(model, ph, pos, n))
     if max_tokens == 0:
         stats.stop_reason = "length"
         return stats
 
+    def after_forward(phase: str, pos: int, n: int) -> None:
+        if trace is not None:
+            trace.on_forward(model, phase, pos, n)
+        if stop is not None and stop():
+            raise _Stopped
+
     t0 = time.perf_counter()
-    logits = prefill(model, state, prompt, prefill_chunk, hook)  # [V]
-    gen = torch.Generator(device=logits.device).manual_seed(int(seed))
+    try:
+        logits = prefill(model, state, prompt, prefill_chunk, after_forward)  # [V]
+    except _Stopped:
+        stats.stop_reason = "stopped"
+        return stats
+    if not is_greedy(temperature):
+        stats.seed = fresh_seed() if seed is None else int(seed)
+    gen = torch.Generator(device=logits.device).manual_seed(stats.seed or 0)
+    # How often each id was generated: only kept when a penalty needs it.
+    counts = None if frequency_penalty == presence_penalty == 0 else \
+        torch.zeros(logits.numel(), dtype=torch.float32, device=logits.device)  # [V]
     stats.prefill_s = time.perf_counter() - t0
     for i in range(max_tokens):
+        if counts is not None:
+            logits = apply_penalties(logits, counts, frequency_penalty, presence_penalty)
         tok = sample(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=gen)
         if i == 0:
             stats.ttft_s = time.perf_counter() - t0
@@ -181,6 +232,8 @@ def generate_step(model, prompt_ids: Iterable[int], *, max_tokens: int,
             stats.stop_reason, stats.stop_id = "stop", tok
             return stats
         stats.generated_tokens += 1
+        if counts is not None:
+            counts[tok] += 1
         yield tok
         if i + 1 == max_tokens:
             break
@@ -189,8 +242,11 @@ def generate_step(model, prompt_ids: Iterable[int], *, max_tokens: int,
         logits = check_logits(model.decode(tok, state), "decode", pos)  # [V]
         stats.decode_forwards += 1
         stats.decode_s += time.perf_counter() - t1
-        if hook is not None:  # trace writing is not model time
-            hook("decode", pos, 1)
+        try:  # trace writing and the stop check are not model time
+            after_forward("decode", pos, 1)
+        except _Stopped:
+            stats.stop_reason = "stopped"
+            return stats
     stats.stop_reason = "length"
     return stats
 

@@ -116,9 +116,10 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     "bench_io"); `decode_depth`: the fewer a one-token forward keeps in flight so its records
     land one by one and compute as they land (`offload.provider.DEFAULT_DECODE_DEPTH`).
     `warm` (streamed experts): 'off', 'auto' (the file beside the integrity receipts) or a
-    warm-start file's path: the cache is filled from its expert use counts in the background
-    (`offload.warm`; `provider.warm.wait()` blocks until done, `warm_progress(line)` hears of a
-    long warm) and the counts of this run are merged into it at `close()`.
+    warm-start file's path: the cache is filled from its expert use counts by the prefetcher's
+    lowest class of reads (`offload.warm`; `provider.warm.wait()` blocks until done,
+    `warm_progress(line)` hears of a long warm) and the counts of this run are merged into it
+    at `close()`.
     Raises CheckpointError / PlanError / ValueError / RuntimeError with a one-line reason.
     """
     # The model directory is checked before the tokenizer is read, so a wrong --model is
@@ -181,8 +182,7 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
                 admitted.confirm(root, ckpt.shard_fds())
             path = warm_path(root, bank.manifest, warm)
             if path is not None:
-                provider.warm = WarmStart(provider, path, progress=warm_progress)
-                provider.warm.start()
+                provider.start_warm(WarmStart(bank.manifest, path, progress=warm_progress))
         except BaseException:
             provider.close()
             raise

@@ -20,23 +20,17 @@ from ..model.kda import KDAState
 from .generate import GenerationStats, generate_step
 
 
-class _Stopped(Exception):
-    """`stop()` said yes after a forward; the state is whole."""
-
-
 class _Hook:
-    """Per-forward hook of one turn: the caller's trace, the mark at the prompt's end, `stop`."""
+    """Per-forward hook of one turn: the caller's trace, then the mark at the prompt's end."""
 
-    def __init__(self, session: Session, prompt: list[int], trace, stop):
-        self.session, self.prompt, self.trace, self.stop = session, prompt, trace, stop
+    def __init__(self, session: Session, prompt: list[int], trace):
+        self.session, self.prompt, self.trace = session, prompt, trace
 
     def on_forward(self, model, phase: str, first_position: int, n_tokens: int) -> None:
         if self.trace is not None:
             self.trace.on_forward(model, phase, first_position, n_tokens)
         if phase == "prefill" and first_position + n_tokens == len(self.prompt):
             self.session._mark = (self.prompt, _snapshot(self.session.state))
-        if self.stop is not None and self.stop():
-            raise _Stopped
 
 
 def _snapshot(state) -> tuple[list, int]:
@@ -105,12 +99,9 @@ class Session:
         whole = False
         try:
             for t in generate_step(self.model, prompt[start:], state=self.state, stats=stats,
-                                   trace=_Hook(self, prompt, trace, stop), **kwargs):
+                                   trace=_Hook(self, prompt, trace), stop=stop, **kwargs):
                 reply.append(t)
                 yield t
-            whole = True
-        except _Stopped:
-            stats.stop_reason = "stopped"
             whole = True
         except GeneratorExit:  # the consumer stopped between tokens
             whole = True

@@ -4,6 +4,9 @@ artifact", "Reading records at run time").
     requests -> check (bounds, 4 KiB alignment) -> coalesce adjacent -> thread pool
              -> os.preadv(fd from a bounded LRU) -> caller buffers [-> digest check] -> futures
 
+The streaming provider's reads come through the fill pipeline (offload/fill.py), which checks
+the bytes itself: it asks for none here, and a read's future resolves as soon as its bytes are in.
+
 Parts are opened O_RDONLY | O_CLOEXEC | O_NOFOLLOW, plus O_DIRECT when enabled. Bank files are
 never mmapped: a page fault is synchronous I/O the prefetcher can neither overlap nor bound.
 `os.preadv` releases the GIL and each pool thread has one blocking read at a time, so the
@@ -20,7 +23,6 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -72,7 +74,6 @@ class _Req:
     length: int
     view: memoryview  # 1-D bytes view of the destination, exactly `length` long
     digest: Digest | None
-    on_read: Callable[[], None] | None = None  # the bytes are in; the check comes next
 
 
 class _FdCache:
@@ -173,17 +174,13 @@ class RecordReader:
         return self._direct
 
     def read_into(self, part: int, offset: int, length: int, buf, *,
-                  digest: Digest | None = None,
-                  on_read: Callable[[], None] | None = None) -> Future[int]:
+                  digest: Digest | None = None) -> Future[int]:
         """Start reading `length` bytes at absolute `offset` of `part` into the first `length`
         bytes of `buf` (writable, C-contiguous; numpy array, memoryview, mmap). Returns at once;
         the future gives `length`, or raises ReadError / RecordHashError (`digest`, a SHA-256
-        hex string or a Check, not matched). `on_read()` is called in the reader thread once
-        every byte is in, before the digest is checked (not at all if the read fails): the
-        drive is free from then on, while the check still holds the result back; if it raises,
-        the read fails with that error. Bad requests raise ValueError here, before any system
-        call."""
-        return self.read_many([(part, offset, length, buf, digest, on_read)])[0]
+        hex string or a Check, not matched; checked in the reader thread before the future
+        resolves). Bad requests raise ValueError here, before any system call."""
+        return self.read_many([(part, offset, length, buf, digest)])[0]
 
     def read_record(self, record, buf) -> Future[int]:
         """Read one manifest record (`.part`, `.sidecar_offset` relative to the part's
@@ -195,8 +192,8 @@ class RecordReader:
                               buf, digest=record.sha256 if self.verify_sha256 else None)
 
     def read_many(self, requests) -> list[Future[int]]:
-        """Start many reads: [(part, offset, length, buf[, digest[, on_read]])] -> one future
-        each, in order (digest and on_read as in read_into).
+        """Start many reads: [(part, offset, length, buf[, digest])] -> one future each, in
+        order (digest as in read_into).
         Requests adjacent in the same part (next offset == previous end) share one preadv with
         an iovec per buffer, up to max_coalesce_bytes per call. All are checked before any is
         submitted."""
@@ -240,7 +237,7 @@ class RecordReader:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _request(self, part, offset, length, buf, digest=None, on_read=None) -> _Req:
+    def _request(self, part, offset, length, buf, digest=None) -> _Req:
         if not 0 <= part < len(self.parts):
             raise IndexError(f"part {part} out of range (reader has {len(self.parts)} parts)")
         name, size, _ = self.parts[part]
@@ -273,9 +270,7 @@ class RecordReader:
         elif digest is not None and not callable(getattr(digest, "verify", None)):
             raise TypeError(f"{name}: digest must be a SHA-256 hex string or have verify(), "
                             f"got {type(digest).__name__}")
-        if on_read is not None and not callable(on_read):
-            raise TypeError(f"{name}: on_read must be callable, got {type(on_read).__name__}")
-        return _Req(part, offset, length, view, digest, on_read)
+        return _Req(part, offset, length, view, digest)
 
     def _open(self, part: int) -> int:
         """Open one part (called under the fd-cache lock); resolves "auto" on first use."""
@@ -327,8 +322,8 @@ class RecordReader:
         return fd
 
     def _run(self, group: list[_Req], futs: list[Future]) -> None:
-        """Pool task: one (possibly coalesced) read, then each request's on_read, then its
-        digest check and result."""
+        """Pool task: one (possibly coalesced) read, then each request's digest check and
+        result."""
         try:
             fd = self._fds.acquire(group[0].part)
             try:
@@ -339,16 +334,9 @@ class RecordReader:
             for f in futs:
                 f.set_exception(e)
             return
-        failed: dict[int, BaseException] = {}
-        for i, r in enumerate(group):  # every byte of the group is in: the drive's part is done
-            if r.on_read is not None:
-                try:
-                    r.on_read()
-                except BaseException as e:  # fails its own read below, never the pool
-                    failed[i] = e
-        for i, (r, f) in enumerate(zip(group, futs)):
-            if i in failed:
-                f.set_exception(failed[i])
+        for r, f in zip(group, futs):
+            if r.digest is None:  # nothing to check (the fill pipeline checks its own reads)
+                f.set_result(r.length)
                 continue
             try:
                 why = check_digest(r.digest, r.view)

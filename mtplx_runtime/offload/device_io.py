@@ -1,33 +1,33 @@
-"""Reads into GPU expert slots, guarded by the CUDA events of the kernels that read them.
+"""Reads into GPU expert slots, for the fill pipeline (offload/fill.py), guarded by the CUDA
+events of the kernels that read the slots.
 
-    prefetcher -> DeviceReader.read_into(part, offset, length, device slot)
-        guard.wait(slot)            the last kernel that read the slot has finished
-        kvikio:  CuFile.pread(slot) GDS where the system has it, kvikio's POSIX compat mode else
-        staging: RecordReader (O_DIRECT/pread) -> pinned host buffer -> copy stream -> slot
+    staged (no kvikio): RecordReader (O_DIRECT/preadv) -> pinned staging buffer -> check
+                        -> repack -> commit: guard.wait(slot), copy on a copy stream -> slot
+    kvikio:             guard.wait(slot) -> CuFile.pread into the slot (GDS where the system has
+                        it, kvikio's POSIX compat mode else) -> check on a host copy -> commit
 
-Both paths resolve the returned future only once the bytes are in the slot, so the cache's commit
-(and a kernel launch after it) never sees a half-written record. The staging path reuses the
-RecordReader's checks, retries and digest checks; kvikio reads are checked on a host copy
-of the slot (a device-to-host copy per record: on this path read-time checking costs PCIe
-bandwidth until a device-side check exists).
+`device_reads` picks one of the two once. Either way the cache's commit (and a kernel launch
+after it) comes only once the bytes are in the slot, so a kernel never sees a half-written
+record. kvikio reads are checked on a host copy of the slot (a device-to-host copy per record:
+on that path read-time checking costs PCIe bandwidth until a device-side check exists).
 Nothing here imports cupy or kvikio at module import: the CPU build never needs them.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .bank_reader import Digest, RecordHashError, check_digest
 from .buffers import (
     KvikioReader,
     aligned_buffer,
     buffer_address,
     gpu_reader_unavailable_reason,
 )
+
+__all__ = ["DeviceReader", "SlotGuard", "Staging", "device_reads", "kvikio_mode"]
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ def device_address(buf) -> int:
 
 class SlotGuard:
     """The CUDA event recorded after the last kernel launch that read each slot (keyed by the
-    slot's address). A read into a slot first waits for that event: the cache may hand a slot to
-    a new record as soon as the kernel is enqueued, long before it has run."""
+    slot's address). A write into a slot first waits for that event: the cache may hand a slot
+    to a new record as soon as the kernel is enqueued, long before it has run."""
 
     def __init__(self):
         self._events: dict[int, object] = {}
@@ -73,89 +73,91 @@ def kvikio_mode() -> str:
     return "compat mode (POSIX reads + bounce buffers)" if compat else "GPUDirect Storage"
 
 
-class DeviceReader:
-    """`read_into(part, offset, length, buf, *, digest=None) -> Future[int]` into device slots,
-    the RecordReader contract (which it wraps) for cupy destinations.
+class Staging:
+    """The pinned host buffers staged reads land in (one record each), and their way into a
+    device slot (`place`). `take`/`give` are not locked: the prefetcher calls them under its
+    own lock. `to_device(host_view, dev_buf)` copies and returns when the bytes have landed
+    (default: cupy `set` on a per-thread non-blocking copy stream, then its synchronize); tests
+    pass a host copy to drive the staged path without a GPU."""
 
-    use_kvikio: True, False or "auto" (kvikio when cupy sees a GPU and kvikio imports: the
-    offload.buffers.KvikioReader). staging_bytes: the largest read (one record); `threads`
-    staging buffers of that size are allocated, pinned when cupy can. `to_device(host_view,
-    dev_buf)` copies and returns when the bytes have landed (default: cupy `set` on a dedicated
-    copy stream, then that stream's synchronize); tests pass a host copy to drive the staging
-    path without a GPU.
-    """
-
-    def __init__(self, reader, *, staging_bytes: int, guard: SlotGuard | None = None,
-                 use_kvikio: bool | str = "auto", threads: int = 4,
+    def __init__(self, count: int, nbytes: int, guard: SlotGuard,
                  to_device: Callable | None = None):
-        if use_kvikio not in (True, False, "auto"):
-            raise ValueError(f"use_kvikio must be True, False or 'auto', got {use_kvikio!r}")
-        self.reader, self.guard = reader, guard or SlotGuard()
-        why = gpu_reader_unavailable_reason() if use_kvikio else "kvikio off"
-        ok = why is None
-        if use_kvikio is True and not ok:
-            raise RuntimeError(f"use_kvikio=True but {why}")
-        self.kvikio = ok
-        self._kvikio = KvikioReader(reader.root, [p[:2] for p in reader.parts]) if ok else None
-        self._kvikio_lock = threading.Lock()  # KvikioReader opens files lazily, unlocked
-        self.mode = (f"kvikio: {kvikio_mode()}" if ok else
-                     f"staged: pread -> pinned host buffer -> copy stream ({why})")
-        log.info("device reads: %s", self.mode)
+        self.guard = guard
         self._to_device = to_device or _stream_copy()
-        self._staging: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(0 if ok else threads):
-            self._staging.put(_host_buffer(staging_bytes))
+        self._free = [_host_buffer(nbytes) for _ in range(count)]
+
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self):
+        return self._free.pop()
+
+    def give(self, buf) -> None:
+        self._free.append(buf)
+
+    def place(self, host, dev) -> None:
+        """Copy the checked bytes `host` into the device slot `dev` once no kernel reads it."""
+        self.guard.wait(dev)
+        self._to_device(host, dev)
+
+
+class DeviceReader:
+    """kvikio reads straight into device slots: `read_into(part, offset, length, dev_buf) ->
+    Future[int]` (the RecordReader contract, whose parts it reads), each on one of `threads`
+    threads: wait for the slot's guard, `CuFile.pread`, resolve once the bytes are in."""
+
+    def __init__(self, reader, *, guard: SlotGuard, threads: int):
+        self.reader, self.guard = reader, guard
+        self.parts = reader.parts
+        self._kvikio = KvikioReader(reader.root, [p[:2] for p in reader.parts])
+        self._kvikio_lock = threading.Lock()  # KvikioReader opens files lazily, unlocked
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mtplx-devread")
 
-    def read_into(self, part: int, offset: int, length: int, buf, *,
-                  digest: Digest | None = None,
-                  on_read: Callable[[], None] | None = None) -> Future[int]:
-        """RecordReader.read_into into device memory: `on_read` once the bytes are off the
-        drive (in staging, or on the device through kvikio), before the check and the copy."""
+    def read_into(self, part: int, offset: int, length: int, buf) -> Future[int]:
         if getattr(buf, "nbytes", length) < length:
             raise ValueError(f"destination holds {buf.nbytes} B, the read needs {length}")
-        run = self._kvikio_read if self.kvikio else self._staged_read
-        return self._pool.submit(run, part, offset, length, buf, digest, on_read)
+        return self._pool.submit(self._read, part, offset, length, buf)
 
-    def _staged_read(self, part, offset, length, buf, digest, on_read) -> int:
-        host = self._staging.get()  # never blocks: one buffer per pool thread
-        try:
-            view = host[:length]
-            self.reader.read_into(part, offset, length, view, digest=digest,
-                                  on_read=on_read).result()
-            self.guard.wait(buf)
-            self._to_device(view, buf[:length])
-        finally:
-            self._staging.put(host)
-        return length
-
-    def _kvikio_read(self, part, offset, length, buf, digest, on_read) -> int:
+    def _read(self, part, offset, length, buf) -> int:
         self.guard.wait(buf)
         with self._kvikio_lock:
             future = self._kvikio.read_into(part, offset, length, buf[:length])
         got = future.get()
         if got != length:
             raise OSError(f"part {part}: kvikio read {got} of {length} B at offset {offset}")
-        if on_read is not None:
-            on_read()
-        if digest is not None:
-            why = check_digest(digest.lower() if isinstance(digest, str) else digest,
-                               memoryview(buf[:length].get()).cast("B"))
-            if why is not None:
-                raise RecordHashError(f"part {part} bytes at offset {offset} length {length} "
-                                      f"{why}")
         return length
 
     @property
     def direct(self):
         return self.reader.direct
 
+    @property
+    def read_depth(self) -> int:
+        return self.reader.read_depth
+
     def close(self) -> None:
         """Finish running reads, drop queued ones, close kvikio files and the wrapped reader."""
         self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._kvikio is not None:
-            self._kvikio.close()
+        self._kvikio.close()
         self.reader.close()
+
+
+def device_reads(reader, *, staging_bytes: int, guard: SlotGuard, threads: int,
+                 use_kvikio: bool | str = "auto", to_device: Callable | None = None):
+    """How records reach device slots, chosen once: (DeviceReader over `reader`, None) when
+    kvikio can read (use_kvikio True or "auto"), else (`reader`, Staging of `threads` buffers of
+    `staging_bytes`: one per read in flight). use_kvikio=True without kvikio is a RuntimeError
+    with the reason."""
+    if use_kvikio not in (True, False, "auto"):
+        raise ValueError(f"use_kvikio must be True, False or 'auto', got {use_kvikio!r}")
+    why = gpu_reader_unavailable_reason() if use_kvikio else "kvikio off"
+    if use_kvikio is True and why is not None:
+        raise RuntimeError(f"use_kvikio=True but {why}")
+    if why is None:
+        log.info("device reads: kvikio: %s", kvikio_mode())
+        return DeviceReader(reader, guard=guard, threads=threads), None
+    log.info("device reads: staged: pread -> pinned host buffer -> copy stream (%s)", why)
+    return reader, Staging(threads, staging_bytes, guard, to_device)
 
 
 def _host_buffer(nbytes: int):

@@ -1,28 +1,35 @@
-"""Prefetcher: moves expert records from the bank straight into cache slots, demand first.
+"""Prefetcher: the one read scheduler. Every record read into a cache slot passes through it
+once, and it alone decides which read the drive gets next: demand, then guesses, then the warm
+start, the warm only while no prompt holds it (`_next_class_locked`, the one rule).
 
-    demand(keys) / speculate(keys) -> reserve slot -> queue (demand | speculative)
-        -> pump (read depth, byte budget, demand first) -> reader.read_into(slot buffer)
-        -> bytes in (on_read): off the drive -> pump
-        -> completion (after the reader's check): commit|abort -> pump
+    demand(keys) | speculate(keys) | warm(keys) -> the queue of that class (a slot reserved;
+                                                   a warm read's when its turn comes)
+        -> pump: the rule picks, within the read depth and byte budget -> fill.land, fill.read
+        -> bytes in (reader thread): off the drive -> pump (the drive's next read)
+           -> fill.check -> fill.repack -> fill.commit (offload/fill.py) -> settle: resolve
 
-The ExpertCache owns slots and replacement; this module owns only the in-flight reads
-(ARCHITECTURE.md "Packages"). A read is queued until fewer than its depth of reads are in flight
-(`read_depth`, or the smaller `depth` its demand / speculate call gave: a decode step asks for
-few, so its records land one after another instead of all together at the end) and the
-in-flight byte budget has room; queued demand reads always go before queued speculation, and
-speculation may only hold `speculative_fraction` of the budget and of the depth, so a window's
-misses start at once beside the lookahead's reads instead of queueing behind them.
+The ExpertCache owns slots and replacement, the fill pipeline the steps of one read; this
+module owns the reads in flight and their order (ARCHITECTURE.md "Data path"). A read is queued
+until fewer than its depth of reads are at the drive (`read_depth`, or the smaller `depth` its
+demand / speculate call gave: a decode step asks for few, so its records land one after another
+instead of all together at the end) and the in-flight byte budget has room. Speculation may
+only hold `speculative_fraction` of the budget and of the depth, so a window's misses start at
+once beside the lookahead's reads; the warm start reads at the full read depth, only when no
+demand read or guess waits and no prompt's prefill holds it (`hold_prompt`, `release_prompt`),
+so its reads and checks never take the drive or the cores from a prompt.
 The depth and the budget count reads at the drive: a read whose bytes are in gives its place
-to the next one before its check runs (on_read), so a landed record's hash does not hold the
-drive's place; its slot is committed only once the check has passed.
+to the next one before its check runs, so a landed record's hash does not hold the drive's
+place; its slot is committed only once the check has passed.
 Speculative slots come from `cache.reserve(key, speculative=True)`, so whether a guess may
 displace a pinned or hotter expert is the cache's call (it answers None: skip). Reader futures
 cannot be cancelled: only *queued* reads are cancelled; a read already handed to the reader
-finishes and is committed (or aborted on error) by its completion callback. Reads are handed to
-the reader on the thread whose call made room or work for them (demand, speculate, a completion
-in a reader thread), never by waking another thread: that wake waits for the GIL, 0.6 ms per
-layer measured while the model's thread computes (BENCHMARKS.md "Reads start with the
-route")."""
+finishes and is committed (or aborted on error). Reads are handed to the reader on the thread
+whose call made room or work for them (demand, speculate, release_prompt, a read landing in a
+reader thread), never by waking another thread: that wake waits for the GIL, 0.6 ms per layer
+measured while the model's thread computes (BENCHMARKS.md "Reads start with the route").
+A decode hint opens its layer's first window of reads early; the prefetcher holds it
+(`reserve`) until that layer's run_experts `claim`s it, and releases its pins if none does.
+"""
 
 from __future__ import annotations
 
@@ -35,16 +42,15 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from functools import partial
 
-from .bank_reader import DEFAULT_READ_DEPTH, Digest, RecordHashError
+from .bank_reader import DEFAULT_READ_DEPTH, RecordHashError
+from .fill import Extent, Fill
 
-__all__ = ["ExpertKey", "PrefetchError", "NoSlotError", "Prefetcher", "PrefetchStats"]
+__all__ = ["ExpertKey", "NoSlotError", "PrefetchError", "Prefetcher", "PrefetchStats",
+           "Window"]
 
 log = logging.getLogger("mtplx_runtime.offload.prefetch")
 
 ExpertKey = tuple[int, int]  # (layer, expert), the model's 0-based layer index
-# locate(key) -> (part index, absolute byte offset in the part file, length in bytes, digest|None);
-# KeyError when the key has no record. Any other exception is a bug and is not swallowed.
-Locate = Callable[[ExpertKey], tuple[int, int, int, "Digest | None"]]
 
 
 class PrefetchError(OSError):
@@ -67,10 +73,13 @@ class PrefetchStats:
     when demanded; `spec_lead_ms`: summed over the others, the time from a guess landing to its
     first use (mean lead = spec_lead_ms / (spec_used - spec_late)); `spec_wasted`: speculative
     reads that landed and were settled unused by `cancel_stale`; `spec_cancelled`: dropped before
-    any byte was read."""
+    any byte was read. The warm start's reads count apart (`warm_reads`, `warm_bytes`), also
+    when a forward demands one already at the drive."""
 
     demand_reads: int = 0
     demand_bytes: int = 0
+    warm_reads: int = 0
+    warm_bytes: int = 0
     spec_issued: int = 0
     spec_bytes: int = 0
     spec_used: int = 0
@@ -89,32 +98,53 @@ class PrefetchStats:
         return asdict(self)
 
 
-class _Job:
-    __slots__ = ("key", "part", "offset", "length", "digest", "slot", "future", "speculative",
-                 "depth", "state", "recorded", "at_drive")
+class Window:
+    """One window of a layer's experts as a forward opened it: `hits` {key: SlotRef} ready to
+    compute from, `futures` {key: Future[SlotRef]} of its misses' reads, every slot pinned
+    until `close()` (idempotent; a context manager)."""
 
-    def __init__(self, key, part, offset, length, digest, slot, speculative, depth):
-        self.key, self.part, self.offset, self.length = key, part, offset, length
-        self.digest, self.slot, self.speculative = digest, slot, speculative
+    __slots__ = ("hits", "futures", "_unpin")
+
+    def __init__(self, hits: dict, futures: dict, unpin: Callable[[], None]):
+        self.hits, self.futures, self._unpin = hits, futures, unpin
+
+    def close(self) -> None:
+        unpin, self._unpin = self._unpin, None
+        if unpin is not None:
+            unpin()
+
+    def __enter__(self) -> Window:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Job:
+    __slots__ = ("key", "part", "offset", "length", "digest", "slot", "future", "kind", "warm",
+                 "depth", "state", "recorded", "at_drive", "landing")
+
+    def __init__(self, key, extent: Extent, slot, kind: str, depth: int, warm: bool = False):
+        self.key, self.slot = key, slot
+        self.part, self.offset, self.length, self.digest = extent
+        self.kind = kind  # "demand" | "guess" | "warm": its place in the read priority
+        self.warm = warm  # issued for the warm start (stays so once a forward demands it)
         self.depth = depth  # handed to the reader only while fewer reads than this are in it
         self.future: Future = Future()
         self.future._mtplx_job = self  # lets wait() find the read behind a caller's future
         self.state = "queued"  # queued -> running -> done
         self.recorded = False   # cache.record_read called for this read
         self.at_drive = False   # handed to the reader, bytes not all in yet (counts in the depth)
+        self.landing = None     # the buffer the read lands in (fill.land), until settled
 
 
 class Prefetcher:
-    """Background reads of expert records into cache slots under a bounded in-flight byte budget.
+    """Reads of expert records into cache slots, one scheduler for every class of read.
 
-    `reader`: `read_into(part, offset, length, buf, digest=None, on_read=None) -> Future[int]`
-    (RecordReader): `on_read()` once the bytes are in, before the check; a reader that never
-    calls it keeps the read's place at the drive until the future resolves.
-    `locate(key)`: (part, absolute offset, length, digest | None) of one record, the digest a
-    SHA-256 or a reader Check; KeyError when the key has no record.
-    `cache`: an ExpertCache; this uses `reserve(key, *, speculative, transient)`, `buffer(ref)`,
-    `commit(key)`, `abort(key)`, `record_read(key, nbytes, stall_ms)`, `where(key)`,
-    `is_loading(key)` and `key in cache`.
+    `fill`: the fill pipeline (offload/fill.Fill: its reader, bank, cache and checks); its
+    cache is `self.cache`, of which this uses `reserve(key, *, speculative, transient)`,
+    `abort(key)`, `record_read(key, nbytes, stall_ms)`, `where(key)`, `is_loading(key)` and
+    `key in cache`.
     `max_inflight_bytes`: bytes at the drive at once; a single record larger than the budget
     runs alone. `read_depth`: reads at the drive at once; keep it at the reader's own read depth
     so nothing queues inside the reader, where demand could not overtake it (at the reader's
@@ -125,14 +155,14 @@ class Prefetcher:
     call's own `depth` when it gave one).
     """
 
-    def __init__(self, reader, locate: Locate, cache, *, max_inflight_bytes: int,
+    def __init__(self, fill: Fill, *, max_inflight_bytes: int,
                  speculative_fraction: float = 0.25, read_depth: int = DEFAULT_READ_DEPTH):
         if max_inflight_bytes < 1 or read_depth < 1:
             raise ValueError(f"max_inflight_bytes ({max_inflight_bytes}) and read_depth "
                              f"({read_depth}) must be >= 1")
         if not 0.0 <= speculative_fraction <= 1.0:
             raise ValueError(f"speculative_fraction must be in [0, 1], got {speculative_fraction}")
-        self.reader, self.locate, self.cache = reader, locate, cache
+        self.fill, self.cache = fill, fill.cache
         self.max_inflight_bytes, self.read_depth = max_inflight_bytes, read_depth
         self.speculative_fraction = speculative_fraction
         self.spec_cap_bytes = int(speculative_fraction * max_inflight_bytes)
@@ -142,9 +172,19 @@ class Prefetcher:
         self._jobs: dict[ExpertKey, _Job] = {}  # queued or running, one per key
         self._demand_q: deque[_Job] = deque()
         self._spec_q: deque[_Job] = deque()
+        # The warm start's reads, lowest class: keys located but not reserved (a slot is taken
+        # only when the read goes), those held by a prefill's transient slot to retry once.
+        self._warm_q: deque[tuple[ExpertKey, Extent]] = deque()
+        self._warm_later: list[tuple[ExpertKey, Extent]] = []
+        self._warm_retried = False
+        self._warm_out = 0         # warm reads handed over, not yet reported
+        self._warm_skipped = 0     # no decode slot for them
+        self._warm = None          # the warm start hearing of its reads, until it finished
+        self._prompt_held = False  # a prompt's prefill runs: the warm issues nothing
+        self._reserved: tuple[tuple, Window] | None = None  # ((layer, keys), window)
         self._inflight_bytes = 0   # at the drive: handed to the reader, bytes not all in
         self._inflight_reads = 0
-        self._checking = 0         # bytes in, completion (the reader's check) still to come
+        self._checking = 0         # bytes in, not settled yet (check, repack, commit)
         self._busy_since: float | None = None  # time.monotonic() the drive last went busy
         self._spec_running = 0     # speculative reads at the drive (<= spec_depth)
         self._spec_bytes = 0       # speculative bytes queued or running (the cap counts both)
@@ -153,16 +193,16 @@ class Prefetcher:
         self._closed = False
         self._pumping = False      # a thread is handing reads to the reader (`_pump`)
 
-    # -- public API -------------------------------------------------------------------------
+    # -- the three classes of reads ---------------------------------------------------------
 
     def demand(self, keys: Iterable[ExpertKey], transient: bool = False,
                depth: int | None = None) -> dict[ExpertKey, Future]:
         """Queue reads the current layer needs now (cache misses). Never blocks on I/O.
 
-        Returns {key: Future[SlotRef]}; the future resolves after `cache.commit(key)`, or raises
-        PrefetchError (read failed or no record: `locate` raised KeyError), NoSlotError,
-        CancelledError (shutdown), or whatever else `locate` raised for that key. A key
-        already being read (demand or speculative) shares that read; a speculative one is
+        Returns {key: Future[SlotRef]}; the future resolves after the fill's commit, or raises
+        PrefetchError (read or check failed, or no record: the bank's locate raised KeyError),
+        NoSlotError, CancelledError (shutdown), or whatever else locating that key raised. A
+        key already being read (a guess, a warm read) shares that read; a queued guess is
         promoted ahead of all queued speculation. A key whose read already landed (a lookahead
         guess committed after the caller's cache lookup) gets a resolved future and counts as a
         used guess. `transient` is passed to `cache.reserve`. `depth`: the new reads start only
@@ -181,13 +221,12 @@ class Prefetcher:
                     continue
                 job = self._jobs.get(key)
                 if job is not None and job.future.cancelled():  # a caller cancelled it queued
-                    (self._spec_q if job.speculative else self._demand_q).remove(job)
+                    (self._spec_q if job.kind == "guess" else self._demand_q).remove(job)
                     self._drop_queued_locked(job)
                     job = None
                 if job is not None:
-                    if job.speculative:
-                        self._promote_locked(job)
-                        wake = True
+                    if job.kind != "demand":
+                        wake |= self._promote_locked(job)
                     out[key] = job.future
                     continue
                 ref = self._ready_ref(key)
@@ -196,8 +235,7 @@ class Prefetcher:
                     out[key].set_result(ref)
                     landed.append(key)
                     continue
-                job = self._new_job_locked(key, speculative=False, transient=transient,
-                                           depth=depth)
+                job = self._new_job_locked(key, transient=transient, depth=depth)
                 if isinstance(job, Future):  # no record or no slot: an already-failed future
                     out[key] = job
                     continue
@@ -212,20 +250,15 @@ class Prefetcher:
             self.note_used(landed)
         return out
 
-    def _ready_ref(self, key: ExpertKey):
-        """The cache's ref for `key` when it holds it ready, else None."""
-        ref = self.cache.where(key)
-        return None if ref is None or self.cache.is_loading(key) else ref
-
     def speculate(self, keys: Iterable[ExpertKey], depth: int | None = None
                   ) -> list[ExpertKey]:
         """Queue lookahead reads, best guess first; returns the keys actually issued. Never blocks.
 
-        Skips keys resident (`key in cache`), already in flight, without a record (`locate`
+        Skips keys resident (`key in cache`), already in flight, without a record (locating it
         raised KeyError: a bad guess), or refused a slot (reserve answered None). Stops at the
         first key that would push queued + running speculative bytes past
-        `speculative_fraction * max_inflight_bytes`. Any other exception from `locate` propagates;
-        the keys issued before it stay queued. `depth`: as for `demand`.
+        `speculative_fraction * max_inflight_bytes`. Any other exception from locating a key
+        propagates; the keys issued before it stay queued. `depth`: as for `demand`.
         """
         issued: list[ExpertKey] = []
         depth = self._depth(depth)
@@ -238,33 +271,78 @@ class Prefetcher:
                 self._pump()
         return issued
 
-    def _speculate_locked(self, keys: Iterable[ExpertKey], issued: list[ExpertKey],
-                          depth: int) -> None:
+    def warm(self, keys: Iterable[ExpertKey], sink) -> None:
+        """Queue the warm start's reads (keys without a record are left out), read in this order
+        whenever the rule lets the warm go; a key already cached when its turn comes is passed
+        over. `sink` hears of each: `landed(key, nbytes)` or `failed(key, error)`, then
+        `finished(skipped)` once every read is done, or at shutdown (offload/warm.WarmStart)."""
+        located = []
         for key in keys:
             key = (int(key[0]), int(key[1]))
-            if key in self._jobs or key in self.cache:
-                self.stats.spec_skipped += 1
-                continue
             try:
-                part, offset, length, digest = self.locate(key)
-            except KeyError:  # no such record: a bad guess, not an error
-                self.stats.spec_skipped += 1
+                located.append((key, self.fill.locate(key)))
+            except KeyError:
                 continue
-            if self._spec_bytes + length > self.spec_cap_bytes:
-                self.stats.spec_skipped += 1
-                break
-            slot = self.cache.reserve(key, speculative=True, transient=False)
-            if slot is None:
-                self.stats.spec_skipped += 1
-                continue
-            job = _Job(key, part, offset, length, digest, slot, speculative=True, depth=depth)
-            self._jobs[key] = job
-            self._spec_q.append(job)
-            self._spec_bytes += length
-            self._landed.pop(key, None)
-            self.stats.spec_issued += 1
-            self.stats.spec_bytes += length
-            issued.append(key)
+        with self._cond:
+            self._check_open()
+            self._warm_q.extend(located)
+            self._warm = sink
+        self._pump()  # also reports a warm with nothing to read finished
+
+    def hold_prompt(self) -> None:
+        """A prompt's prefill has started: the warm start issues no new read until
+        `release_prompt` (its reads already at the drive finish)."""
+        with self._cond:
+            self._prompt_held = True
+
+    def release_prompt(self) -> None:
+        """The prompt's reads are done: the warm start may read again (from this call)."""
+        with self._cond:
+            held, self._prompt_held = self._prompt_held, False
+        if held:
+            self._pump()
+
+    @property
+    def prompt_held(self) -> bool:
+        return self._prompt_held
+
+    def next_class(self) -> str | None:
+        """Which class of read the drive would get next: 'demand', 'guess', 'warm', or None
+        when none may go now (`_next_class_locked`)."""
+        with self._cond:
+            return self._next_class_locked()
+
+    # -- windows held between a hint and its run_experts -----------------------------------
+
+    def reserve(self, layer: int, keys: list[ExpertKey], window: Window) -> None:
+        """Hold `window`, the reads a decode hint opened for `keys` of `layer`, until that
+        layer's run_experts claims it; one held before (its run_experts never came) is
+        closed."""
+        with self._cond:
+            held, self._reserved = self._reserved, ((int(layer), tuple(keys)), window)
+        if held is not None:
+            held[1].close()
+
+    def claim(self, layer: int, keys: list[ExpertKey]) -> Window | None:
+        """The window held for exactly these `keys` of `layer`, now the caller's to close; None
+        when none is (a window held for other keys is closed)."""
+        with self._cond:
+            held, self._reserved = self._reserved, None
+        if held is None:
+            return None
+        if held[0] == (int(layer), tuple(keys)):
+            return held[1]
+        held[1].close()
+        return None
+
+    def release_reserved(self) -> None:
+        """Close the window held, if any: its pins go."""
+        with self._cond:
+            held, self._reserved = self._reserved, None
+        if held is not None:
+            held[1].close()
+
+    # -- guesses ---------------------------------------------------------------------------
 
     def cancel_stale(self, keep: set[ExpertKey]) -> list[ExpertKey]:
         """Drop queued speculative reads whose key is not in `keep` (slot aborted, future
@@ -302,6 +380,8 @@ class Prefetcher:
                 self.stats.spec_lead_ms += (now - self._landed.pop(key)) * 1e3
             self.stats.spec_used += len(used)
         return len(used)
+
+    # -- waiting ---------------------------------------------------------------------------
 
     def wait(self, futures: Mapping[ExpertKey, Future], timeout: float | None = None
              ) -> dict[ExpertKey, object]:
@@ -346,6 +426,8 @@ class Prefetcher:
                 group.append((key, fut.result()))  # raises PrefetchError / CancelledError / ...
             yield group
 
+    # -- reporting and lifetime ------------------------------------------------------------
+
     def busy_seconds(self) -> float:
         """Seconds so far with at least one read at the drive, the spell now running included:
         the difference over an interval is how long the drive had work in it."""
@@ -354,18 +436,20 @@ class Prefetcher:
             return self.stats.busy_ms / 1e3 + now
 
     def inflight(self) -> dict[str, int]:
-        """Snapshot: bytes and reads at the drive (all, speculative), reads in and being
-        checked, queued demand / speculative counts."""
+        """Snapshot: bytes and reads at the drive (all, speculative), reads in and not yet
+        settled (being checked), queued demand / speculative / warm counts, speculative bytes."""
         with self._cond:
             return {"inflight_bytes": self._inflight_bytes, "inflight_reads": self._inflight_reads,
                     "inflight_spec_reads": self._spec_running, "checking_reads": self._checking,
                     "queued_demand": len(self._demand_q), "queued_spec": len(self._spec_q),
+                    "queued_warm": len(self._warm_q) + len(self._warm_later),
                     "spec_bytes": self._spec_bytes}
 
     def shutdown(self, cancel_pending: bool = True, timeout: float = 5.0) -> None:
-        """Stop taking work. With `cancel_pending`, queued reads are dropped (slots aborted,
-        futures cancelled) and this returns without waiting for reads already in the reader:
-        those complete (commit or abort) from their callbacks. Without it, queued reads are
+        """Stop taking work; close the window held; end the warm start (its sink hears
+        `finished`). With `cancel_pending`, queued reads are dropped (slots aborted, futures
+        cancelled) and this returns without waiting for reads already in the reader: those
+        complete (commit or abort) on their own. Without it, queued demand reads and guesses are
         still handed over as room frees, and this waits (up to `timeout`) until every read is
         in. Idempotent; does not close the reader."""
         cancelled: list[Future] = []
@@ -373,14 +457,21 @@ class Prefetcher:
             if self._closed:
                 return
             self._closed = True
+            sink, self._warm = self._warm, None
+            skipped = self._warm_skipped
+            self._warm_q.clear()
+            self._warm_later.clear()
             if cancel_pending:
                 for q in (self._demand_q, self._spec_q):
                     for job in q:
                         self._drop_queued_locked(job)
                         cancelled.append(job.future)
                     q.clear()
+        self.release_reserved()
         for f in cancelled:
             f.cancel()
+        if sink is not None:
+            sink.finished(skipped)
         if not cancel_pending:
             self._wait_idle(timeout)
 
@@ -389,6 +480,234 @@ class Prefetcher:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    # -- the read priority ------------------------------------------------------------------
+
+    def _next_class_locked(self) -> str | None:
+        """The one rule of read priority: the class of the read the drive gets next. A queued
+        demand read goes first, and while one waits (its depth or the budget full) no other
+        read starts; then a queued guess, likewise; then the warm start, only while no prompt
+        holds it. None: nothing may go now."""
+        if self._demand_q:
+            head = self._demand_q[0]
+            return "demand" if self._fits_locked(head.length, head.depth, False) else None
+        if self._spec_q:
+            head = self._spec_q[0]
+            return "guess" if self._fits_locked(head.length, head.depth, True) else None
+        if self._warm_q and not self._prompt_held:
+            length = self._warm_q[0][1].length
+            return "warm" if self._fits_locked(length, self.read_depth, False) else None
+        return None
+
+    def _fits_locked(self, length: int, depth: int, guess: bool) -> bool:
+        if self._inflight_reads >= depth or not self.fill.room():
+            return False
+        if guess and self._spec_running >= max(
+                1, int(self.speculative_fraction * depth)):  # spec_depth at read_depth
+            return False
+        # Nothing in flight: an oversize record runs alone rather than never.
+        return self._inflight_bytes == 0 or self._inflight_bytes + length <= \
+            self.max_inflight_bytes
+
+    def _pick_locked(self) -> list[_Job]:
+        """Every read the rule lets go now, marked running and landed (fill.land), in order."""
+        batch: list[_Job] = []
+        while True:
+            if self._warm_later:
+                self._warm_retry_locked()
+            kind = self._next_class_locked()
+            if kind is None:
+                break
+            if kind == "warm":
+                job = self._warm_job_locked()
+                if job is None:  # that key needed no read: look again
+                    continue
+            else:
+                job = (self._demand_q if kind == "demand" else self._spec_q).popleft()
+                if not job.future.set_running_or_notify_cancel():  # the caller cancelled it
+                    self._drop_queued_locked(job)
+                    continue
+            self.fill.land(job)
+            job.state, job.at_drive = "running", True
+            if not self._inflight_reads:
+                self._busy_since = time.monotonic()
+            self._inflight_bytes += job.length
+            self._inflight_reads += 1
+            self._spec_running += job.kind == "guess"
+            batch.append(job)
+        self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self._inflight_bytes)
+        self.stats.peak_inflight_reads = max(self.stats.peak_inflight_reads, self._inflight_reads)
+        return batch
+
+    def _warm_job_locked(self) -> _Job | None:
+        """The warm queue's head as a read with a decode slot reserved; None when that key needs
+        no read now (cached already, held in a transient slot: retried once at the end, or
+        refused a slot)."""
+        key, extent = self._warm_q.popleft()
+        ref = self.cache.where(key)
+        if ref is not None:  # a forward read it first
+            if ref.transient:  # its transient slot is reused soon: a warm read needs a decode one
+                self._warm_later.append((key, extent))
+            return None
+        slot = self.cache.reserve(key, speculative=False, transient=False)
+        if slot is None:
+            self._warm_skipped += 1
+            return None
+        job = _Job(key, extent, slot, "warm", self.read_depth, warm=True)
+        job.future.set_running_or_notify_cancel()
+        self._jobs[key] = job
+        self._warm_out += 1
+        self.stats.warm_reads += 1
+        self.stats.warm_bytes += extent.length
+        return job
+
+    def _warm_retry_locked(self) -> None:
+        """Once the warm queue and its reads are done, the keys passed over for a transient slot
+        are tried once more; still transient then, they are skipped."""
+        if self._warm_q or self._warm_out or not self._warm_later:
+            return
+        if self._warm_retried:
+            self._warm_skipped += len(self._warm_later)
+            self._warm_later.clear()
+        else:
+            self._warm_q.extend(self._warm_later)
+            self._warm_later.clear()
+            self._warm_retried = True
+
+    def _warm_finished_locked(self):
+        """The warm start's sink once its every read is done (then forgotten), else None."""
+        if self._warm is None or self._warm_q or self._warm_later or self._warm_out:
+            return None
+        sink, self._warm = self._warm, None
+        return sink
+
+    # -- one read's way: hand-over, bytes in, fill, settle ---------------------------------
+
+    def _pump(self) -> None:
+        """Hand the reader every read the rule lets go now, on this thread. One thread pumps at
+        a time: another that makes room or work meanwhile returns at once, as the pumping one
+        picks again until nothing goes (so a reader that completes a read inside read_into
+        does not recurse). Ends by telling a warm start with nothing left that it finished."""
+        with self._cond:
+            if self._pumping:
+                return
+            self._pumping = True
+        try:
+            while True:
+                with self._cond:
+                    batch = self._pick_locked()
+                    if not batch:
+                        self._pumping = False
+                        sink = self._warm_finished_locked() if self._warm is not None else None
+                        break
+                self._hand_over(batch)
+        except BaseException:
+            with self._cond:
+                self._pumping = False
+            raise
+        if sink is not None:
+            sink.finished(self._warm_skipped)
+
+    def _hand_over(self, batch: list[_Job]) -> None:
+        for job in batch:  # outside the lock: a reader may complete a read synchronously
+            try:
+                fut = self.fill.read(job)
+            except BaseException as e:
+                self._read_done(job, None, e)
+                continue
+            fut.add_done_callback(partial(self._read_done, job))
+
+    def _read_done(self, job: _Job, fut: Future | None, error: BaseException | None = None
+                   ) -> None:
+        """The read step is over (its reader thread; the pumping one when the hand-over failed):
+        the rest of the record's way, top to bottom. Its place at the drive goes to the next
+        read first, then the bytes are checked, repacked and committed, then the read settles."""
+        if error is None:
+            try:
+                n = fut.result()
+                if n != job.length:
+                    error = OSError(f"short read: {n} of {job.length} B")
+            except BaseException as e:
+                error = e
+        with self._cond:
+            self._leave_drive_locked(job)
+        try:
+            self._pump()
+        except Exception:  # a bug in the hand-over: logged; the landed bytes are not at fault
+            log.exception("handing reads to the reader after (%d, %d) landed failed", *job.key)
+        if error is None:
+            try:
+                self.fill.check(job)
+                self.fill.repack(job)
+                self.fill.commit(job)
+            except BaseException as e:  # the slot stays loading: settle aborts it
+                error = e
+        self._settle(job, error)
+
+    def _leave_drive_locked(self, job: _Job) -> None:
+        """The job's place at the drive and its bytes of the budget are free."""
+        job.at_drive = False
+        self._checking += 1
+        self._inflight_bytes -= job.length
+        self._inflight_reads -= 1
+        if not self._inflight_reads:
+            self.stats.busy_ms += (time.monotonic() - self._busy_since) * 1e3
+            self._busy_since = None
+        if job.kind == "guess":
+            self._spec_running -= 1
+
+    def _settle(self, job: _Job, error: BaseException | None) -> None:
+        """A read's end: the job forgotten (its slot aborted on error), what now fits handed to
+        the reader, its future resolved whatever that pump raised, a warm start told."""
+        with self._cond:
+            self._checking -= 1
+            self.fill.release(job)
+            if job.kind == "guess":
+                self._spec_bytes -= job.length
+            if error is None:
+                if job.kind == "guess":
+                    self._landed[job.key] = time.monotonic()
+            else:
+                try:
+                    self.cache.abort(job.key)
+                except Exception:  # logged, not raised: the future below must still resolve
+                    log.exception("cache.abort(%s) failed", job.key)
+                self.stats.failed_reads += 1
+            job.state = "done"
+            kind = job.kind  # fixed from here: the key has left _jobs, no promotion
+            sink = self._warm if job.warm else None
+            del self._jobs[job.key]
+            self._cond.notify_all()  # _wait_idle
+        try:
+            self._pump()  # a freed staging buffer may let a read go
+        finally:  # resolved whatever the pump raised: a waiting caller must not hang
+            if error is None:
+                job.future.set_result(job.slot)
+                if kind != "demand":  # nobody waits on a guess or a warm read: recorded now
+                    self._record(job.key, job.future, 0.0, job)
+            else:
+                job.future.set_exception(self._error(job, error))
+            if job.warm:
+                self._warm_report(job, sink, error)
+
+    def _warm_report(self, job: _Job, sink, error: BaseException | None) -> None:
+        """Tell the warm start of its read, then (the last one) that it finished."""
+        if sink is not None:
+            if error is None:
+                sink.landed(job.key, job.length)
+            else:
+                sink.failed(job.key, job.future.exception())
+        with self._cond:
+            self._warm_out -= 1
+            self._warm_retry_locked()
+            if self._warm_q:  # keys to retry: the next pump issues them
+                sink = None
+            else:
+                sink = self._warm_finished_locked()
+        if sink is not None:
+            sink.finished(self._warm_skipped)
+        elif self._warm_q:
+            self._pump()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -403,30 +722,66 @@ class Prefetcher:
             raise ValueError(f"depth must be >= 1, got {depth}")
         return min(int(depth), self.read_depth)
 
-    def _new_job_locked(self, key: ExpertKey, *, speculative: bool, transient: bool,
-                        depth: int):
-        """A reserved job, or a failed Future when the key has no record (PrefetchError), no
-        slot (NoSlotError) or `locate` failed otherwise (that exception, unwrapped)."""
+    def _ready_ref(self, key: ExpertKey):
+        """The cache's ref for `key` when it holds it ready, else None."""
+        ref = self.cache.where(key)
+        return None if ref is None or self.cache.is_loading(key) else ref
+
+    def _speculate_locked(self, keys: Iterable[ExpertKey], issued: list[ExpertKey],
+                          depth: int) -> None:
+        for key in keys:
+            key = (int(key[0]), int(key[1]))
+            if key in self._jobs or key in self.cache:
+                self.stats.spec_skipped += 1
+                continue
+            try:
+                extent = self.fill.locate(key)
+            except KeyError:  # no such record: a bad guess, not an error
+                self.stats.spec_skipped += 1
+                continue
+            if self._spec_bytes + extent.length > self.spec_cap_bytes:
+                self.stats.spec_skipped += 1
+                break
+            slot = self.cache.reserve(key, speculative=True, transient=False)
+            if slot is None:
+                self.stats.spec_skipped += 1
+                continue
+            job = _Job(key, extent, slot, "guess", depth)
+            self._jobs[key] = job
+            self._spec_q.append(job)
+            self._spec_bytes += extent.length
+            self._landed.pop(key, None)
+            self.stats.spec_issued += 1
+            self.stats.spec_bytes += extent.length
+            issued.append(key)
+
+    def _new_job_locked(self, key: ExpertKey, *, transient: bool, depth: int):
+        """A reserved demand job, or a failed Future when the key has no record
+        (PrefetchError), no slot (NoSlotError) or locating it failed otherwise (that exception,
+        unwrapped)."""
         try:
-            part, offset, length, digest = self.locate(key)
+            extent = self.fill.locate(key)
         except KeyError as e:
             return _failed(key, PrefetchError(key, f"expert (layer {key[0]}, expert {key[1]}): "
                                                    f"cannot locate its record: {e}"), e)
-        except Exception as e:  # a bug in locate: the caller sees it as it is, on this key
+        except Exception as e:  # a bug in locating: the caller sees it as it is, on this key
             return _failed(key, e, None)
-        slot = self.cache.reserve(key, speculative=speculative, transient=transient)
+        slot = self.cache.reserve(key, speculative=False, transient=transient)
         if slot is None and not transient:  # a full cache may still lend a one-use slot
-            slot = self.cache.reserve(key, speculative=speculative, transient=True)
+            slot = self.cache.reserve(key, speculative=False, transient=True)
         if slot is None:
             return _failed(key, NoSlotError(f"expert (layer {key[0]}, expert {key[1]}): the "
                                             "cache has no slot for a demand read"), None)
-        job = _Job(key, part, offset, length, digest, slot, speculative, depth)
+        job = _Job(key, extent, slot, "demand", depth)
         self._jobs[key] = job
         return job
 
-    def _promote_locked(self, job: _Job) -> None:
-        """A speculative read is now needed: count it used and, if queued, move it to demand."""
-        job.speculative = False
+    def _promote_locked(self, job: _Job) -> bool:
+        """A guess or a warm read is now needed: it becomes a demand read (a guess counts as
+        used and, if queued, moves to the demand queue). True when that can start a read."""
+        guess, job.kind = job.kind == "guess", "demand"
+        if not guess:  # a warm read: running already, it only stops counting as the warm's
+            return False
         self._spec_bytes -= job.length
         self.stats.spec_used += 1
         self.stats.spec_late += 1
@@ -435,159 +790,21 @@ class Prefetcher:
             self._demand_q.append(job)
         elif job.at_drive:
             self._spec_running -= 1  # a demand read now: frees a speculative place
+        return True
 
     def _drop_queued_locked(self, job: _Job) -> None:
         del self._jobs[job.key]
-        if job.speculative:
+        if job.kind == "guess":
             self._spec_bytes -= job.length
         self.cache.abort(job.key)
 
-    def _fits_locked(self, job: _Job) -> bool:
-        if self._inflight_reads >= job.depth:
-            return False
-        if job.speculative and self._spec_running >= max(
-                1, int(self.speculative_fraction * job.depth)):  # spec_depth at read_depth
-            return False
-        # Nothing in flight: an oversize record runs alone rather than never.
-        return self._inflight_bytes == 0 or self._inflight_bytes + job.length <= \
-            self.max_inflight_bytes
-
-    def _pick_locked(self) -> list[_Job]:
-        """Jobs to hand to the reader now: demand in order; speculation only when no demand read
-        is waiting (a queued demand read blocks all queued speculation)."""
-        batch: list[_Job] = []
-        for q in (self._demand_q, self._spec_q):
-            while q and self._fits_locked(q[0]):
-                job = q.popleft()
-                if not job.future.set_running_or_notify_cancel():  # the caller cancelled it
-                    self._drop_queued_locked(job)
-                    continue
-                job.state, job.at_drive = "running", True
-                if not self._inflight_reads:
-                    self._busy_since = time.monotonic()
-                self._inflight_bytes += job.length
-                self._inflight_reads += 1
-                self._spec_running += job.speculative
-                batch.append(job)
-            if q:
-                break
-        self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self._inflight_bytes)
-        self.stats.peak_inflight_reads = max(self.stats.peak_inflight_reads, self._inflight_reads)
-        return batch
-
-    def _pump(self) -> None:
-        """Hand the reader every queued read that fits now, on this thread. One thread pumps at
-        a time: another that makes room or work meanwhile returns at once, as the pumping one
-        picks again until nothing fits (so a reader that completes a read inside read_into does
-        not recurse)."""
-        with self._cond:
-            if self._pumping:
-                return
-            self._pumping = True
-        try:
-            while True:
-                with self._cond:
-                    batch = self._pick_locked()
-                    if not batch:
-                        self._pumping = False
-                        return
-                self._hand_over(batch)
-        except BaseException:
-            with self._cond:
-                self._pumping = False
-            raise
-
-    def _hand_over(self, batch: list[_Job]) -> None:
-        for job in batch:  # outside the lock: a reader may complete a read synchronously
-            try:
-                buf = self.cache.buffer(job.slot)
-                if buf.nbytes < job.length:
-                    raise ValueError(f"slot buffer holds {buf.nbytes} B, record needs "
-                                     f"{job.length}")
-                fut = self.reader.read_into(job.part, job.offset, job.length, buf,
-                                            digest=job.digest,
-                                            on_read=partial(self._on_read, job))
-            except BaseException as e:
-                self._finish(job, None, e)
-                continue
-            fut.add_done_callback(lambda f, job=job: self._finish(job, f, None))
-
-    def _off_drive_locked(self, job: _Job) -> bool:
-        """The job's place at the drive and its bytes of the budget are free (once): True if
-        this call freed them."""
-        if not job.at_drive:
-            return False
-        job.at_drive = False
-        self._inflight_bytes -= job.length
-        self._inflight_reads -= 1
-        if not self._inflight_reads:
-            self.stats.busy_ms += (time.monotonic() - self._busy_since) * 1e3
-            self._busy_since = None
-        if job.speculative:
-            self._spec_running -= 1
-        return True
-
-    def _on_read(self, job: _Job) -> None:
-        """The reader has every byte (its thread, before the check): the next read goes to
-        the drive while this one is checked."""
-        with self._cond:
-            if self._off_drive_locked(job):
-                self._checking += 1
-        try:
-            self._pump()
-        except Exception:  # a bug in the hand-over: logged; the landed bytes are not at fault
-            log.exception("handing reads to the reader after (%d, %d) landed failed", *job.key)
-
-    def _finish(self, job: _Job, fut: Future | None, error: BaseException | None) -> None:
-        """Completion (a reader thread; the pumping one when the hand-over failed): commit or
-        abort, free the budget if on_read has not, hand the reader what now fits, resolve."""
-        if error is None:
-            try:
-                n = fut.result()
-                if n != job.length:
-                    error = OSError(f"short read: {n} of {job.length} B")
-            except BaseException as e:
-                error = e
-        with self._cond:
-            if not self._off_drive_locked(job):
-                self._checking -= 1
-            if job.speculative:
-                self._spec_bytes -= job.length
-            if error is None:
-                try:
-                    self.cache.commit(job.key)
-                except BaseException as e:  # resolve the future whatever the cache does
-                    error = e
-            if error is None:
-                if job.speculative:
-                    self._landed[job.key] = time.monotonic()
-            else:
-                try:
-                    self.cache.abort(job.key)
-                except Exception:  # logged, not raised: the future below must still resolve
-                    log.exception("cache.abort(%s) failed", job.key)
-                self.stats.failed_reads += 1
-            job.state = "done"
-            spec = job.speculative  # fixed from here: the key has left _jobs, no promotion
-            del self._jobs[job.key]
-            self._cond.notify_all()  # _wait_idle
-        try:
-            self._pump()  # the freed place first: the drive gets its next read before any caller
-        finally:  # resolved whatever the pump raised: a waiting caller must not hang
-            if error is None:
-                job.future.set_result(job.slot)
-                if spec:  # nobody waits on a guess: its bytes are recorded now
-                    self._record(job.key, job.future, 0.0, job)
-            else:
-                job.future.set_exception(self._error(job, error))
-
     def _error(self, job: _Job, cause: BaseException) -> PrefetchError:
-        parts = getattr(self.reader, "parts", None)
+        parts = getattr(self.fill.reader, "parts", None)
         try:
             name = parts[job.part][0]
         except (TypeError, LookupError):  # a reader without `parts`, or not this part
             name = f"part {job.part}"
-        kind = "speculative" if job.speculative else "demand"
+        kind = {"guess": "speculative"}.get(job.kind, job.kind)
         # Damaged bytes are the bank's fault, not the read's: say how to find every bad record.
         hint = ("; the bank is damaged: `mtplx verify --records ARTIFACT` names every bad record"
                 if isinstance(cause, RecordHashError) else "")
@@ -600,7 +817,8 @@ class Prefetcher:
 
     def _record(self, key: ExpertKey, fut: Future, stall_ms: float, job: _Job | None = None
                 ) -> None:
-        """One cache.record_read per successful read: guesses at landing, demand at wait."""
+        """One cache.record_read per successful read: guesses and warm reads at landing,
+        demand at wait."""
         job = job or getattr(fut, "_mtplx_job", None)
         with self._cond:
             self.stats.stall_ms += stall_ms
@@ -623,4 +841,3 @@ def _failed(key: ExpertKey, err: BaseException, cause: BaseException | None) -> 
     f: Future = Future()
     f.set_exception(err)
     return f
-

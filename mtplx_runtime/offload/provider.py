@@ -1,13 +1,16 @@
 """StreamingExpertProvider: routed experts read from an artifact's bank through a small cache.
 
-    LatentMoE -> hint(l, ids, guesses): score earlier guesses, cancel stale ones, keep the new;
-                 one token: start its first window (lookup, pin hits, demand misses, speculate)
-              -> run_experts(l, r, ids, w): per window of ascending expert ids: lookup (pin
-                 hits) -> demand(misses) -> speculate(guesses) -> kernel backend on each slot's
-                 bytes as it lands -> fp32 sum
+    LatentMoE -> begin_forward(tokens): a prompt holds the warm start's reads, decode releases
+              -> hint(l, ids, guesses): score earlier guesses, cancel stale ones, keep the new;
+                 one token: open its first window (lookup, pin, demand misses), queue the
+                 guesses behind, and have the prefetcher hold the window (`reserve`)
+              -> run_experts(l, r, ids, w): per window of ascending expert ids: the one held
+                 (`claim`) or one opened now -> kernel backend on each slot's bytes as it
+                 lands -> fp32 sum
 
-The ExpertCache owns the slots, the Prefetcher moves bytes, the kernel backend (mtplx_runtime/
-kernels, chosen once at construction) computes; this module only wires them to the model's
+The ExpertCache owns the slots, the Prefetcher schedules every read and the fill pipeline
+(offload/fill.py) moves its bytes, the kernel backend (mtplx_runtime/kernels, chosen once at
+construction) computes; this module looks experts up, pins them and computes, for the model's
 `ExpertProvider` protocol (ARCHITECTURE.md "Data path"). Under the `reference` backend streamed
 and resident logits are bit-identical; `cpu` and `cuda` differ by fp32 summation order. Prefill
 (tokens > 1) reads each needed expert once for all its tokens into transient slots, in windows
@@ -19,10 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 
@@ -35,17 +38,13 @@ from ..kernels import select_backend
 from ..kernels.reference import ExpertWeights, decode_record
 from .bank_reader import DEFAULT_READ_DEPTH, from_manifest
 from .cache import ExpertCache
-from .device_io import DeviceReader, SlotGuard
-from .digests import RecordCheck, RecordDigests
+from .device_io import SlotGuard, device_reads
+from .digests import RecordDigests
+from .fill import Fill
 from .lookahead import LookaheadScore, predicted_keys
-from .prefetch import Prefetcher
+from .prefetch import Prefetcher, Window
 from .warm import WarmStart
 
-# How long after a prefill layer's experts the prefill still counts as running: longer than the
-# attention between two MoE layers, short enough that a prompt-only request soon frees the warm.
-PREFILL_HOLD_S = 0.1
-# ... and from a prompt's first layer to its first MoE layer: room for a long prompt's trunk.
-PREFILL_BEGIN_HOLD_S = 5.0
 # Reads in flight in a one-token forward (its misses and the lookahead's guesses). A deeper
 # queue shares the drive among more records, so they all land near the end of the window and
 # the kernels wait for the last; at 4 they land one after another and the kernels run on each
@@ -138,30 +137,34 @@ class StreamingExpertProvider:
             log.warning("%s: %s is not 4 KiB-aligned in offset and length, so bank reads are "
                         "buffered (O_DIRECT needs both)", bank.root, unaligned)
             direct = False
-        # Every part may be open at once: each is opened once, on its first read.
-        self.reader = from_manifest(bank.root, self.manifest, direct=direct,
-                                    read_depth=read_depth, verify_sha256=verify_sha256,
-                                    max_open_files=max(64, len(self.manifest.sidecar.parts)))
+        # Every part may be open at once: each is opened once, on its first read. The reader
+        # only reads: the fill pipeline checks what it read (offload/fill.py).
+        reader = from_manifest(bank.root, self.manifest, direct=direct, read_depth=read_depth,
+                               max_open_files=max(64, len(self.manifest.sidecar.parts)))
         self.guard = SlotGuard()  # CUDA events of the kernels reading each compute slot
+        staging = None
         if self.on_gpu:
-            self.reader = DeviceReader(self.reader, staging_bytes=self.stride_bytes,
-                                       guard=self.guard, threads=read_depth)
+            reader, staging = device_reads(reader, staging_bytes=self.stride_bytes,
+                                           guard=self.guard, threads=read_depth)
+        self.reader = reader
+        # A backend whose kernels read records in a layout of their own defines
+        # repack(layout, buf): the fill pipeline applies it to every record it reads.
+        repack = getattr(self.kernels, "repack", None)
+        self.fill = Fill(reader, bank, self.cache, digests=self.digests, staging=staging,
+                         repack=partial(repack, self.layout) if repack is not None else None)
         if max_inflight_bytes is None:
             # Room for the whole read depth, and for a window's misses beside the guesses.
             span = max(read_depth, 2 * cfg.num_experts_per_token * max(1, self.lookahead))
             max_inflight_bytes = span * self.stride_bytes
-        self.prefetcher = Prefetcher(self.reader, self.locate, self.cache,
-                                     max_inflight_bytes=max_inflight_bytes,
+        self.prefetcher = Prefetcher(self.fill, max_inflight_bytes=max_inflight_bytes,
                                      speculative_fraction=0.5, read_depth=read_depth)
         self.score = LookaheadScore()
         self._first_layer = min(layers) if layers else 0
+        self._last_layer = max(layers) if layers else 0
         # layer -> {depth: ids [T, K]}: this forward's guesses, for the route trace.
         self.last_predictions: dict[int, dict[int, torch.Tensor]] = {}
         self._spec_keys: set[ExpertKey] = set()  # guesses issued and not yet consumed
         self._guesses: list[ExpertKey] = []  # the last hint's, read after its layer's misses
-        # A decode window whose reads the hint started: (layer, keys, ExitStack holding its
-        # pins, its batches), taken by run_experts.
-        self._started: tuple | None = None
         self.stall_ms = 0.0       # time forwards spent blocked on reads (this provider's view)
         # Time in the kernel backend's calls, and the part of it with a read at the drive: how
         # much of the compute the drive overlapped (on a GPU, enqueue time only).
@@ -169,28 +172,27 @@ class StreamingExpertProvider:
         self.kernel_overlap_ms = 0.0
         self.prefill_uses = 0     # (token, expert) pairs in multi-token calls
         self.prefill_unique = 0   # distinct experts read for them
-        self.warm: WarmStart | None = None  # set by engine.runtime.load: counts uses, warms
-        # Monotonic time until which a prefill counts as running: the warm start issues no read
-        # before it (`offload.warm`), so a prompt's reads and checks get the drive and the cores.
-        self.prefill_hold_until = 0.0
+        self.warm: WarmStart | None = None  # set by start_warm: counts uses, its reads queued
         self._closed = False
 
     # ---- the ExpertProvider contract -----------------------------------------------------
 
     def begin_forward(self, tokens: int) -> None:
-        """A prompt's forward holds the warm start from its first layer (the layers before the
-        first MoE one would share the cores with it too); its first prefill layer holds it on,
-        a one-token forward ends it. Held for at most PREFILL_BEGIN_HOLD_S if no prefill layer
-        comes (a forward that fails early must not stop the warm for good)."""
-        self.prefill_hold_until = (time.monotonic() + PREFILL_BEGIN_HOLD_S if tokens > 1
-                                   else 0.0)
+        """A prompt's forward (tokens > 1) holds the warm start's reads from its first layer
+        until its last MoE layer's experts are computed, so its reads and checks get the drive
+        and the cores; a one-token forward releases the hold (`Prefetcher.hold_prompt`)."""
+        if tokens > 1:
+            self.prefetcher.hold_prompt()
+        else:
+            self.prefetcher.release_prompt()
 
-    def locate(self, key: ExpertKey) -> tuple[int, int, int, RecordCheck | None]:
-        """(part, absolute offset, length, check) of one record, the check None when reads are
-        not verified; KeyError if the bank holds no such record."""
-        loc = self.bank.locate(*key)
-        check = self.digests.check(key) if self.digests is not None else None
-        return loc.part, loc.offset, loc.length, check
+    def start_warm(self, warm: WarmStart) -> None:
+        """Count this run's expert uses into `warm` and queue the records it plans (each layer's
+        cache quota of the hottest, in file order) as the prefetcher's warm reads."""
+        self.warm = warm
+        keys = warm.plan(lambda layer: self.cache.quota((layer, 0)),
+                         self.cache.scope_kind == "global", lambda key: self.bank.locate(*key)[:2])
+        self.prefetcher.warm(keys, warm)
 
     def experts(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertWeights]:
         """Weights of experts `ids` (distinct) of `layer`, decoded from their slots (the
@@ -216,7 +218,8 @@ class StreamingExpertProvider:
         the order they land) into its own fp32 product w * y, and the products are summed in
         ascending expert id at the end (`_decode_sum`), so the reads of a window overlap the
         compute of what has landed and the sum order is the reference's whatever the landing
-        order. In prefill a window is read, then computed into one fp32 accumulator.
+        order. In prefill a window is read, then computed into one fp32 accumulator; the last
+        MoE layer's (or a failed one) releases the prompt's hold on the warm start.
         Returns [T, R] in x.dtype; under the reference backend bit-identical to
         ResidentExpertProvider's sum. Raises PrefetchError (names the expert, file and offset)
         or TimeoutError.
@@ -230,11 +233,14 @@ class StreamingExpertProvider:
             out = self._decode_sum(layer, x, ids, weights, keys)
             self._spec_keys.difference_update(keys)
             return out
-        self.prefill_hold_until = math.inf  # held while this layer's reads and compute run
         try:
-            return self._prefill_sum(layer, x, ids, weights, keys)
-        finally:
-            self.prefill_hold_until = time.monotonic() + PREFILL_HOLD_S
+            out = self._prefill_sum(layer, x, ids, weights, keys)
+        except BaseException:
+            self.prefetcher.release_prompt()  # a failed prompt must not hold the warm for good
+            raise
+        if layer == self._last_layer:
+            self.prefetcher.release_prompt()
+        return out
 
     def _prefill_sum(self, layer: int, x, ids, weights, keys: list[ExpertKey]) -> torch.Tensor:
         """Several tokens' routed sum: windows of `keys` read, then computed into one fp32
@@ -255,14 +261,15 @@ class StreamingExpertProvider:
         """One token's routed sum, computing experts as they land. A batch of landed experts
         runs as one kernel call with one row per expert (x repeated, K = 1), each row an
         expert's own product w * y added to zero, so it is exactly that expert's term; the
-        terms then add in ascending id, as the reference's accumulator does."""
+        terms then add in ascending id, as the reference's accumulator does. The first window
+        is the one the hint opened, when it did."""
         room = self._room(layer)
         picks = {int(e): k for k, e in enumerate(ids[0].tolist()) if e >= 0}
         terms: dict[int, torch.Tensor] = {}
         for i in range(0, len(keys), room):
-            pins, batches = self._window(layer, keys[i:i + room])
-            with pins:
-                for refs in batches:
+            window = keys[i:i + room]
+            with self.prefetcher.claim(layer, window) or self._open_decode(window) as win:
+                for refs in self._batches(win):
                     order = sorted(k[1] for k in refs)
                     one = torch.tensor(order, dtype=ids.dtype, device=ids.device).unsqueeze(1)
                     w = weights[0, [picks[e] for e in order]].unsqueeze(1)  # [n, 1]
@@ -285,54 +292,11 @@ class StreamingExpertProvider:
         """Keys per window outside prefill's transient pool: the layer's device quota."""
         return max(1, self.cache.quota((layer, 0)))
 
-    def _start_window(self, keys: list[ExpertKey]
-                      ) -> tuple[contextlib.ExitStack, Iterator[dict]]:
-        """Start a decode window's reads, then queue the last hint's guesses behind its misses:
-        (the stack holding its pins until closed, its batches as `_arrivals` yields them)."""
-        pins = contextlib.ExitStack()
-        try:
-            batches = pins.enter_context(self._arrivals(keys, False, self.decode_depth))
-            self._speculate()
-        except BaseException:
-            pins.close()
-            raise
-        return pins, batches
-
-    def _window(self, layer: int, keys: list[ExpertKey]
-                ) -> tuple[contextlib.ExitStack, Iterator[dict]]:
-        """The window the hint started for these keys, else one started now."""
-        started, self._started = self._started, None
-        if started is not None:
-            if started[:2] == (layer, keys):
-                return started[2:]
-            started[2].close()  # not what this call needs (a hint without its run_experts)
-        return self._start_window(keys)
-
-    def _drop_started(self) -> None:
-        started, self._started = self._started, None
-        if started is not None:
-            started[2].close()
-
-    @contextlib.contextmanager
-    def _landed(self, keys: list[ExpertKey], transient: bool) -> Iterator[dict]:
-        """Look up `keys`, read the misses, and yield {key: SlotRef} once every read has landed,
-        with every slot pinned until the block ends (at most the keys' slots are needed at
-        once: callers size `keys` to fit). Raises PrefetchError / TimeoutError."""
-        with self._arrivals(keys, transient) as batches:
-            refs: dict = {}
-            for batch in batches:
-                refs.update(batch)
-            yield refs
-
-    @contextlib.contextmanager
-    def _arrivals(self, keys: list[ExpertKey], transient: bool, depth: int | None = None
-                  ) -> Iterator[Iterator[dict]]:
-        """Look up `keys`, start reading the misses (at most `depth` reads in flight; None: the
-        read depth), and yield an iterator of {key: SlotRef} batches: the hits first, then the
-        misses as they land, those found landed together as one batch (a drive may complete its
-        queue in waves: BENCHMARKS.md "Reads land in waves"). Every slot stays pinned until the
-        block ends (callers size `keys` to fit); time blocked waiting is the stall. Raises
-        PrefetchError / TimeoutError from the iterator."""
+    def _open(self, keys: list[ExpertKey], transient: bool, depth: int | None = None
+              ) -> Window:
+        """Look up `keys`, pin the hits and have the prefetcher read the misses (at most `depth`
+        in flight; None: the read depth): a Window whose every slot stays pinned until it is
+        closed (callers size `keys` to fit)."""
         if self._closed:
             raise RuntimeError("StreamingExpertProvider is closed")
         hits, misses = self.cache.lookup(keys, transient=transient)
@@ -343,13 +307,39 @@ class StreamingExpertProvider:
             # demand reserved every miss's slot: pin them now, so no other reservation (a
             # lookahead guess under global scope) can evict one between its commit and our use.
             pinned.update(self.cache.pin([k for k in misses if k not in pinned]))
-            yield self._batches(dict(hits), self.prefetcher.landed(futures, self.timeout_s))
-        finally:
+        except BaseException:
             self.cache.unpin(pinned)
+            raise
+        return Window(hits, futures, partial(self.cache.unpin, pinned))
 
-    def _batches(self, hits: dict, landing: Iterator) -> Iterator[dict]:
-        if hits:
-            yield hits
+    def _open_decode(self, keys: list[ExpertKey]) -> Window:
+        """A decode window's reads at the decode depth, then the last hint's guesses queued
+        behind its misses."""
+        win = self._open(keys, False, self.decode_depth)
+        try:
+            self._speculate()
+        except BaseException:
+            win.close()
+            raise
+        return win
+
+    @contextlib.contextmanager
+    def _landed(self, keys: list[ExpertKey], transient: bool) -> Iterator[dict]:
+        """Look up `keys`, read the misses, and yield {key: SlotRef} once every read has landed,
+        with every slot pinned until the block ends. Raises PrefetchError / TimeoutError."""
+        with self._open(keys, transient) as win:
+            refs: dict = {}
+            for batch in self._batches(win):
+                refs.update(batch)
+            yield refs
+
+    def _batches(self, win: Window) -> Iterator[dict]:
+        """{key: SlotRef} batches of a window: its hits first, then its misses as they land,
+        those found landed together as one batch (a drive may complete its queue in waves:
+        BENCHMARKS.md "Reads land in waves"); time blocked waiting is the stall."""
+        if win.hits:
+            yield win.hits
+        landing = self.prefetcher.landed(win.futures, self.timeout_s)
         while True:
             t0 = time.monotonic()
             got = next(landing, None)
@@ -410,12 +400,14 @@ class StreamingExpertProvider:
         layer's misses are queued: before them, a guess would take a place in the decode depth
         the misses of the layer about to compute need. In a one-token step, this layer's first
         window then starts reading here, so its reads overlap what the block computes before
-        `run_experts` (the latent projection, the shared expert). Returns the kept keys."""
-        self._drop_started()
+        `run_experts` (the latent projection, the shared expert): the prefetcher holds it until
+        run_experts claims it. A window held from an earlier hint whose run_experts never came
+        is closed first (its pins go). Returns the kept keys."""
+        self.prefetcher.release_reserved()
         keys = self._keep_guesses(layer, actual, predicted)
         if actual.shape[0] == 1 and not self._closed:
             window = self._keys(layer, actual)[:self._room(layer)]
-            self._started = (layer, window, *self._start_window(window))
+            self.prefetcher.reserve(layer, window, self._open_decode(window))
         return keys
 
     def _keep_guesses(self, layer: int, actual: torch.Tensor,
@@ -485,14 +477,11 @@ class StreamingExpertProvider:
         }
 
     def close(self) -> None:
-        """Cancel queued reads, join the prefetcher, close the reader, write the warm-start
-        counts. Idempotent."""
+        """Cancel queued reads (the warm start's too) and the window held, close the reader,
+        write the warm-start counts. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._drop_started()
-        if self.warm is not None:
-            self.warm.stop()  # no new warm reads; the shutdown cancels the queued ones
         try:
             self.prefetcher.shutdown(cancel_pending=True, timeout=self.timeout_s)
         finally:

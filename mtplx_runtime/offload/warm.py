@@ -3,24 +3,21 @@ expert cache at the next load (FORMAT.md "Warm-start file").
 
     run:   run_experts(layer, ids [T, K]) -> add: one count per (token, expert) pick
     close: previous counts * DECAY + this run's -> <key>.warm, tmp + rename
-    load:  file valid for this artifact? -> per layer the hottest records up to the layer's cache
-           quota -> sorted by (part, offset) -> demand reads from a background thread, a few
-           outstanding at a time
+    load:  file valid for this artifact? -> plan: per layer the hottest records up to the layer's
+           cache quota, sorted by (part, offset) -> the prefetcher's warm reads -> landed /
+           failed / finished reported back here
 
-The file is a hint, never a source of bytes: warm records are read by the prefetcher and reader
-like any miss, so the read-time checks apply, and a missing, stale or hostile file only means a
-cold start. Warming runs beside the first prompt: it keeps one read depth of reads outstanding
-and refills as each lands, so the reader stays busy and a forward's own demand reads queue
-behind no warm read, only wait for one in flight to finish; a forward that needs a record being
-warmed shares that read. While a prefill runs (the provider's `prefill_hold_until`) the warm
-issues no new read: its reads and their checks would take the drive and the cores from the
-prompt, and the first token would wait for most of the warm (BENCHMARKS.md "bench_warm").
+The file is a hint, never a source of bytes: warm records are read by the prefetcher and the
+fill pipeline like any miss, so the read-time checks apply, and a missing, stale or hostile file
+only means a cold start. This module only chooses the keys, keeps the counts and tallies what
+the prefetcher reports; the prefetcher decides when each warm read goes (offload/prefetch.py):
+after every demand read and guess, at the read depth, and none while a prompt's prefill holds
+it, whose reads and checks would otherwise take the drive and the cores from the prompt and
+make the first token wait for most of the warm (BENCHMARKS.md "bench_warm").
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import logging
 import math
 import os
@@ -44,7 +41,6 @@ SUFFIX = ".warm"
 HEADER_BYTES = 8 + 4 + 4 + 32 + 8  # magic, version, reserved, artifact digest, record count
 DECAY = 0.5  # weight of the earlier runs' counts when a run's are merged in: old habits fade
 PROGRESS_EVERY_S = 2.0
-STOP_POLL_S = 0.2
 log = logging.getLogger(__name__)
 
 
@@ -129,14 +125,16 @@ def pick(counts: np.ndarray, manifest: Manifest, quota: Callable[[int], int],
 
 
 class WarmStart:
-    """The warm start of one StreamingExpertProvider: counts this run's expert uses (`add`),
-    warms the cache from the file at `path` on a background thread (`start`, `wait`), and on
-    `close` writes the merged counts back. `progress(line)` gets a line every few seconds
-    of a long warm and one at its end. `stats()` says what was warmed."""
+    """The warm start of one streamed run: counts this run's expert uses (`add`) and on `close`
+    writes them, merged, to the file at `path`; `plan` picks what to warm from the file's counts.
+    The prefetcher reads those records and reports each here (`landed`, `failed`, then
+    `finished`, from its reader threads); `wait` blocks until the warm finished, `stats` says
+    what was warmed. `progress(line)` gets a line every few seconds of a long warm and one at
+    its end."""
 
-    def __init__(self, provider, path: Path, *, progress: Callable[[str], None] | None = None):
-        self.provider, self.path, self.progress = provider, Path(path), progress
-        manifest = provider.manifest
+    def __init__(self, manifest: Manifest, path: Path, *,
+                 progress: Callable[[str], None] | None = None):
+        self.path, self.progress = Path(path), progress
         self._manifest = manifest
         self._previous = read_counts(self.path, manifest)
         self._run = np.zeros(len(manifest.records), dtype=np.float64)
@@ -145,9 +143,10 @@ class WarmStart:
         self._rows: dict[int, np.ndarray] = {}
         for i, r in enumerate(manifest.records):
             self._rows.setdefault(r.layer, np.full(width, -1, dtype=np.int64))[r.expert] = i
-        self._stop = threading.Event()
+        self.planned: list[tuple[int, int]] = []  # what `plan` chose, in read order
+        self._lock = threading.Lock()  # reports come from the prefetcher's reader threads
         self._done = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._t0 = self._last = time.monotonic()
         self._stats = {"file": str(self.path), "found": self._previous is not None,
                        "planned": 0, "records": 0, "bytes": 0, "failed": 0, "skipped": 0,
                        "seconds": 0.0}
@@ -170,28 +169,45 @@ class WarmStart:
 
     # ---- warming -------------------------------------------------------------------------
 
-    def plan(self) -> list[tuple[int, int]]:
-        """The keys a warm reads, in (part, offset) order; [] without a valid file."""
-        if self._previous is None:
-            return []
-        cache = self.provider.cache
-        chosen = pick(self._previous, self._manifest, lambda la: cache.quota((la, 0)),
-                      cache.scope_kind == "global")
-        keys = [(self._manifest.records[i].layer, self._manifest.records[i].expert)
-                for i in chosen]
-        bank = self.provider.bank
-        return sorted(keys, key=lambda k: bank.locate(*k)[:2])
+    def plan(self, quota: Callable[[int], int], global_scope: bool,
+             where: Callable[[tuple[int, int]], tuple]) -> list[tuple[int, int]]:
+        """The keys to warm, in `where(key)` order ((part, offset): one pass through each part);
+        [] without a valid file. `quota(layer)`: the cache slots of a layer (of all layers under
+        `global_scope`), as `pick` takes them. Kept as `planned`; the warm's clock starts here."""
+        keys: list[tuple[int, int]] = []
+        if self._previous is not None:
+            chosen = pick(self._previous, self._manifest, quota, global_scope)
+            keys = sorted(((self._manifest.records[i].layer, self._manifest.records[i].expert)
+                           for i in chosen), key=where)
+        with self._lock:
+            self.planned = keys
+            self._stats["planned"] = len(keys)
+            self._t0 = self._last = time.monotonic()
+        return keys
 
-    def start(self) -> None:
-        """Begin warming on a background thread (nothing to do: done at once)."""
-        keys = self.plan()
-        self._stats["planned"] = len(keys)
-        if not keys:
+    def landed(self, key: tuple[int, int], nbytes: int) -> None:
+        """One warm read is in its slot, checked (the prefetcher's report)."""
+        self._report("records", nbytes)
+
+    def failed(self, key: tuple[int, int], error: BaseException) -> None:
+        """One warm read failed: a warning; the forward that needs the record reads it again
+        and fails loudly."""
+        log.warning("warm start: %s", error)
+        self._report("failed", 0)
+
+    def finished(self, skipped: int) -> None:
+        """Every warm read is done (or the prefetcher shut down): `skipped` records found no
+        decode slot (held in a prefill's transient slot, or refused one)."""
+        with self._lock:
+            if self._done.is_set():
+                return
+            s = self._stats
+            s["skipped"], s["seconds"] = skipped, time.monotonic() - self._t0
+            line = (self._line(s["planned"], s["planned"])
+                    if self.progress is not None and s["seconds"] >= PROGRESS_EVERY_S else None)
             self._done.set()
-            return
-        self._thread = threading.Thread(target=self._warm, args=(keys,), daemon=True,
-                                        name="mtplx-warm")
-        self._thread.start()
+        if line is not None:
+            self.progress(line)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the warm has finished (or stopped); False on timeout."""
@@ -199,91 +215,32 @@ class WarmStart:
 
     def stats(self) -> dict:
         """file, found (a valid file was read), planned / records warmed / bytes / failed
-        reads / skipped (still in a prefill's transient slot at the end) / seconds, and done."""
-        return {**self._stats, "done": self._done.is_set()}
+        reads / skipped (no decode slot: still in a prefill's transient slot at the end, or
+        refused one) / seconds (so far, while it runs), and done."""
+        with self._lock:
+            done = self._done.is_set()
+            seconds = self._stats["seconds"] if done else time.monotonic() - self._t0
+            return {**self._stats, "seconds": seconds, "done": done}
 
-    def stop(self) -> None:
-        """Issue no further warm reads (those already queued go on until cancelled)."""
-        self._stop.set()
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop, join the warm thread (call after the prefetcher's shutdown has cancelled its
-        queued reads) and write the counts when this run used any expert."""
-        self.stop()
-        if self._thread is not None:
-            self._thread.join(timeout)
+    def close(self) -> None:
+        """Write the counts when this run used any expert (after the prefetcher's shutdown)."""
         if self._run.any():
             write_counts(self.path, self._manifest, self.counts())
 
-    def _warm(self, keys: list[tuple[int, int]]) -> None:
-        p = self.provider
-        t0 = last = time.monotonic()
-        # One read depth outstanding: nothing of the warm's waits in the prefetcher's queue, so a
-        # forward's demand read is the next one dispatched.
-        limit = p.prefetcher.read_depth
-        todo = collections.deque(keys)
-        # A record a prefill holds in a transient slot is tried again after the others: the
-        # transient pool reuses its slot soon, and a warm read must land in a decode slot.
-        later: list[tuple[int, int]] = []
-        retried = False
-        pending: dict[concurrent.futures.Future, tuple[int, int]] = {}
-        try:
-            while True:
-                if self._stop.is_set():
-                    return
-                held = p.prefill_hold_until - time.monotonic()  # a prompt's reads go first
-                while held <= 0 and len(pending) < limit and todo:
-                    key = todo.popleft()
-                    ref = p.cache.where(key)
-                    if ref is not None:  # a forward read it first
-                        if ref.transient:
-                            later.append(key)
-                        continue
-                    try:
-                        pending[p.prefetcher.demand([key])[key]] = key
-                    except RuntimeError:  # the prefetcher shut down between checks
-                        return
-                if not pending:
-                    if held > 0 and (todo or later):
-                        self._stop.wait(min(held, STOP_POLL_S))
-                        continue
-                    if todo:
-                        continue
-                    if later and not retried:
-                        todo.extend(later)
-                        later, retried = [], True
-                        continue
-                    self._stats["skipped"] = len(later)
-                    break
-                # woken now and then to see a stop (close) while reads run
-                # (a held warm wakes when the hold may end, to refill)
-                wake = min(STOP_POLL_S, held) if held > 0 else STOP_POLL_S
-                done, _ = concurrent.futures.wait(pending, timeout=wake,
-                                                  return_when=concurrent.futures.FIRST_COMPLETED)
-                for fut in done:
-                    key = pending.pop(fut)
-                    if fut.cancelled():  # shutdown cancelled the queued reads
-                        return
-                    if fut.exception() is not None:
-                        # The forward that needs this record reads it again and fails loudly.
-                        self._stats["failed"] += 1
-                        log.warning("warm start: %s", fut.exception())
-                        continue
-                    # The prefetcher's one cache.record_read per read; the future is done, so
-                    # nothing waits and no stall is counted.
-                    next(p.prefetcher.completed({key: fut}))
-                    self._stats["records"] += 1
-                    self._stats["bytes"] += p.bank.locate(*key).length
-                now = time.monotonic()
-                self._stats["seconds"] = now - t0
-                if self.progress is not None and now - last >= PROGRESS_EVERY_S:
-                    self.progress(self._line(len(keys) - len(todo) - len(pending), len(keys)))
-                    last = now
-            if self.progress is not None and time.monotonic() - t0 >= PROGRESS_EVERY_S:
-                self.progress(self._line(len(keys), len(keys)))
-        finally:
-            self._stats["seconds"] = time.monotonic() - t0
-            self._done.set()
+    def _report(self, field: str, nbytes: int) -> None:
+        with self._lock:
+            if self._done.is_set():  # a read that was in flight at shutdown
+                return
+            s = self._stats
+            s[field] += 1
+            s["bytes"] += nbytes
+            now = time.monotonic()
+            s["seconds"] = now - self._t0
+            line = None
+            if self.progress is not None and now - self._last >= PROGRESS_EVERY_S:
+                line, self._last = self._line(s["records"] + s["failed"], s["planned"]), now
+        if line is not None:
+            self.progress(line)
 
     def _line(self, done: int, total: int) -> str:
         s = self._stats

@@ -6,6 +6,8 @@
 Everything the server can refuse is refused before a 200: a stream sends its 200 only once the
 engine reports the first token ("start"), so a generation that fails at once (non-finite
 logits) is a 500 with an OpenAI error body; only a failure after that is an in-band error event.
+When the server stops (`Engine.stop`), a request without a token yet gets 503 with Retry-After,
+a non-streamed one too, and a stream that has begun ends with `finish_reason` "abort".
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus text). A concurrent `receive()` watches for `http.disconnect` and sets
@@ -15,14 +17,21 @@ the request's cancel flag, so a client that goes away frees the engine at the ne
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
 from dataclasses import dataclass
 
 from .metrics import metrics_text
-from .params import ApiError, chat_params, completion_params, error_body, parse_json
-from .worker import QueueFull, Request
+from .params import RETRY_AFTER_S, ApiError, chat_params, completion_params, error_body, parse_json
+from .worker import QueueFull, Request, ShuttingDown
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; retry later", type_="server_error",
+                    code="server_shutting_down",
+                    headers=((b"retry-after", str(RETRY_AFTER_S).encode()),))
 
 
 class _Gone(Exception):
@@ -37,6 +46,9 @@ class ServerConfig:
     context: int = 4096  # the server's --context: prompt + max_tokens must fit
     default_max_tokens: int | None = None  # None: the rest of the context, as vLLM does
     thinking: bool = True  # chat default when the request does not say
+    temperature: float = 1.0  # defaults for requests that do not say (OpenAI's)
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh seed per sampled request
 
 
 class App:
@@ -56,7 +68,7 @@ class App:
         try:
             await self._route(scope, receive, send)
         except ApiError as e:
-            await _json(send, e.status, error_body(e))
+            await _json(send, e.status, error_body(e), e.headers)
 
     async def _route(self, scope, receive, send):
         method, path = scope["method"], scope["path"].rstrip("/") or "/"
@@ -95,9 +107,9 @@ class App:
     def _auth(self, scope) -> None:
         if self.cfg.api_key is None:
             return
-        headers = dict(scope["headers"])
-        got = headers.get(b"authorization", b"").decode("latin-1")
-        if got != f"Bearer {self.cfg.api_key}":
+        got = dict(scope["headers"]).get(b"authorization", b"")
+        # Constant time: how long the comparison takes tells nothing of how much matched.
+        if not hmac.compare_digest(got, b"Bearer " + self.cfg.api_key.encode()):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
                            code="invalid_api_key")
 
@@ -127,6 +139,8 @@ class App:
         except QueueFull as e:
             raise ApiError(429, f"server busy: {e}", type_="rate_limit_error",
                            code="queue_full") from None
+        except ShuttingDown:
+            raise _shutting_down() from None
 
         async def watch():  # the only other thing a client can send now is a disconnect
             while (await receive())["type"] != "http.disconnect":
@@ -138,6 +152,8 @@ class App:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.cfg.model_id}
+        if req.seed is not None:  # not OpenAI's: the seed that repeats this sampled answer
+            head["seed"] = req.seed
         try:
             if p["stream"]:
                 await self._stream(req, head, chat, p["include_usage"], send)
@@ -150,10 +166,13 @@ class App:
             req.cancel.set()  # finished: a no-op; left early: skip or stop the generation
 
     async def _next(self, req):
-        """The next "start" | "delta" | "done" event; an "error" event raises ApiError 500."""
+        """The next "start" | "delta" | "done" event; an "error" event raises ApiError 500, a
+        "shutdown" event 503."""
         ev = await req.events.get()
         if ev[0] == "gone":
             raise _Gone
+        if ev[0] == "shutdown":
+            raise _shutting_down()
         if ev[0] == "error":
             raise ApiError(500, f"generation failed: {ev[1]}", type_="server_error",
                            code=ev[2])
@@ -165,6 +184,8 @@ class App:
             if ev[0] == "delta":
                 parts[ev[1]].append(ev[2])
         _, finish, usage, _ = ev
+        if finish == "abort":  # the server stopped mid-answer: a partial text is no answer
+            raise _shutting_down()
         text = "".join(parts["content"])
         if chat:
             msg = {"role": "assistant", "content": text}
@@ -218,12 +239,12 @@ class App:
                     "more_body": False})
 
 
-async def _send(send, status: int, body: bytes, ctype: bytes) -> None:
+async def _send(send, status: int, body: bytes, ctype: bytes, headers=()) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", ctype),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})
 
 
-async def _json(send, status: int, obj) -> None:
-    await _send(send, status, json.dumps(obj).encode(), b"application/json")
+async def _json(send, status: int, obj, headers=()) -> None:
+    await _send(send, status, json.dumps(obj).encode(), b"application/json", headers)

@@ -16,6 +16,14 @@ gets 503. The protection therefore sits in the protocol, as a subclass of uvicor
     a deadline missed: 408 with an OpenAI error body and `connection: close` (a connection that
     sent nothing, or is idle between requests, is just closed)
 
+Request heads are at most MAX_HEAD_BYTES: h11 enforces its limit only on a head still
+incomplete in its buffer, so a larger head that arrives in one read would pass; the bytes each
+head took are counted here and a larger one is a 400, as h11's own.
+
+Server stopping (uvicorn's `shutdown` of each connection): a half-sent request gets 503 and the
+connection closes, so no shutdown waits out a trickler's deadline; the rest is uvicorn's (idle
+connections close, one being answered closes after its response).
+
 Connection cap (`--max-connections`, uvicorn's `limit_concurrency`): uvicorn answers 503 to a
 request arriving while the open connections reach the cap. Admission keeps a slot free for
 complete requests instead: when a new connection brings the count to the cap, the connection
@@ -32,17 +40,23 @@ import heapq
 import itertools
 import json
 
-from .params import ApiError, error_body
+from .params import RETRY_AFTER_S, ApiError, error_body
 
 # Scope key set on a request whose body was late (or that was shed mid-body): (status, body
 # bytes) of the response written here, which the app never sees (server/access logs it).
 CLOSED_WITH = "mtplx.closed_with"
+MAX_HEAD_BYTES = 16 * 1024  # a request head (request line + headers); h11's own default
+
+
+def _response(status: int, reason: bytes, message: str, code: str, extra: bytes = b"") -> bytes:
+    """A complete `connection: close` response with an OpenAI error body."""
+    body = json.dumps(error_body(ApiError(status, message, code=code))).encode()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"%sconnection: close\r\n\r\n" % (status, reason, len(body), extra)) + body
 
 
 def _timeout_response(message: str) -> bytes:
-    body = json.dumps(error_body(ApiError(408, message, code="request_timeout"))).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)) + body
+    return _response(408, b"Request Timeout", message, "request_timeout")
 
 
 def guarded_h11(header_timeout: float, body_timeout: float) -> type:
@@ -58,11 +72,37 @@ def guarded_h11(header_timeout: float, body_timeout: float) -> type:
     began = itertools.count()  # a ticket per request start: uvloop's clock is per iteration
     shed = _timeout_response("incomplete request dropped to make room for complete ones (the "
                              "server is at its connection limit)")
+    stopping = _response(503, b"Service Unavailable", "the server is shutting down; retry later",
+                         "server_shutting_down", b"retry-after: %d\r\n" % RETRY_AFTER_S)
+
+    class HeadLimitedConnection(h11.Connection):
+        """h11's server side with MAX_HEAD_BYTES on complete heads too: the bytes a head took
+        are those fed in, less those still buffered, since the previous message ended."""
+
+        _fed = 0  # bytes handed to receive_data
+        _head_from = 0  # where the current head began, in those bytes
+
+        def receive_data(self, data: bytes) -> None:
+            self._fed += len(data)
+            super().receive_data(data)
+
+        def next_event(self):
+            event = super().next_event()
+            if isinstance(event, (h11.Request, h11.EndOfMessage)):
+                at = self._fed - len(self.trailing_data[0])  # once per message: a small copy
+                if isinstance(event, h11.Request) and at - self._head_from > MAX_HEAD_BYTES:
+                    raise h11.RemoteProtocolError(f"request head over {MAX_HEAD_BYTES} bytes")
+                self._head_from = at
+            return event
 
     class GuardedH11Protocol(H11Protocol):
         _timer = None
         _phase: str | None = None  # "head" | "body" | None (answering or idle)
         _since = 0  # ticket of the current request's (or idle spell's) start: shedding order
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.conn = HeadLimitedConnection(h11.SERVER, MAX_HEAD_BYTES)
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -83,6 +123,11 @@ def guarded_h11(header_timeout: float, body_timeout: float) -> type:
             if self._phase is None:
                 self._since = next(began)  # idle from now (or answering the next)
             self._track()
+
+        def shutdown(self) -> None:
+            if self._partial():  # the server is stopping: a half-sent request gets 503
+                return self._close(stopping)
+            super().shutdown()
 
         # -- phases ----------------------------------------------------------------------
 
@@ -129,13 +174,13 @@ def guarded_h11(header_timeout: float, body_timeout: float) -> type:
             return self._phase == "body" and cycle is not None and not cycle.response_started
 
         def _close(self, response: bytes) -> None:
-            """408 if a request is half-sent (else nothing), then close. The app, if it was
-            reading the body, sees a disconnect; its late reply is dropped by uvicorn."""
+            """`response` if a request is half-sent (else nothing), then close. The app, if it
+            was reading the body, sees a disconnect; its late reply is dropped by uvicorn."""
             if self._partial():
                 self.transport.write(response)
                 if self._phase == "body":
                     body = len(response) - response.index(b"\r\n\r\n") - 4
-                    self.cycle.scope[CLOSED_WITH] = (408, body)
+                    self.cycle.scope[CLOSED_WITH] = (int(response[9:12]), body)
             self._disarm()
             self.connections.discard(self)
             self.transport.close()

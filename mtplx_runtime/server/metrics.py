@@ -55,9 +55,10 @@ def metrics_text(engine) -> str:
                       [({"tier": t}, c_["hits"]) for t, c_ in tiers.items()])
         pf = s["prefetch"]
         out += _lines("mtplx_ssd_bytes_read_total", "counter",
-                      "expert record bytes read from disk (demand and speculative)",
+                      "expert record bytes read from disk (demand, speculative, warm start)",
                       [({"kind": "demand"}, pf["demand_bytes"]),
-                       ({"kind": "speculative"}, pf["spec_bytes"])])
+                       ({"kind": "speculative"}, pf["spec_bytes"]),
+                       ({"kind": "warm"}, pf["warm_bytes"])])
         needed = pf["spec_used"] + pf["demand_reads"]
         out += _lines("mtplx_prefetch_coverage", "gauge",
                       "speculative reads used / (used speculative + demand reads)",

@@ -1,8 +1,11 @@
 """Request validation for the OpenAI-style endpoints: JSON body -> engine Request fields.
 
 Every problem is an `ApiError` (HTTP 4xx with an OpenAI error body naming the parameter); nothing
-unvalidated reaches the engine. Thinking is on unless the request turns it off with
-`"thinking": false`, `"chat_template_kwargs": {"thinking": false}` or `"reasoning_effort":
+unvalidated reaches the engine, and a field the server cannot honour (`response_format` other
+than text, `logit_bias`) is refused rather than ignored. Defaults are OpenAI's (temperature 1,
+top_p 1, `model` optional); a sampled request without a seed gets a fresh one, which the response
+returns as `seed` so the request can be repeated. Thinking is on unless the request turns it off
+with `"thinking": false`, `"chat_template_kwargs": {"thinking": false}` or `"reasoning_effort":
 "none"`; `reasoning_effort` low|medium|high|max also sets the K3 thinking effort.
 """
 
@@ -12,8 +15,13 @@ import json
 import math
 
 from ..engine.chat import THINKING_EFFORTS
+from ..engine.generate import fresh_seed, is_greedy
 
+# Stop sequences: as many as OpenAI takes, each short enough that holding back a partial match
+# delays little text (the matcher itself is linear in the text whatever their length).
 MAX_STOPS = 4
+MAX_STOP_BYTES = 1024  # UTF-8 bytes of one stop sequence
+RETRY_AFTER_S = 30  # what a 503 from a stopping server asks clients to wait (a restart loads)
 # Deepest JSON nesting a body may have. Real requests (messages, tool schemas) stay far below;
 # a deeper body is refused before anything walks it recursively (render_chat, json.dumps).
 MAX_JSON_DEPTH = 64
@@ -22,10 +30,12 @@ ROLES = ("system", "user", "assistant", "tool")
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type_: str = "invalid_request_error"):
+                 code: str | None = None, type_: str = "invalid_request_error",
+                 headers: tuple[tuple[bytes, bytes], ...] = ()):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = (
             status, message, param, code, type_)
+        self.headers = headers  # extra response headers (Retry-After)
 
 
 def error_body(e: ApiError) -> dict:
@@ -82,42 +92,84 @@ def _too_deep(obj, limit: int) -> bool:
     return False
 
 
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not (isinstance(stop, list) and len(stop) <= MAX_STOPS
+            and all(isinstance(s, str) and s for s in stop)):
+        raise _bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOPS}")
+    for s in stop:
+        if len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES:
+            raise _bad("stop", f"a stop sequence may be at most {MAX_STOP_BYTES} bytes "
+                               "(UTF-8); this one has "
+                               f"{len(s.encode('utf-8', 'surrogatepass'))}")
+    return stop
+
+
+def _max_tokens(body: dict, cfg) -> int | None:
+    # max_completion_tokens is the newer OpenAI name for the same cap.
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    n = _number(body, name, cfg.default_max_tokens, 1, None, integer=True)
+    if n is not None and n > cfg.context:
+        raise ApiError(400, f"{name} is {n}, more than the server's --context of {cfg.context} "
+                            "tokens (prompt + reply): lower it, or start the server with a "
+                            "larger --context", param=name, code="context_length_exceeded")
+    return n
+
+
+def _unsupported(body: dict) -> None:
+    """Refuse fields this server would otherwise ignore: the client must not think they held."""
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise _bad("response_format", 'response_format: only {"type": "text"} is supported '
+                                      "(no JSON mode or schemas)")
+    if body.get("logit_bias"):
+        raise _bad("logit_bias", "logit_bias is not supported")
+
+
 def _common(body, cfg) -> dict:
     """Fields shared by both endpoints; checks `model`, sampling, stop, n, stream."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     model = body.get("model")
-    if not isinstance(model, str):
-        raise _bad("model", "model must be a string")
-    if model != cfg.model_id:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                            f"{cfg.model_id!r}", param="model", code="model_not_found")
+    if model is not None:  # optional: this server has one model
+        if not isinstance(model, str):
+            raise _bad("model", "model must be a string")
+        if model != cfg.model_id:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{cfg.model_id!r}", param="model", code="model_not_found")
     if _number(body, "n", 1, 1, 1, integer=True) != 1:
         raise _bad("n", "n must be 1")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not (isinstance(stop, list) and len(stop) <= MAX_STOPS
-            and all(isinstance(s, str) and s for s in stop)):
-        raise _bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOPS}")
+    _unsupported(body)
+    stop = _stops(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream", "stream must be a boolean")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise _bad("stream_options", "stream_options must be an object")
-    # max_completion_tokens is the newer OpenAI name for the same cap.
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    max_tokens = _number(body, name, cfg.default_max_tokens, 1, cfg.context, integer=True)
+    skip = body.get("skip_special_tokens", True)
+    if not isinstance(skip, bool):
+        raise _bad("skip_special_tokens", "skip_special_tokens must be a boolean")
+    temperature = float(_number(body, "temperature", cfg.temperature, 0, 2))
+    seed = _number(body, "seed", cfg.seed, -(2 ** 63), 2 ** 63 - 1, integer=True)
+    if is_greedy(temperature):
+        seed = None  # greedy draws nothing
+    elif seed is None:
+        seed = fresh_seed()  # chosen here so that the response can return it
     request = {
-        "max_tokens": max_tokens,
-        "temperature": float(_number(body, "temperature", 0.0, 0, 2)),
-        "top_p": float(_number(body, "top_p", 1.0, 0, 1, low_open=True)),
-        "seed": _number(body, "seed", 0, -(2 ** 63), 2 ** 63 - 1, integer=True),
+        "max_tokens": _max_tokens(body, cfg),
+        "temperature": temperature,
+        "top_p": float(_number(body, "top_p", cfg.top_p, 0, 1, low_open=True)),
+        "seed": seed,
+        "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, -2, 2)),
+        "presence_penalty": float(_number(body, "presence_penalty", 0.0, -2, 2)),
         "stop": stop,
+        "skip_special": skip,
     }
     return {"stream": stream, "include_usage": bool(opts.get("include_usage")),
             "request": request}
