@@ -73,6 +73,9 @@ ROWS: tuple[Mode, ...] = (
          label="w{bits}-asym", section="ct-int"),
     # a bf16 weight needs no decode: no packed format for a kernel to work on
     Mode("bf16", "bf16", "bf16.BF16Codec", (16,), 1, ("weight",), section="bf16"),
+    # group 128: the 128 x 128 block of one scale
+    Mode("fp8-block", "fp8-block", "fp8block.FP8BlockCodec", (8,), 128,
+         ("weight", "weight_scale_inv"), section="fp8-block"),
     # the published manifest format's affine mode: accepted by the structure rules only
     Mode("affine", None, None, (2, 4), None, ("weight", "scales", "biases")),
     Mode("q2k", "q2k", "q2k.Q2KCodec", section="q2k"),
