@@ -75,7 +75,7 @@ ROWS: tuple[Mode, ...] = (
     Mode("bf16", "bf16", "bf16.BF16Codec", (16,), 1, ("weight",), section="bf16"),
     # group 128: the 128 x 128 block of one scale
     Mode("fp8-block", "fp8-block", "fp8block.FP8BlockCodec", (8,), 128,
-         ("weight", "weight_scale_inv"), section="fp8-block"),
+         ("weight", "weight_scale_inv"), cpu="fp8-block", section="fp8-block"),
     # the published manifest format's affine mode: accepted by the structure rules only
     Mode("affine", None, None, (2, 4), None, ("weight", "scales", "biases")),
     Mode("q2k", "q2k", "q2k.Q2KCodec", section="q2k"),

@@ -1,7 +1,7 @@
 """The native CPU expert kernels (`native/cpu/*.c`, built by `cpu_build` into one library,
 `mtplx_cpu`) through ctypes.
 
-    m = ctint(packed, scale, zero, bits=3)      # or t158(...), mxfp4(...), record_matrices(...)
+    m = ctint(packed, scale, zero, bits=3)      # or t158, mxfp4, fp8_block, record_matrices
     Y = gemm(m, X)                              # Y[n, rows] = X[n, cols] · Wᵀ
     out = expert(gate, up, down, X, beta, beta_lin, round_model=False)   # [n, R]
     layer(layout, records, offsets, index, weight, X, acc, beta, beta_lin)  # acc[T, R] +=
@@ -36,7 +36,11 @@ CODECS = cpu_codecs()  # the codec table's cpu column; index = the C codec enum 
 LAYOUTS = ("dense", "legacy")
 BLOCK = 64  # the C driver decodes 64 columns at a time: cols must be a multiple
 _ERRORS = {-1: "bad shape or parameter", -2: "out of memory",
-           -3: "weight_scale holds E8M0 0xFF (NaN), which the mxfp4 decoder rejects"}
+           -3: "an invalid scale (mxfp4: weight_scale holds E8M0 0xFF (NaN); fp8-block: a "
+               "weight_scale_inv is not finite or overflows bf16 at 448x), which the codec's "
+               "decoder rejects",
+           -4: "an fp8-block weight holds the e4m3 NaN code 0x7F or 0xFF, which the decoder "
+               "rejects (the outputs of the call are void)"}
 _lock = threading.Lock()
 _lib: list[ctypes.CDLL] = []  # the loaded library, once
 _error: list[str] = []  # why it did not load, once
@@ -203,11 +207,24 @@ def ctint(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray | None = None,
     return Matrix("ct-int", rows, cols, packed, scale, zero, bits, layout)
 
 
+def fp8_block(weight: np.ndarray, scale_inv: np.ndarray) -> Matrix:
+    """fp8-block: weight uint8 (e4m3 bytes) [rows, cols], weight_scale_inv float32
+    [ceil(rows/128), ceil(cols/128)]; cols a multiple of 64."""
+    rows, cols = _array(weight, np.uint8, "fp8-block weight").shape
+    _cols(cols, 1, "fp8-block")
+    if _array(scale_inv, np.float32, "fp8-block weight_scale_inv").shape != (
+            -(-rows // 128), -(-cols // 128)):
+        raise ValueError(f"fp8-block: weight_scale_inv {scale_inv.shape} does not hold one scale "
+                         f"per 128 x 128 block of weight {weight.shape}")
+    return Matrix("fp8-block", rows, cols, weight, scale_inv)
+
+
 # A native codec's Matrix from one projection's components in record order (the codec table's
 # `parts`) and the record's bits.
 _FROM_PARTS = {"t158": lambda parts, bits: t158(*parts),
                "mxfp4": lambda parts, bits: mxfp4(*parts),
-               "ct-int": lambda parts, bits: ctint(*parts, bits=bits)}
+               "ct-int": lambda parts, bits: ctint(*parts, bits=bits),
+               "fp8-block": lambda parts, bits: fp8_block(*parts)}
 
 
 def record_matrices(layout, buf) -> dict[str, Matrix]:
@@ -245,7 +262,7 @@ def _tokens(X, cols: int, what: str) -> np.ndarray:
 
 def _raise(rc: int, fn: str) -> None:
     if rc:
-        raise (ValueError if rc in (-1, -3) else RuntimeError)(
+        raise (ValueError if rc in (-1, -3, -4) else RuntimeError)(
             f"{fn} failed: {_ERRORS.get(rc, f'code {rc}')}")
 
 

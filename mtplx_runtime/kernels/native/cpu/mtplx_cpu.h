@@ -20,7 +20,7 @@
  *       h[i] = SiTU-GLU(g[i], u[i]) for i < n, the experts' activation as the expert calls
  *       compute it (glu.h).
  *   const char *mtplx_cpu_codec_name(int codec)
- *       The codec's name ("t158", "mxfp4", "ct-int"), NULL past the table. The Python side
+ *       The codec's name ("t158", "mxfp4", "ct-int", "fp8-block"), NULL past the table. The Python side
  *       (the codec table's cpu column, formats/modes.py) checks these names at load.
  *   int mtplx_cpu_best_isa(void), mtplx_cpu_get_isa(void), mtplx_cpu_set_isa(int want)
  *       0 scalar, 1 avx2, 2 avx512, 3 avx512bf16 (2 plus BW and BF16; the best the CPU
@@ -29,7 +29,10 @@
  *       XXH3-64 of n bytes, seed 0 and the default secret (the published xxHash algorithm;
  *       checksum.c, on the ISA switch's path): the fast per-record check of read-time
  *       integrity (offload/digests.py).
- * Return codes: 0 ok, -1 bad shape, parameter or codec, -2 out of memory, -3 invalid scale byte.
+ * Return codes: 0 ok, -1 bad shape, parameter or codec, -2 out of memory, -3 invalid scale (mxfp4
+ * E8M0 0xFF; fp8-block: not finite, or 448 |s| not finite in bf16), -4 invalid weight code
+ * (fp8-block: the e4m3 NaN 0x7F or 0xFF; met while decoding, so Y, out or acc then hold NaN
+ * where it reached and must be discarded). -1 and -3 are found before any output is written.
  * bits and layout are read by ct-int only (bits 3 or 4; layout 0 dense, 1 legacy 3-bit).
  *
  * Numerics: every dot product accumulates in fp32. The weights a kernel multiplies are the
@@ -50,7 +53,13 @@
 #include <stdint.h>
 
 /* In the order of the codec table's cpu column (formats/modes.py cpu_codecs). */
-enum mtplx_codec { MTPLX_CODEC_T158, MTPLX_CODEC_MXFP4, MTPLX_CODEC_CTINT, MTPLX_CODECS };
+enum mtplx_codec {
+    MTPLX_CODEC_T158,
+    MTPLX_CODEC_MXFP4,
+    MTPLX_CODEC_CTINT,
+    MTPLX_CODEC_FP8,
+    MTPLX_CODECS
+};
 
 MTPLX_API int mtplx_cpu_gemm(int codec, const void *packed, const void *scale, const void *zero,
                              int rows, int cols, int bits, int layout, const float *X, int n,
