@@ -45,9 +45,10 @@ ISAS = [name for name in cpu_native.ISAS
         if ok and cpu_native.ISAS.index(name) <= cpu_native.ISAS.index(cpu_native.best_isa())]
 R, I, E, K, T = 128, 192, 8, 4, 5
 SHAPES = {"gate": (I, R), "up": (I, R), "down": (R, I)}
-# every bank mode with a native CPU codec (the codec table's cpu column), at each of its bits
-BANK_MODES = [(m.name, b if len(m.bits) > 1 else None) for m in MODES.values() if m.cpu
-              for b in m.bits]
+# every bank mode with a native CPU codec (the codec table's cpu column), at each of its bits and
+# group sizes (None: the default)
+BANK_MODES = [(m.name, b if len(m.bits) > 1 else None, g) for m in MODES.values() if m.cpu
+              for b in m.bits for g in (None, *m.groups[1:])]
 
 
 def _bf16_bits(rng, shape, lo=0.005, hi=0.05):
@@ -67,15 +68,16 @@ def _mxfp4(rng, rows, cols):
     return cpu_native.mxfp4(packed, scale), decode_mxfp4(packed, scale)
 
 
-def _ctint(bits, layout, symmetric):
+def _ctint(bits, layout, symmetric, group=64):
     def make(rng, rows, cols):
-        codec = CtIntCodec(num_bits=bits, layout=layout, symmetric=symmetric)
+        codec = CtIntCodec(num_bits=bits, layout=layout, symmetric=symmetric, group_size=group)
         lo, hi = -(1 << bits - 1), (1 << bits - 1) - 1
         q = rng.integers(lo, hi + 1, (rows, cols))
-        zp = None if symmetric else rng.integers(lo, hi + 1, (rows, cols // 64))
-        parts = codec.encode_codes(q, _bf16_bits(rng, (rows, cols // 64), 0.01, 3.0), zp)
+        zp = None if symmetric else rng.integers(lo, hi + 1, (rows, cols // group))
+        parts = codec.encode_codes(q, _bf16_bits(rng, (rows, cols // group), 0.01, 3.0), zp)
         m = cpu_native.ctint(parts["weight_packed"], parts["weight_scale"],
-                             parts.get("weight_zero_point"), bits=bits, layout=layout)
+                             parts.get("weight_zero_point"), bits=bits, layout=layout,
+                             group_size=group)
         return m, codec.decode(parts, (rows, cols))
     return make
 
@@ -92,7 +94,12 @@ CODECS = {"t158": _t158, "mxfp4": _mxfp4, "fp8-block": _fp8_block,
           "ct-int3": _ctint(3, "dense", True), "ct-int4": _ctint(4, "dense", True),
           "ct-int-asym3": _ctint(3, "dense", False), "ct-int-asym4": _ctint(4, "dense", False),
           "ct-int3-legacy": _ctint(3, "legacy", True),
-          "ct-int-asym3-legacy": _ctint(3, "legacy", False)}
+          "ct-int-asym3-legacy": _ctint(3, "legacy", False),
+          # group 32 (Kimi K2 Thinking's INT4): two scales (and zero points) per decode block
+          "ct-int4-g32": _ctint(4, "dense", True, 32), "ct-int3-g32": _ctint(3, "dense", True, 32),
+          "ct-int-asym4-g32": _ctint(4, "dense", False, 32),
+          "ct-int-asym3-g32": _ctint(3, "dense", False, 32),
+          "ct-int-asym3-legacy-g32": _ctint(3, "legacy", False, 32)}
 
 
 @pytest.fixture(params=ISAS)
@@ -246,9 +253,9 @@ def test_expert_matches_float64(codec, isa):
 
 
 @functools.cache
-def make_bank(mode, bits, seed=0):
+def make_bank(mode, bits, seed=0, group=None):
     """expert_banks.make_bank at this file's shapes, cached and read-only."""
-    layout, store = expert_banks.make_bank(mode, bits, R, I, E, seed)
+    layout, store = expert_banks.make_bank(mode, bits, R, I, E, seed, group=group)
     store.flags.writeable = False
     return layout, store
 
@@ -280,9 +287,9 @@ def _assert_near_reference(got, want, dtype, *, ulp_rule=True):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mode,bits", BANK_MODES)
-def test_cpu_expert_mlp_matches_reference(mode, bits, dtype):
-    layout, store = make_bank(mode, bits)
+@pytest.mark.parametrize("mode,bits,group", BANK_MODES)
+def test_cpu_expert_mlp_matches_reference(mode, bits, group, dtype):
+    layout, store = make_bank(mode, bits, group=group)
     ids, w, slots = _routing()
     x = torch.randn(T, R, generator=torch.Generator().manual_seed(5)).to(dtype)
     want = reference.expert_mlp(x, ids, w, slots, store, layout, SHAPES)
@@ -308,11 +315,11 @@ def _per_expert(x, ids, w, slots, store, layout, out):
 
 @pytest.mark.parametrize("t", [1, T])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mode,bits", BANK_MODES)
-def test_layer_call_equals_per_expert_calls(mode, bits, dtype, t, isa):
+@pytest.mark.parametrize("mode,bits,group", BANK_MODES)
+def test_layer_call_equals_per_expert_calls(mode, bits, group, dtype, t, isa):
     """One native layer call == the per-expert calls and NumPy combine, bit for bit (-1 picks
     included; acc added into)."""
-    layout, store = make_bank(mode, bits, seed=3)
+    layout, store = make_bank(mode, bits, seed=3, group=group)
     ids, w, slots = _routing(4)
     ids, w = torch.where(ids % 3 == 1, -1, ids)[:t], w[:t]
     x = torch.randn(t, R, generator=torch.Generator().manual_seed(8)).to(dtype)

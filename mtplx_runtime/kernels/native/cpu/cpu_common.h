@@ -27,6 +27,7 @@ typedef struct {
     size_t row_bytes, scale_row_bytes;    /* filled in by the codec's prepare hook */
     int codec;                            /* enum mtplx_codec */
     int *flag; /* set (atomically) by a decoder that meets an invalid code: fp8-block NaN */
+    int group; /* ct-int: columns per scale, 64 or 32 (the others' groups are fixed) */
 } mat_t;
 
 /* Y[t*ldy + r] = row r of m · X[t*ldx ...] for t < n, r in [r0, r1). `scratch` holds

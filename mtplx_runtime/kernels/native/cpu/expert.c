@@ -98,9 +98,10 @@ static int prepare(mat_t *m) {
 }
 
 int mtplx_cpu_gemm(int codec, const void *packed, const void *scale, const void *zero, int rows,
-                   int cols, int bits, int layout, const float *X, int n, float *Y, int threads) {
+                   int cols, int bits, int group, int layout, const float *X, int n, float *Y,
+                   int threads) {
     int bad = 0; /* raised by a decoder that meets an invalid code (mtplx_cpu.h: -4) */
-    mat_t m = {packed, scale, zero, rows, cols, bits, layout, 0, 0, codec, &bad};
+    mat_t m = {packed, scale, zero, rows, cols, bits, layout, 0, 0, codec, &bad, group};
     int rc = prepare(&m);
     if (rc) return rc;
     if (n <= 0) return -1;
@@ -346,23 +347,23 @@ static int pipe_run(pipe_job *p, int threads) {
 }
 
 /* gate, up, down of one expert from mats[9], checked; their decoders raise *bad. */
-static int prepare_expert(int codec, const void *const *mats, int R, int I, int bits, int layout,
-                          int *bad, mat_t m[3]) {
-    m[0] = (mat_t){mats[0], mats[1], mats[2], I, R, bits, layout, 0, 0, codec, bad};
-    m[1] = (mat_t){mats[3], mats[4], mats[5], I, R, bits, layout, 0, 0, codec, bad};
-    m[2] = (mat_t){mats[6], mats[7], mats[8], R, I, bits, layout, 0, 0, codec, bad};
+static int prepare_expert(int codec, const void *const *mats, int R, int I, int bits, int group,
+                          int layout, int *bad, mat_t m[3]) {
+    m[0] = (mat_t){mats[0], mats[1], mats[2], I, R, bits, layout, 0, 0, codec, bad, group};
+    m[1] = (mat_t){mats[3], mats[4], mats[5], I, R, bits, layout, 0, 0, codec, bad, group};
+    m[2] = (mat_t){mats[6], mats[7], mats[8], R, I, bits, layout, 0, 0, codec, bad, group};
     int rc;
     if ((rc = prepare(&m[0])) || (rc = prepare(&m[1])) || (rc = prepare(&m[2]))) return rc;
     return 0;
 }
 
-int mtplx_cpu_expert(int codec, const void *const *mats, int R, int I, int bits, int layout,
-                     const float *X, int n, float *out, float beta, float beta_lin,
+int mtplx_cpu_expert(int codec, const void *const *mats, int R, int I, int bits, int group,
+                     int layout, const float *X, int n, float *out, float beta, float beta_lin,
                      int round_model, int threads) {
     pipe_expert x = {.n = n};
     atomic_init(&x.gathered, 0), atomic_init(&x.gu_done, 0), atomic_init(&x.d_done, 0);
     int bad = 0;
-    int rc = prepare_expert(codec, mats, R, I, bits, layout, &bad, x.m);
+    int rc = prepare_expert(codec, mats, R, I, bits, group, layout, &bad, x.m);
     if (rc) return rc;
     if (n <= 0) return -1;
     pipe_job p = {.ex = &x, .E = 1, .R = R, .I = I, .round_model = round_model, .X = X,
@@ -375,8 +376,8 @@ int mtplx_cpu_expert(int codec, const void *const *mats, int R, int I, int bits,
  * "CPU kernel notes"). Every matrix is checked before acc is touched. */
 int mtplx_cpu_layer(int codec, const void *const *mats, int n_experts, const int *tok_offsets,
                     const int *tok_index, const float *tok_weight, int R, int I, int bits,
-                    int layout, const float *X, int T, float *acc, float beta, float beta_lin,
-                    int round_model, int threads) {
+                    int group, int layout, const float *X, int T, float *acc, float beta,
+                    float beta_lin, int round_model, int threads) {
     if (codec < 0 || codec >= MTPLX_CODECS || n_experts < 0 || n_experts >= 1 << 18 || T <= 0 ||
         tok_offsets[0] != 0)
         return -1;
@@ -392,7 +393,7 @@ int mtplx_cpu_layer(int codec, const void *const *mats, int n_experts, const int
     for (int e = 0; e < n_experts && !rc; e++) {
         pipe_expert *x = ex + E;
         int off = tok_offsets[e], n = tok_offsets[e + 1] - off;
-        rc = prepare_expert(codec, mats + (size_t)9 * e, R, I, bits, layout, &bad, x->m);
+        rc = prepare_expert(codec, mats + (size_t)9 * e, R, I, bits, group, layout, &bad, x->m);
         if (rc || !n) continue;
         x->tok = tok_index + off, x->wt = tok_weight + off, x->n = n;
         atomic_init(&x->gathered, 0), atomic_init(&x->gu_done, 0), atomic_init(&x->d_done, 0);

@@ -184,8 +184,10 @@ __attribute__((target(AVX512_TARGET))) static void band_tables(const mat_t *m, i
 /* The bf16 words of 32 codes (words) through the four table registers t. */
 __attribute__((target(AVX512_TARGET))) static inline __m512i lookup32(__m512i c,
                                                                       const __m512i t[4]) {
-    __m512i lo = _mm512_permutex2var_epi16(t[0], c, t[1]), hi = _mm512_permutex2var_epi16(t[2], c, t[3]);
-    __m512i w = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40)), lo, hi);
+    __m512i lo = _mm512_permutex2var_epi16(t[0], c, t[1]);
+    __m512i hi = _mm512_permutex2var_epi16(t[2], c, t[3]);
+    __m512i w = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40)), lo,
+                                        hi);
     /* w ^ ((c << 8) & 0x8000): the code's sign onto the word */
     return _mm512_ternarylogic_epi32(w, _mm512_slli_epi16(c, 8), _mm512_set1_epi16((short)0x8000),
                                      0x78);
