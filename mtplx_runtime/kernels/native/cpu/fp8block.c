@@ -300,20 +300,9 @@ __attribute__((target(AVX512_TARGET))) static void rows_split_avx512(const mat_t
             case 2: fp8_few(m, tab, xs, ldx, 2, y, ldy, r, rb, next); break;
             case 3: fp8_few(m, tab, xs, ldx, 3, y, ldy, r, rb, next); break;
             case 4: fp8_few(m, tab, xs, ldx, 4, y, ldy, r, rb, next); break;
-            default: {
+            default:
                 fp8_decode_rows(m, tab, r, rb, w, ldw);
-                int t = 0;
-                for (; t + 4 <= nt; t += 4)
-                    tile_avx512(w, ldw, xs + (size_t)t * ldx, ldx, 4, m->cols,
-                                y + (size_t)t * ldy + r, ldy, rb);
-                const float *x = xs + (size_t)t * ldx;
-                float *yt = y + (size_t)t * ldy + r;
-                switch (nt - t) { /* the remainder as one constant-width tile */
-                case 3: tile_avx512(w, ldw, x, ldx, 3, m->cols, yt, ldy, rb); break;
-                case 2: tile_avx512(w, ldw, x, ldx, 2, m->cols, yt, ldy, rb); break;
-                case 1: tile_avx512(w, ldw, x, ldx, 1, m->cols, yt, ldy, rb); break;
-                }
-            }
+                tiles_avx512(w, ldw, xs, ldx, nt, m->cols, y, ldy, r, rb);
             }
             for (int i = 0; i < rb; i++)
                 for (int t = 0; t < nt; t++)
