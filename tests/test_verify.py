@@ -104,7 +104,8 @@ def test_clean_artifact_passes(tmp_path, capsys, mode, bits, group):
         rows, cols = tiny_config().expert_shapes["gate"]
         rec = bank.read(m.records[0].layer, 0).projections["gate"]
         assert rec.parts["weight_scale"].shape == (rows, cols // group)
-        assert rec.decode().shape == (rows, cols)
+        with np.errstate(over="ignore"):  # random scale bits: some products overflow
+            assert rec.decode().shape == (rows, cols)
 
 
 @pytest.mark.parametrize("where", ["first", "last", "middle", "pad"])
