@@ -52,9 +52,11 @@ SOURCES = {
     "w3-legacy-asym": dict(codec="w3", w3_layout="legacy", w3_symmetric=False),
     "w3-dense-sym": dict(codec="w3", w3_layout="dense", w3_symmetric=True),
     "w3-dense-asym": dict(codec="w3", w3_layout="dense", w3_symmetric=False),
+    "w3-legacy-asym-g32": dict(codec="w3", w3_layout="legacy", w3_symmetric=False, w3_group=32),
 }
 MODES = {"t158": "t158", "mxfp4": "mxfp4", "bf16": "bf16", "w3-legacy-sym": "ct-int",
-         "w3-legacy-asym": "ct-int-asym", "w3-dense-sym": "ct-int", "w3-dense-asym": "ct-int-asym"}
+         "w3-legacy-asym": "ct-int-asym", "w3-dense-sym": "ct-int", "w3-dense-asym": "ct-int-asym",
+         "w3-legacy-asym-g32": "ct-int-asym"}
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +86,11 @@ def decode_bank(root: Path, cfg, m, layer: int, expert: int) -> dict[str, np.nda
     (rec,) = [r for r in m.records if (r.layer, r.expert) == (layer, expert)]
     whole, _ = read_record(root, rec)
     q = m.quantization
-    layout = record_layout(cfg, q["mode"], q["bits"] if q["mode"].startswith("ct-int") else None)
+    ct = q["mode"].startswith("ct-int")
+    layout = record_layout(cfg, q["mode"], q["bits"] if ct else None,
+                           q["group_size"] if ct else None)
     parts = record_parts(layout, whole)
-    codec = mode_codec(layout.mode, layout.bits)
+    codec = mode_codec(layout.mode, layout.bits, layout.group_size)
     return {p: codec.decode(parts[p], cfg.expert_shapes[p]) for p in parts}
 
 
@@ -97,6 +101,8 @@ def test_keep_round_trips_every_codec(sources, tmp_path, name):
     assert report.mode == MODES[name] and report.written == report.records == 5 * 8
     m = load_manifest(out / "expert-manifest.json")
     assert m.quantization["mode"] == MODES[name]
+    if "w3" in name:  # ct-int banks keep the source's group size
+        assert m.quantization["group_size"] == SOURCES[name].get("w3_group", 64)
     with open_source(sources[name]) as ckpt:
         cfg = ckpt.config
         for layer, expert in [(1, 0), (3, 5), (5, 7)]:

@@ -98,7 +98,7 @@ class ExpertSource:
     def __init__(self, ckpt, codec: str):
         self.ckpt = ckpt
         layout = ckpt.layout
-        self.bits = None
+        self.bits = self.group_size = None  # None: the mode's default
         if codec == "t158" or layout not in (*KEEP_MODES, "w3"):
             # Q2_K (GGUF) always converts to t158; t158 -> t158 copies the records.
             self.mode = "t158"
@@ -106,11 +106,13 @@ class ExpertSource:
         elif layout == "w3":
             c = ckpt.codec
             self.mode, self.bits = ("ct-int" if c.symmetric else "ct-int-asym"), c.num_bits
+            self.group_size = c.group_size
             self.conversion = "repack-dense" if c.num_bits == 3 and c.layout != "dense" else "copy"
         else:
             self.mode, self.conversion = KEEP_MODES[layout], "copy"
         try:
-            self.layout: RecordLayout = record_layout(ckpt.config, self.mode, self.bits)
+            self.layout: RecordLayout = record_layout(ckpt.config, self.mode, self.bits,
+                                                      self.group_size)
         except FormatError as e:
             raise BuildError(f"{ckpt.path}: the source's experts cannot be stored as "
                              f"{self.mode}: {e}") from None
@@ -189,7 +191,8 @@ def journal_header(src: ExpertSource, layer: int, name: str, n_routed: int, file
                    "files": files},
         "conversion": src.conversion,
         "layout": {
-            "mode": src.mode, "quantization": quantization_for(src.mode, src.bits),
+            "mode": src.mode,
+            "quantization": quantization_for(src.mode, src.bits, src.group_size),
             "expert_count": cfg.num_experts, "layer_count": n_routed,
             "projection_shapes": {f"{p}_proj": list(cfg.expert_shapes[p]) for p in PROJECTIONS},
             "record_bytes": lay.logical_bytes, "layer_bytes": lay.logical_bytes * cfg.num_experts,

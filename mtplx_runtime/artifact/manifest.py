@@ -583,9 +583,9 @@ def validate_structure(m: Manifest) -> None:
     if mode is None:
         raise ManifestError(f"quantization.mode {q['mode']!r} is not supported; have "
                             f"{sorted(MODES)}")
-    if q["bits"] not in mode.bits or mode.group_size not in (None, q["group_size"]):
+    if not mode.allows(q["bits"], q["group_size"]):
         raise ManifestError(f"quantization {q} is invalid for mode {q['mode']!r}: bits "
-                            f"{mode.bits}, group_size {mode.group_size}")
+                            f"{mode.bits}, group_size {mode.groups or 'any'}")
     shards = {}
     for s in m.shards:
         if s.name in shards:

@@ -55,9 +55,10 @@ class BankExpertLayout(ExpertLayout):
         self.verify_sha256 = verify_sha256
         where = root / MANIFEST_NAME
         mode, bits = manifest.quantization["mode"], manifest.quantization["bits"]
+        group = manifest.quantization["group_size"]
         try:
-            self.codec = mode_codec(mode, bits)
-            self._components = record_components(mode, cfg.expert_shapes, bits)
+            self.codec = mode_codec(mode, bits, group)
+            self._components = record_components(mode, cfg.expert_shapes, bits, group)
         except (ManifestError, FormatError) as e:
             raise CheckpointError(f"{where}: codec mode {mode!r} (bits {bits}) cannot hold the "
                                   f"config's experts: {e}") from None
@@ -70,7 +71,7 @@ class BankExpertLayout(ExpertLayout):
         # The layout the bank's records declare (all alike, rule 17): padded or not.
         first = manifest.records[0].segments if manifest.records else []
         self._layout: RecordLayout = layout_of(
-            mode, bits, [(g.component, g.dtype, g.shape, g.length) for g in first])
+            mode, bits, [(g.component, g.dtype, g.shape, g.length) for g in first], group)
         self._records: dict[tuple[int, int], Record] = {}
         self._check_records(where)
         self.layers = sorted({r.layer for r in manifest.records})
@@ -105,7 +106,7 @@ class BankExpertLayout(ExpertLayout):
                 desc = K3_T158_DESCRIPTOR
             else:
                 desc = descriptor_for(cfg, m.quantization["mode"], m.quantization["bits"],
-                                      layers=layers)
+                                      layers=layers, group_size=m.quantization["group_size"])
             validate_descriptor(m, desc)
         except ManifestError as e:
             raise CheckpointError(f"{where}: does not match config.json: {e}") from None

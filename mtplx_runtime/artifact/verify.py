@@ -76,7 +76,8 @@ def _descriptor(m: Manifest, root: Path, rep: VerifyReport) -> Descriptor | None
         cfg = ModelConfig.from_file(root / "config.json", root=root)
         # An artifact built with --layers holds a subset of the routed layers, each complete.
         return descriptor_for(cfg, m.quantization["mode"], m.quantization["bits"],
-                              model_key=m.model_key, layers={r.layer for r in m.records})
+                              model_key=m.model_key, layers={r.layer for r in m.records},
+                              group_size=m.quantization["group_size"])
     except (CheckpointError, OSError) as e:
         rep.problems.append(f"config.json: cannot derive the record layout: {e}")
         return None

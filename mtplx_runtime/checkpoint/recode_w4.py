@@ -25,7 +25,6 @@ import numpy as np
 from ..files import atomic_write
 from ..formats.base import FormatError
 from ..formats.ctint import (
-    GROUP_SIZE,
     detect_layout,
     packed_width,
     parse_quantization_config,
@@ -106,9 +105,10 @@ def _open_shards(src: Path) -> tuple[dict | None, dict[str, SafetensorsFile], di
     return index, files, where
 
 
-def _plan(files: dict[str, SafetensorsFile], where: dict[str, str], symmetric: bool,
+def _plan(files: dict[str, SafetensorsFile], where: dict[str, str], symmetric: bool, group: int,
           version: str | None, override: str | None) -> tuple[dict[str, tuple[int, int]], str]:
-    """Check every quantised projection; return ({prefix: (rows, cols)}, the one 3-bit layout)."""
+    """Check every quantised projection (one scale per `group` columns); return
+    ({prefix: (rows, cols)}, the one 3-bit layout)."""
 
     def info(name: str) -> TensorInfo | None:
         return files[where[name]].info(name) if name in where else None
@@ -138,13 +138,13 @@ def _plan(files: dict[str, SafetensorsFile], where: dict[str, str], symmetric: b
         first.setdefault(layout, name)
         if len(first) > 1:
             raise fail(name, f"mixed 3-bit layouts in one checkpoint: {first}")
-        if cols % GROUP_SIZE or scale is None or scale.shape != (rows, cols // GROUP_SIZE):
+        if cols % group or scale is None or scale.shape != (rows, cols // group):
             got = "missing" if scale is None else list(scale.shape)
-            raise fail(name, f"weight_scale is {got}, expected [{rows}, {cols / GROUP_SIZE:g}]")
+            raise fail(name, f"weight_scale is {got}, expected [{rows}, {cols / group:g}]")
         if symmetric and zp is not None:
             raise fail(name, "symmetric config but a weight_zero_point exists")
         if not symmetric:
-            want = (packed_width(rows, 3, layout), cols // GROUP_SIZE)
+            want = (packed_width(rows, 3, layout), cols // group)
             if zp is None or zp.dtype != "I32" or zp.shape != want:
                 got = "missing" if zp is None else f"{zp.dtype}{list(zp.shape)}"
                 raise fail(name, f"weight_zero_point is {got}, expected I32{list(want)}")
@@ -208,7 +208,8 @@ def recode_checkpoint(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
         )
     index, files, where = _open_shards(src)
     try:
-        plans, src_layout = _plan(files, where, scheme.symmetric, scheme.version, layout)
+        plans, src_layout = _plan(files, where, scheme.symmetric, scheme.group_size,
+                                  scheme.version, layout)
         dst.mkdir(parents=True, exist_ok=True)
         report = RecodeReport(src_layout)
         for i, (shard, f) in enumerate(files.items(), 1):
