@@ -7,12 +7,13 @@ import numpy as np
 from mtplx_runtime.formats.record import PROJECTIONS, record_bytes, record_layout
 
 
-def make_bank(mode, bits, R, I, E, seed=0, scale=0.3):  # noqa: E741 (the legend's name)
+def make_bank(mode, bits, R, I, E, seed=0, scale=0.3, group=None):  # noqa: E741 (the legend's)
     """(layout, store uint8 [E, record bytes] with expert e in slot E-1-e): records of `mode` /
-    `bits` for experts of latent R and width I, weights N(0, scale²) encoded by the mode's codec.
-    The reversed slot order makes a test that confuses expert ids with slots fail."""
+    `bits` / `group` (None: the mode's default) for experts of latent R and width I, weights
+    N(0, scale²) encoded by the mode's codec. The reversed slot order makes a test that confuses
+    expert ids with slots fail."""
     shapes = {"gate": (I, R), "up": (I, R), "down": (R, I)}
-    layout = record_layout(SimpleNamespace(expert_shapes=shapes), mode, bits)
+    layout = record_layout(SimpleNamespace(expert_shapes=shapes), mode, bits, group)
     rng = np.random.default_rng(seed)
     store = np.zeros((E, layout.logical_bytes), dtype=np.uint8)
     for e in range(E):

@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,9 +52,11 @@ SOURCES = {
     "w3-legacy-asym": dict(codec="w3", w3_layout="legacy", w3_symmetric=False),
     "w3-dense-sym": dict(codec="w3", w3_layout="dense", w3_symmetric=True),
     "w3-dense-asym": dict(codec="w3", w3_layout="dense", w3_symmetric=False),
+    "w3-legacy-asym-g32": dict(codec="w3", w3_layout="legacy", w3_symmetric=False, w3_group=32),
 }
 MODES = {"t158": "t158", "mxfp4": "mxfp4", "bf16": "bf16", "w3-legacy-sym": "ct-int",
-         "w3-legacy-asym": "ct-int-asym", "w3-dense-sym": "ct-int", "w3-dense-asym": "ct-int-asym"}
+         "w3-legacy-asym": "ct-int-asym", "w3-dense-sym": "ct-int", "w3-dense-asym": "ct-int-asym",
+         "w3-legacy-asym-g32": "ct-int-asym"}
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +86,11 @@ def decode_bank(root: Path, cfg, m, layer: int, expert: int) -> dict[str, np.nda
     (rec,) = [r for r in m.records if (r.layer, r.expert) == (layer, expert)]
     whole, _ = read_record(root, rec)
     q = m.quantization
-    layout = record_layout(cfg, q["mode"], q["bits"] if q["mode"].startswith("ct-int") else None)
+    ct = q["mode"].startswith("ct-int")
+    layout = record_layout(cfg, q["mode"], q["bits"] if ct else None,
+                           q["group_size"] if ct else None)
     parts = record_parts(layout, whole)
-    codec = mode_codec(layout.mode, layout.bits)
+    codec = mode_codec(layout.mode, layout.bits, layout.group_size)
     return {p: codec.decode(parts[p], cfg.expert_shapes[p]) for p in parts}
 
 
@@ -96,6 +101,8 @@ def test_keep_round_trips_every_codec(sources, tmp_path, name):
     assert report.mode == MODES[name] and report.written == report.records == 5 * 8
     m = load_manifest(out / "expert-manifest.json")
     assert m.quantization["mode"] == MODES[name]
+    if "w3" in name:  # ct-int banks keep the source's group size
+        assert m.quantization["group_size"] == SOURCES[name].get("w3_group", 64)
     with open_source(sources[name]) as ckpt:
         cfg = ckpt.config
         for layer, expert in [(1, 0), (3, 5), (5, 7)]:
@@ -251,7 +258,8 @@ STAGES = {  # a file of each build stage: (glob the fault hits, the file the mes
     "metadata": ("config.json.partial", "config.json.partial"),
     "index": ("model.safetensors.index.json.partial", "model.safetensors.index.json.partial"),
     "receipt": ("build-receipt.json.partial", "build-receipt.json.partial"),
-    "manifest": ("expert-manifest.json.partial", "expert-manifest.json.partial"),
+    # written by files.atomic_write: a temporary name of its own, the message names the file
+    "manifest": (".expert-manifest.json.*.partial", "expert-manifest.json"),
 }
 WHY = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
        errno.EIO: "I/O error"}
@@ -531,16 +539,23 @@ def test_finished_layers_extend_to_all(sources, tmp_path):
 
 def test_hf_snapshot_source_keeps_its_metadata_files(sources, tmp_path):
     """An HF cache snapshot holds only symlinks into ../../blobs; config and tokenizer files
-    must still be copied (verify derives the record layout from config.json)."""
-    snap = tmp_path / "m" / "snapshots" / "rev"
+    must still be copied (verify derives the record layout from config.json), while a link
+    leaving the snapshot and its blobs is refused."""
+    snap, blobs = tmp_path / "m" / "snapshots" / "rev", tmp_path / "m" / "blobs"
     snap.mkdir(parents=True)
+    blobs.mkdir()
     for p in sources["bf16"].iterdir():
-        os.symlink(p, snap / p.name)
+        shutil.copyfile(p, blobs / f"blob-{p.name}")
+        os.symlink(f"../../blobs/blob-{p.name}", snap / p.name)
     out = tmp_path / "art"
     build_artifact(snap, out, progress=False)
     for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (sources["bf16"] / name).read_bytes()
     assert verify_artifact(out).problems == []
+    (snap / "tokenizer_config.json").unlink()
+    os.symlink(sources["bf16"] / "tokenizer_config.json", snap / "tokenizer_config.json")
+    with pytest.raises(BuildError, match="tokenizer_config.json: resolves to .*outside"):
+        build_artifact(snap, tmp_path / "art2", progress=False)
 
 
 HOLD_BUILD = """

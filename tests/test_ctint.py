@@ -35,6 +35,7 @@ from mtplx_runtime.formats.ctint import (
     unpack_zero_points,
     weight_shape_tensor,
 )
+from mtplx_runtime.formats.record import padded_layout, record_components
 
 GOLDEN = Path(__file__).parent / "golden" / "ct0171_w3_legacy.safetensors"
 
@@ -67,13 +68,14 @@ def bf16_tensor(bits: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
 
 
-def ct_scheme(num_bits: int, symmetric: bool) -> QuantizationScheme:
+def ct_scheme(num_bits: int, symmetric: bool, group_size: int = 64) -> QuantizationScheme:
     args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy="group",
-                            group_size=64)
+                            group_size=group_size)
     return QuantizationScheme(targets=["Linear"], weights=args)
 
 
-def ct_decompress(parts: dict, shape, num_bits: int, symmetric: bool, g_idx=None) -> np.ndarray:
+def ct_decompress(parts: dict, shape, num_bits: int, symmetric: bool, g_idx=None,
+                  group_size: int = 64) -> np.ndarray:
     """compressed-tensors' own decompress of our components -> BF16 bits."""
     sd = {
         "weight_packed": torch.from_numpy(parts["weight_packed"]),
@@ -84,7 +86,7 @@ def ct_decompress(parts: dict, shape, num_bits: int, symmetric: bool, g_idx=None
         sd["weight_zero_point"] = torch.from_numpy(parts["weight_zero_point"])
     if g_idx is not None:
         sd["weight_g_idx"] = torch.from_numpy(g_idx)
-    out = PackedQuantizationCompressor.decompress(sd, ct_scheme(num_bits, symmetric))
+    out = PackedQuantizationCompressor.decompress(sd, ct_scheme(num_bits, symmetric, group_size))
     return bits_of(out["weight"])
 
 
@@ -159,6 +161,15 @@ def test_k3_expert_bytes():
     assert zp == (359, 48)
 
 
+def test_kimi_k2_thinking_expert_bytes():
+    """W4 group 32 (FORMAT.md "ct-int" sizes): a whole number of pages per component, so the bank
+    record has no padding."""
+    shapes = {"gate": (2048, 7168), "up": (2048, 7168), "down": (7168, 2048)}
+    comps = record_components("ct-int", shapes, 4, 32)
+    assert [c[2] for c in comps[:2]] == [(2048, 896), (2048, 224)] and comps[5][2] == (7168, 64)
+    assert sum(c[3] for c in comps) == sum(c[3] for c in padded_layout(comps)) == 24_772_608
+
+
 # --- compressed-tensors 0.20.1 as oracle --------------------------------------------------------
 
 @pytest.mark.parametrize("num_bits", [2, 3, 4, 8])
@@ -178,42 +189,47 @@ def test_pack_matches_ct(num_bits, shape):
     assert (ours_zp == zp_theirs).all()
 
 
+@pytest.mark.parametrize("group", [64, 32])
 @pytest.mark.parametrize("num_bits", [3, 4, 8])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_decode_matches_ct_decompress(num_bits, symmetric):
-    rng = np.random.default_rng(7 * num_bits + symmetric)
+def test_decode_matches_ct_decompress(num_bits, symmetric, group):
+    rng = np.random.default_rng(7 * num_bits + symmetric + group)
     rows, cols = 24, 384
-    codec = get_codec("ct-int", num_bits=num_bits, layout="dense", symmetric=symmetric)
+    codec = get_codec("ct-int", num_bits=num_bits, layout="dense", symmetric=symmetric,
+                      group_size=group)
     q = random_codes(rng, (rows, cols), num_bits)
-    zp = None if symmetric else random_codes(rng, (rows, cols // 64), num_bits)
-    parts = codec.encode_codes(q, random_scale_bits(rng, rows, cols // 64), zp)
+    zp = None if symmetric else random_codes(rng, (rows, cols // group), num_bits)
+    parts = codec.encode_codes(q, random_scale_bits(rng, rows, cols // group), zp)
     codec.check_parts(parts, (rows, cols))
     ours = codec.decode(parts, (rows, cols))
-    assert (f32_to_bf16_bits(ours) == ct_decompress(parts, (rows, cols), num_bits, symmetric)).all()
+    theirs = ct_decompress(parts, (rows, cols), num_bits, symmetric, group_size=group)
+    assert (f32_to_bf16_bits(ours) == theirs).all()
     q2, zp2 = codec.codes(parts, (rows, cols))
     assert (q2 == q).all() and (zp2 is None if symmetric else (zp2 == zp).all())
 
 
+@pytest.mark.parametrize("group", [64, 32])
 @pytest.mark.parametrize("num_bits", [3, 4, 8])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_encode_matches_ct_quantizer(num_bits, symmetric):
+def test_encode_matches_ct_quantizer(num_bits, symmetric, group):
     """Our quantiser (FORMAT.md "ct-int") equals ct's calculate_qparams + quantize + compress on
     BF16 weights (including an all-zero and an all-positive group); fixtures should still come from
     ct."""
-    gen = torch.Generator().manual_seed(num_bits * 2 + symmetric)
+    gen = torch.Generator().manual_seed(num_bits * 2 + symmetric + group)
     w = torch.randn(32, 256, generator=gen) * torch.exp2(torch.rand(32, 1, generator=gen) * -10)
     w[0, :64], w[1, :64] = 0, torch.rand(64, generator=gen)
     w = w.to(torch.bfloat16)
-    args = ct_scheme(num_bits, symmetric).weights
-    groups = w.reshape(32, 4, 64)
+    args = ct_scheme(num_bits, symmetric, group).weights
+    groups = w.reshape(32, 256 // group, group)
     scale, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
     q = ct_quantize(w, scale, zp, args, dtype=torch.int8)
-    ours_q, ours_scale, ours_zp = quantize(w.float().numpy(), num_bits, symmetric)
+    ours_q, ours_scale, ours_zp = quantize(w.float().numpy(), num_bits, symmetric, group)
     assert (ours_q == q.numpy()).all() and (ours_scale == bits_of(scale)).all()
     assert ours_zp is None if symmetric else (ours_zp == zp.numpy()).all()
     sd = {"weight": w, "weight_scale": scale, "weight_zero_point": zp}
-    theirs = PackedQuantizationCompressor.compress(sd, ct_scheme(num_bits, symmetric))
-    ours = get_codec("ct-int", num_bits=num_bits, symmetric=symmetric).encode(w.float().numpy())
+    theirs = PackedQuantizationCompressor.compress(sd, ct_scheme(num_bits, symmetric, group))
+    ours = get_codec("ct-int", num_bits=num_bits, symmetric=symmetric,
+                     group_size=group).encode(w.float().numpy())
     assert set(ours) | {"weight_shape"} == set(theirs)
     for name, arr in ours.items():
         want = bits_of(theirs[name]) if name == "weight_scale" else theirs[name].numpy()
@@ -343,6 +359,9 @@ def test_parse_quantization_config():
     qc = qc_020()
     qc["config_groups"]["group_1"] = dict(qc["config_groups"]["group_0"], targets=["re:.*mlp.*"])
     assert parse_quantization_config(qc).num_bits == 3  # agreeing groups are fine
+    qc = qc_020(num_bits=4, group_size=32)  # Kimi K2 Thinking's experts: W4A16 symmetric g32
+    del qc["version"]
+    assert parse_quantization_config(qc) == CtScheme(4, True, 32, None, None)
 
 
 def _mutate(path: str, value):
@@ -365,6 +384,9 @@ G0 = "config_groups/group_0"
     (_mutate(f"{G0}/weights/type", "float"), "type"),
     (_mutate(f"{G0}/weights/strategy", "channel"), "strategy"),
     (_mutate(f"{G0}/weights/group_size", 128), "group_size"),
+    (_mutate(f"{G0}/weights/group_size", None), "group_size"),
+    (_mutate("config_groups/group_1", {"weights": dict(qc_020()["config_groups"]["group_0"][
+        "weights"], group_size=32), "format": "pack-quantized"}), "disagree"),
     (_mutate(f"{G0}/weights/num_bits", 2), "num_bits"),
     (_mutate(f"{G0}/weights/dynamic", True), "dynamic"),
     (_mutate(f"{G0}/input_activations", {"num_bits": 8}), "input_activations"),
@@ -414,6 +436,8 @@ def test_rejects_bad_input():
         codec.decode({"weight_packed": np.zeros((1, 6), np.int32)}, (1, 64))
     with pytest.raises(FormatError, match="multiple"):
         codec.components((4, 100))
+    with pytest.raises(FormatError, match="group_size 48"):
+        get_codec("ct-int", group_size=48)
 
 
 def test_large_matrix_round_trips():

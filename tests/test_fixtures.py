@@ -262,7 +262,7 @@ def test_cli(tmp_path, capsys):
     assert (fixture["seed"], fixture["w3_layout"], fixture["w3_symmetric"]) == (3, "dense", False)
     assert "w3 seed=3" in capsys.readouterr().out
     assert tiny.TinyInfo.load(tmp_path / "w3") == tiny.TinyInfo(
-        tmp_path / "w3", "w3", tiny.tiny_config(), 3, "dense", False)
+        tmp_path / "w3", "w3", tiny.tiny_config(), 3, "dense", False, 64)
     bad = parser.parse_args([str(tmp_path / "m"), "--codec", "mxfp4", "--w3-layout", "dense"])
     assert make_tiny.main(bad) == 2
     # An existing checkpoint is refused, and replaced whole (no stale file) only with --force.

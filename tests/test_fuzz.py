@@ -2,14 +2,20 @@
 flips, truncation, insertion, deletion and JSON value replacement must either be accepted or
 raise the reader's documented error, never another exception type:
 
-    manifest parser (parse_manifest_bytes)      ManifestError
-    safetensors header parser (SafetensorsFile)  CheckpointError
-    config parser (ModelConfig.from_file)        CheckpointError (ConfigError for values)
-    GGUF source reader (GGUFFile)                CheckpointError
-    route-trace reader (read_route_trace)        TraceError
+    manifest parser (parse_manifest_bytes)       ManifestError
+    safetensors header parser (SafetensorsFile)   CheckpointError
+    config parser (ModelConfig.from_file)         CheckpointError (ConfigError for values)
+    GGUF source reader (GGUFFile)                 CheckpointError
+    route traces, every kind (profile.traces.load): JSONL, plain list, .npy, synth: spec
+                                                  TraceError
+    tokenizer (load_tokenizer, then an encode): tokenizer_config.json, tiktoken.model
+                                                  TokenizerError
+    presets (presets.load)                        PresetError
 
-The default run is bounded and seeded (derandomized, a few hundred cases per reader); the
-`slow` variants explore more, with fresh random seeds."""
+Every case runs under a memory limit and a generous timeout that catches a hang
+(tests/bounds.py): a reader that allocates what a small file declares fails with MemoryError,
+which is no documented error. The default run is bounded and seeded (derandomized, a few
+hundred cases per reader); the `slow` variants explore more, with fresh random seeds."""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bounds import bounded
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -45,9 +52,13 @@ from mtplx_runtime.checkpoint.safetensors_io import (
     SafetensorsFile,
     write_safetensors,
 )
+from mtplx_runtime.engine import presets
+from mtplx_runtime.engine.tokenizer import TokenizerError, load_tokenizer
 from mtplx_runtime.engine.trace import TRACE_FORMAT, TraceError
+from mtplx_runtime.fixtures import tokenizer as fixture_tokenizer
 from mtplx_runtime.fixtures.tiny import tiny_config
 from mtplx_runtime.formats.record import padded_layout, tensor_name
+from mtplx_runtime.profile import traces
 from mtplx_runtime.profile.traces import read_route_trace
 
 FAST = settings(derandomize=True, database=None, deadline=None,
@@ -58,6 +69,12 @@ _TMP = Path(tempfile.mkdtemp(prefix="mtplx-fuzz-"))
 
 
 # ---- valid inputs ----
+
+def _write(name: str, raw: bytes) -> Path:
+    p = _TMP / name
+    p.write_bytes(raw)
+    return p
+
 
 def _sha(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
@@ -154,8 +171,43 @@ def trace_bytes() -> bytes:
     return raw
 
 
+def plain_bytes() -> bytes:
+    raw = b"# mtplx-plain-routes\n# layers=3,5 experts=10\n1 2; 3,4\n2 9; 4 0\n\n7,1;0\n"
+    traces.load(str(_write("valid.txt", raw)))
+    return raw
+
+
+def npy_bytes() -> bytes:
+    p = _TMP / "valid.npy"
+    np.save(p, np.array([[[1, 2], [3, -1]], [[0, 5], [4, 2]]], np.int16))
+    traces.load(str(p))
+    return p.read_bytes()
+
+
+def tokenizer_dir() -> Path:
+    """The fixture tokenizer (512 ranks, the ASCII pre-tokenizer) in its own directory."""
+    d = _TMP / "tok"
+    fixture_tokenizer.write_tokenizer(d)
+    load_tokenizer(d)
+    return d
+
+
+def preset_bytes() -> bytes:
+    raw = (b'# a preset\nmemory_budget = "24GiB"\nhost_budget = 0\ncontext = 8192\n'
+           b'prefill_chunk = 64\ndtype = "bfloat16"\nkernels = "cpu"\ncache_policy = "lru"\n'
+           b"lookahead = 1\ntemperature = 0.7\ntop_p = 0.95\nseed = 3\n")
+    presets.load(_write("valid.toml", raw))
+    return raw
+
+
+TOKENIZER_DIR = tokenizer_dir()
 VALID = {"manifest": manifest_bytes(), "safetensors": safetensors_bytes(),
-         "config": config_bytes(), "gguf": gguf_bytes(), "trace": trace_bytes()}
+         "config": config_bytes(), "gguf": gguf_bytes(), "trace": trace_bytes(),
+         "plain": plain_bytes(), "npy": npy_bytes(), "synth": b"synth:temporal,tokens=20,"
+         b"layers=3,experts=16,top_k=4,alpha=0.8,locality=0.5,seed=2",
+         "tokenizer_config": (TOKENIZER_DIR / "tokenizer_config.json").read_bytes(),
+         "tiktoken": (TOKENIZER_DIR / "tiktoken.model").read_bytes(),
+         "preset": preset_bytes()}
 
 
 # ---- mutations ----
@@ -220,10 +272,6 @@ def replaced(draw, obj: object, lines: bool = False) -> bytes:
     return _json_dumps(obj)
 
 
-def _write(name: str, raw: bytes) -> Path:
-    p = _TMP / name
-    p.write_bytes(raw)
-    return p
 
 
 def _json_dumps(obj: object) -> bytes:
@@ -277,11 +325,57 @@ def check_trace(raw: bytes) -> None:
         pass
 
 
+def check_trace_any(name: str):
+    """The profiler's door for a trace file of one kind (`name`'s suffix picks the reader)."""
+    def check(raw: bytes) -> None:
+        try:
+            traces.load(str(_write(name, raw)))
+        except TraceError:
+            pass
+    return check
+
+
+def check_synth(raw: bytes) -> None:
+    try:
+        traces.load(raw.decode("utf-8", "replace"))
+    except TraceError:
+        pass
+
+
+def check_tokenizer(name: str):
+    """`load_tokenizer` of the fixture tokenizer with file `name` replaced; a tokenizer that
+    loads must encode and decode text (tiktoken once panicked there: a BaseException)."""
+    def check(raw: bytes) -> None:
+        d = _TMP / "tok-case"
+        d.mkdir(exist_ok=True)
+        for f in ("tokenizer_config.json", "tiktoken.model"):
+            (d / f).write_bytes(raw if f == name else (TOKENIZER_DIR / f).read_bytes())
+        try:
+            tok = load_tokenizer(d)
+            text = "Hello, world! 12 ab\n\tcafé 中文"
+            assert tok.decode(tok.encode(text)) == text
+        except TokenizerError:
+            pass
+    return check
+
+
+def check_preset(raw: bytes) -> None:
+    try:
+        presets.load(_write("p.toml", raw))
+    except presets.PresetError:
+        pass
+
+
 BYTE_CASES = {"manifest": (check_manifest, 300), "safetensors": (check_safetensors, 400),
               "config": (check_config, 300), "gguf": (check_gguf, 400),
-              "trace": (check_trace, 400)}
+              "trace": (check_trace, 400), "plain": (check_trace_any("t.txt"), 300),
+              "npy": (check_trace_any("t.npy"), 300), "synth": (check_synth, 300),
+              "tokenizer_config": (check_tokenizer("tokenizer_config.json"), 200),
+              "tiktoken": (check_tokenizer("tiktoken.model"), 200),
+              "preset": (check_preset, 300)}
 VALUE_CASES = {"manifest": (check_manifest_value, 200), "config": (check_config, 300),
-               "trace": (check_trace, 200)}
+               "trace": (check_trace, 200),
+               "tokenizer_config": (check_tokenizer("tokenizer_config.json"), 300)}
 
 
 def _valid_obj(reader: str) -> object:
@@ -298,7 +392,8 @@ def _fuzz(strategy, check, base: settings, n: int) -> None:
     @settings(base, max_examples=n)
     @given(strategy)
     def run(x):
-        check(x)
+        with bounded():
+            check(x)
 
     run()
 

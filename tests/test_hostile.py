@@ -6,6 +6,7 @@ manifest fields are refused with errors naming the key, tensor or record."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -14,11 +15,18 @@ import stat
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
+from bounds import bounded
 from k3_manifest_writer import k3_manifest_dict, serialize
 
 from mtplx_runtime.artifact.build import build_artifact
-from mtplx_runtime.artifact.manifest import ManifestError, load_manifest, parse_manifest_bytes
+from mtplx_runtime.artifact.manifest import (
+    ManifestError,
+    load_manifest,
+    parse_manifest_bytes,
+    write_manifest,
+)
 from mtplx_runtime.artifact.open import _open_part, open_artifact
 from mtplx_runtime.artifact.verify import verify_artifact
 from mtplx_runtime.checkpoint.config import ConfigError, ModelConfig, load_json
@@ -314,3 +322,190 @@ def test_stat_kinds_are_named(tmp_path):
         raises(lambda: SafetensorsFile(p), CheckpointError, "a socket")
     finally:
         s.close()
+
+
+# ---- issue 35 item 4: no member of a model directory is read from outside it ----
+
+def _move_part_into(art: Path, sub: str) -> str:
+    """Rename the first bank part to `sub/<name>` in the manifest (digest recomputed); returns
+    the part's file name."""
+    m = load_manifest(art / "expert-manifest.json")
+    old = m.sidecar.parts[0].file
+    new = f"{sub}/{old}"
+    m.sidecar.parts[0].file = new
+    for s in m.shards:
+        if s.name == old:
+            s.name = new
+    for r in m.records:
+        for seg in r.segments:
+            if seg.shard == old:
+                seg.shard = new
+    write_manifest(m, art / "expert-manifest.json")
+    return old
+
+
+def test_a_bank_part_behind_a_symlinked_directory_is_refused(art, tmp_path):
+    from mtplx_runtime import load
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    name = _move_part_into(art, "sub")
+    shutil.move(art / name, outside / name)
+    os.symlink(outside, art / "sub")
+    raises(lambda: open_artifact(art), CheckpointError,
+           r"sub/.*resolves to .*outside.*must not leave the artifact directory")
+    raises(lambda: load(art, tokenizer=False), CheckpointError, "resolves to .*outside")
+    raises(lambda: _open_part(art / "sub" / name, 1, art), CheckpointError, "outside")
+    rep = verify_artifact(art, records=True)
+    assert any("outside the artifact root" in p for p in rep.problems), rep.problems
+    # The same part in a real subdirectory is a member like any other.
+    (art / "sub").unlink()
+    shutil.move(outside, art / "sub")
+    open_artifact(art).close()
+
+
+@pytest.mark.parametrize("member", ["config.json", "tiktoken.model", "tokenizer_config.json",
+                                    "model.safetensors.index.json", "resident"])
+def test_a_member_linking_out_of_the_artifact_is_refused(art, tmp_path, member):
+    from mtplx_runtime import load
+
+    if member == "resident":
+        member = sorted(p.name for p in art.glob("resident-*.safetensors"))[0]
+    shutil.move(art / member, tmp_path / member)
+    os.symlink(tmp_path / member, art / member)
+    tokenizer = member in ("tiktoken.model", "tokenizer_config.json")
+    opener = (lambda: load_tokenizer(art)) if tokenizer else (lambda: open_artifact(art))
+    raises(opener, ValueError, f"{member}: resolves to .*outside")
+    raises(lambda: load(art, kernels="reference", cache_slots=(2, 0)), ValueError,
+           f"{member}: resolves to .*outside")
+    rep = verify_artifact(art)
+    assert any(p.startswith(f"{member}: resolves to") for p in rep.problems), rep.problems
+
+
+def test_a_hugging_face_snapshot_of_blob_links_loads(tiny_art, tmp_path):
+    """An HF cache checkpoint is a snapshot of links into ../../blobs: it must keep working,
+    while a link elsewhere is still refused."""
+    from mtplx_runtime import load
+
+    snap, blobs = tmp_path / "models--x" / "snapshots" / "rev", tmp_path / "models--x" / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for p in tiny_art[0].iterdir():
+        blob = hashlib.sha256(p.read_bytes()).hexdigest()
+        shutil.copyfile(p, blobs / blob)
+        os.symlink(f"../../blobs/{blob}", snap / p.name)
+    with load(snap, dtype="float32") as rt:
+        assert rt.tokenizer.decode(rt.tokenizer.encode("hello")) == "hello"
+        assert rt.model.logits([5, 6]).shape[0] == 2
+    (snap / "config.json").unlink()
+    os.symlink(tiny_art[0] / "config.json", snap / "config.json")
+    raises(lambda: open_checkpoint(snap), CheckpointError, "config.json: resolves to .*outside")
+
+
+# ---- issue 35 item 2: sizes an input declares are bounded before anything is allocated ----
+
+def _profile(argv: list[str], capsys) -> tuple[int, str]:
+    from mtplx_runtime.cli import main as cli_main
+
+    with bounded():  # a MemoryError here is the bug: the old reader built a 15 GiB array
+        rc = cli_main(["profile", *argv, "--workers", "1"])
+    return rc, capsys.readouterr().err
+
+
+def _trace_header(**fields) -> str:
+    h = {"format": "mtplx-route-trace-v1", "model": "x", "layers": [1, 2], "experts": 8,
+         "top_k": 2, "record_bytes": None, **fields}
+    return json.dumps(h) + "\n"
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("experts.txt", "# experts=999999999\n1 2\n",
+     r"experts.txt:1: '999999999' is not a 0-based integer below 65537 \(experts\)"),
+    ("ids.txt", "1 2; 3 123456789\n", r"ids.txt:1: '123456789' is not .* \(an expert id\)"),
+    ("wide.txt", ";" * 5000 + "\n", "5001 layers, more than 1024"),
+    ("experts.jsonl", _trace_header(experts=999999999), r"1 <= experts <= 65536"),
+    ("topk.jsonl", _trace_header(experts=65536, top_k=4194304), r"top_k 4194304"),
+    ("layers.jsonl", _trace_header(layers=list(range(2000, 2004))), r"layer indices in 0..1023"),
+])
+def test_declared_sizes_are_refused_naming_the_key(tmp_path, capsys, name, text, message):
+    p = tmp_path / name
+    p.write_text(text + json.dumps({"t": 0, "phase": "decode", "routes": {"1": [0], "2": [1]}})
+                 + "\n" if name.endswith(".jsonl") else text)
+    rc, err = _profile([str(p)], capsys)
+    assert rc == 2 and re.search(message, err), err
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("synth:zipf,experts=1000000000", "experts=1000000000 exceeds 65536"),
+    ("synth:temporal,tokens=10000000", "tokens=10000000 exceeds 1048576"),
+    ("synth:uniform,tokens=1000000,layers=1024,experts=64,top_k=4",
+     "65,536,000,000 random draws, more than 2,147,483,648"),
+    ("synth:k3,layers=" + "9" * 5000, "layers='9999.*' is not an integer"),
+])
+def test_synthetic_specs_are_bounded(capsys, spec, message):
+    rc, err = _profile([spec], capsys)
+    assert rc == 2 and re.search(message, err), err
+
+
+def test_routes_beyond_the_memory_share_are_refused_as_lines_arrive(tmp_path, capsys,
+                                                                    monkeypatch):
+    # 65,536 experts top-65,536 is within the bounds; each line then costs 512 KiB of routes.
+    monkeypatch.setattr(traces, "memory_available_bytes", lambda: 64 << 20)
+    line = json.dumps({"t": 0, "phase": "decode", "routes": {"1": [0], "2": [1]}}) + "\n"
+    p = tmp_path / "big.jsonl"
+    p.write_text(_trace_header(experts=65536, top_k=65536) + line * 100)
+    rc, err = _profile([str(p)], capsys)
+    assert rc == 2 and re.search(r"big.jsonl:18: 17 lines x 2 layers x top_k 65536 need "
+                                 r"8.5 MiB; profiling may use 8.0 MiB for routes", err), err
+
+
+def test_npy_headers_are_checked_against_the_file(tmp_path, capsys):
+    p = tmp_path / "r.npy"
+    np.save(p, np.zeros((2, 2, 2), np.int32))
+    raw = p.read_bytes()
+    head = raw[:raw.index(b"}") + 1]
+    huge = head.replace(b"(2, 2, 2)", b"(100000, 1000, 1000)")
+    p.write_bytes(huge + b" " * (len(head) - len(huge)) + raw[len(head):])
+    rc, err = _profile([str(p)], capsys)
+    assert rc == 2 and re.search(r"r.npy: the header's int32\[100000, 1000, 1000\] needs "
+                                 r"400000000000 bytes of data, the file holds \d+;", err), err
+    for bad in (b"{'descr': '<i4', 'fortran_order': False, 'shape': (2, 2, 2), }\x00",
+                b"{'descr': '<i4', 'fortran_order': False, 'shape': (2, 2, 2}",  # tokenize
+                b"{'descr': 'O', 'fortran_order': False, 'shape': (2, 2, 2), }"):
+        body = bad + b" " * (len(head) - len(bad))
+        p.write_bytes(raw[:10] + body[:len(head) - 10] + raw[len(head):])
+        rc, err = _profile([str(p)], capsys)
+        assert rc == 2 and "r.npy:" in err and "Traceback" not in err, err
+
+
+# ---- issue 35 item 7: malformed presets are PresetErrors ----
+
+def test_a_preset_that_is_not_utf8_is_a_preset_error(tmp_path):
+    from mtplx_runtime.engine import presets
+
+    p = tmp_path / "p.toml"
+    p.write_bytes(b'memory_budget = "24GiB"\ncontext = 8192 # \xff\xfe\n')
+    with pytest.raises(presets.PresetError, match=r"p.toml: not UTF-8 text \(byte 41\)"):
+        presets.load(p)
+    p.write_bytes(b"a = " + b"[" * 100_000 + b"]" * 100_000 + b"\n")
+    with pytest.raises(presets.PresetError, match="p.toml: not valid TOML"):
+        presets.load(p)
+    p.unlink()
+    os.mkfifo(p)
+    raises(lambda: presets.load(p), presets.PresetError, "no such preset file|FIFO", p)
+
+
+# ---- issue 35 item 9: manifest rule errors name the file ----
+
+def test_manifest_rule_errors_name_the_file(tmp_path):
+    d = small()
+    d["records"][0]["segments"][0]["dtype"] = "X"
+    p = tmp_path / "expert-manifest.json"
+    p.write_bytes(serialize(d)[0])
+    with pytest.raises(ManifestError, match=rf"^{re.escape(str(p))}: records\[0\]"):
+        load_manifest(p)
+    d = small()
+    d["artifact"]["record_count"] += 1
+    p.write_bytes(serialize(d)[0])
+    with pytest.raises(ManifestError, match=rf"^{re.escape(str(p))}: artifact.record_count"):
+        load_manifest(p)

@@ -5,8 +5,11 @@ record whose SHA-256 passed once is checked with its learned XXH3 after that."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -87,13 +90,13 @@ def test_damaged_resident_shard_stops_load(art, capsys):
 def test_a_verified_shard_is_trusted_until_it_changes(art, tmp_path, monkeypatch):
     monkeypatch.setenv(integrity.RECEIPTS_ENV, str(tmp_path / "receipts"))
     hashed = []
-    real = integrity._file_sha256
+    real = integrity.sha256_fd
 
-    def counting(path):
-        hashed.append(path.name)
-        return real(path)
+    def counting(fd):
+        hashed.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        return real(fd)
 
-    monkeypatch.setattr(integrity, "_file_sha256", counting)
+    monkeypatch.setattr(integrity, "sha256_fd", counting)
     m = load_manifest(art / MANIFEST_NAME)
     shards = sorted(s.name for s in m.shards if s.kind in integrity.RESIDENT_KINDS)
     assert shards
@@ -274,3 +277,126 @@ def test_a_record_damaged_after_its_xxh3_was_learned_stops_generate(art, capsys)
     assert generate_cli(art) == 2
     err = capsys.readouterr().err
     assert "expert (layer 1, expert" in err and "do not match sha256" in err
+
+
+# ---- issue 35: what is hashed is what is read; the receipt directory is not trusted blindly --
+
+HOLD_LOAD = """
+import sys
+import mtplx_runtime
+from mtplx_runtime.artifact.integrity import IntegrityError
+from mtplx_runtime.engine import runtime
+real = runtime.load_tokenizer
+def held(root):  # the shards are open now (a tokenizer load takes its time on K3): hold here
+    print("opened", flush=True)
+    sys.stdin.readline()
+    return real(root)
+runtime.load_tokenizer = held
+try:
+    with mtplx_runtime.load(sys.argv[1], dtype="float32", kernels="reference",
+                            cache_slots=(2, 0)) as rt:
+        print("loaded", flush=True)
+except IntegrityError as e:
+    print("refused", e, flush=True)
+    sys.exit(3)
+"""
+
+
+def resident_shard(art):
+    m = load_manifest(art / MANIFEST_NAME)
+    head = next(t for t in m.resident_tensors if t.tensor.endswith("lm_head.weight"))
+    return m, head
+
+
+def test_a_shard_renamed_over_during_load_is_not_used_unverified(art, tmp_path):
+    """A damaged shard sits at the path when load opens it; the good one is renamed over the
+    path while the tokenizer loads. The check must hash the file the residents are read from
+    (it once hashed the path, found the good file, and the run used the damaged one)."""
+    _, head = resident_shard(art)
+    shard = art / head.shard
+    good = art / ".good"
+    shutil.copyfile(shard, good)
+    flip(shard, head.offset + 7)  # damaged in place: the file load will open
+    env = {**os.environ, integrity.RECEIPTS_ENV: str(tmp_path / "receipts")}
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOAD, str(art)], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "opened"
+        os.replace(good, shard)  # the good bytes at the path, the damaged ones still open
+        out, _ = proc.communicate("\n", timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 3 and out.startswith("refused") and head.shard in out, out
+
+
+def test_a_forged_learned_value_does_not_pass_overwritten_bytes(built, tmp_path):
+    """Whoever can write a bank part can compute the XXH3 of the bytes they write; writing it
+    into the checksum file must not make the read pass (the kept value is keyed)."""
+    from mtplx_runtime.kernels import cpu_native
+    if cpu_native.unavailable_reason() is not None:
+        pytest.skip(cpu_native.unavailable_reason())
+    with open_source(built) as a:
+        bank = a.expert_layout
+    key = (bank.layers[0], 2)
+    i = [(r.layer, r.expert) for r in bank.manifest.records].index(key)
+    data = read_record(bank, built, key)
+    d = RecordDigests(built, bank.manifest, receipts=tmp_path)
+    assert d.check(key).verify(memoryview(data)) is None
+    d.save()
+    data[100] ^= 0x10  # the record overwritten ...
+    raw = bytearray(d.path.read_bytes())
+    raw[16 + 8 * i:24 + 8 * i] = cpu_native.xxh3(memoryview(data)).to_bytes(8, "little")
+    d.path.write_bytes(bytes(raw))  # ... and its new XXH3 written where the learned value was
+    forged = RecordDigests(built, bank.manifest, receipts=tmp_path)
+    assert "do not match sha256" in forged.check(key).verify(memoryview(data))
+
+
+def test_a_rewritten_receipt_does_not_skip_a_swapped_shard(art, tmp_path, monkeypatch):
+    """A receipt rewritten to the identity of a shard swapped in must not be trusted."""
+    monkeypatch.setenv(integrity.RECEIPTS_ENV, str(tmp_path / "receipts"))
+    m, head = resident_shard(art)
+    assert integrity.admit_shards(art, m).hashed
+    shard = art / head.shard
+    bad = tmp_path / "bad.safetensors"
+    shutil.copyfile(shard, bad)
+    flip(bad, head.offset + 7)
+    os.replace(bad, shard)
+    receipt = integrity.receipt_path(art, m, ".json")
+    body = json.loads(receipt.read_text())
+    st = os.stat(shard)
+    body["shards"][head.shard] = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                                  st.st_ctime_ns]
+    receipt.write_text(json.dumps(body))
+    with pytest.raises(IntegrityError, match=head.shard):
+        integrity.admit_shards(art, m)
+
+
+@pytest.mark.parametrize("how", ["mode", "owner", "key-mode"])
+def test_a_receipt_directory_others_can_write_is_not_used(art, tmp_path, monkeypatch, caplog,
+                                                          how):
+    receipts = tmp_path / f"receipts-{how}"
+    monkeypatch.setenv(integrity.RECEIPTS_ENV, str(receipts))
+    m, _ = resident_shard(art)
+    shards = integrity.admit_shards(art, m).hashed
+    assert integrity.admit_shards(art, m).trusted == shards  # a private directory: trusted
+    if how == "mode":
+        os.chmod(receipts, 0o777)
+        why = "writable by group or others"
+    elif how == "owner":
+        if os.geteuid() != 0:
+            pytest.skip("giving a directory away needs root")
+        os.chown(receipts, os.geteuid() + 12345, -1)
+        why = "owned by uid"
+    else:
+        os.chmod(receipts / integrity.KEY_NAME, 0o644)
+        why = "secret.key is readable by group or others"
+    third = integrity.admit_shards(art, m)
+    assert third.hashed == shards and not third.trusted
+    assert why in caplog.text and "not using the receipt directory" in caplog.text
+    with open_source(art) as a:
+        bank = a.expert_layout
+    d = RecordDigests(art, bank.manifest)
+    key = (bank.layers[0], 0)
+    assert d.check(key).verify(memoryview(read_record(bank, art, key))) is None
+    d.save()
+    assert not d.path.exists()  # nothing learned is kept where others could rewrite it

@@ -130,6 +130,7 @@ def test_kernels_that_address_components_in_place_refuse_unaligned_ones():
                                 ("down_proj.scales", "U16", (1, 1), 2)])
     assert "gate_proj.scales (U16)" in cpu.unsupported(odd) and "offset 13" in cpu.unsupported(odd)
     assert "16-byte aligned" in cuda.unsupported(odd)
-    even = layout_of("t158", 2, [(c, t, sh, n * 16) for c, t, sh, n in
-                                 [(s.component, s.dtype, s.shape, s.length) for s in odd.segments]])
+    # 1024 columns: 208 packed bytes and 16 scales (32 bytes) per row, all 16-byte aligned
+    even = layout_of("t158", 2, [(s.component, s.dtype, (1, 16 * s.shape[1]), 16 * s.length)
+                                 for s in odd.segments])
     assert cpu.unsupported(even) is None and cuda.unsupported(even) is None

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 R, I, E, K, T = 64, 128, 8, 4, 5  # latent, expert width, experts, top-k, tokens
 SHAPES = {"gate": (I, R), "up": (I, R), "down": (R, I)}
 MODES = [("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4), ("ct-int-asym", 3),
-         ("bf16", None)]
+         ("bf16", None), ("fp8-block", None)]
 
 
 def make_bank(mode, bits, seed=0):

@@ -110,7 +110,7 @@ def test_plain_format_and_jsonl_round_trip(tmp_path):
     assert np.array_equal(load(str(tmp_path / "r.npy")).routes, tr.routes)
     bad = tmp_path / "bad.txt"
     bad.write_text("1 1;2 3\n")
-    with pytest.raises(ValueError, match="repeated"):
+    with pytest.raises(ValueError, match="route line 1, layer 0 repeats expert id 1"):
         load(str(bad))
 
 

@@ -219,6 +219,29 @@ def test_prefill_windows_are_exact(built, transient_records):
             assert provider.stats()["prefill_dedup"]["unique"] > transient_records
 
 
+def test_ct_int_group_32_streams_exactly(tmp_path):
+    """A W3 source with one scale per 32 columns (FORMAT.md "ct-int"; Kimi K2 Thinking's group)
+    builds a ct-int group-32 bank that streams to the resident model's logits bit for bit on the
+    reference backend and to its greedy tokens on the cpu kernels."""
+    from mtplx_runtime.kernels import cpu
+
+    src, art = tmp_path / "src", tmp_path / "art"
+    make_tiny(src, "w3", w3_layout="dense", w3_group=32)
+    assert build_artifact(src, art, codec="keep", progress=False).mode == "ct-int"
+    want_logits, want_tokens = run(load_model(src))
+    model, provider = streamed(src, art, lookahead=1)
+    with provider:
+        assert provider.layout.group_size == 32
+        check_same(run(model), (want_logits, want_tokens))
+    if cpu.unavailable_reason() is None:
+        model, provider = streamed(src, art, lookahead=1, kernels="cpu")
+        with provider:
+            logits, tokens = run(model)
+        assert tokens == want_tokens
+        for g, w in zip(logits, want_logits, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-4 * float(w.abs().max()))
+
+
 @pytest.mark.parametrize("codec", LAYOUTS)
 def test_cpu_kernels_same_greedy_text(built, codec):
     """`--kernels cpu`: the native kernels on the packed slot bytes pick the same greedy tokens

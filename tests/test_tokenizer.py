@@ -302,3 +302,88 @@ def test_stream_decoder_specials_and_flush(tiny):
     partial = "中".encode()[:2]
     assert "".join(dec.push(t) for t in tiny.encode("x") + [partial[0], partial[1]]) == "x"
     assert dec.flush() == "\ufffd"
+
+
+# ---- hostile files (FORMAT.md "What the readers validate"): TokenizerError naming file and key --
+
+
+def _tiny_dir(tmp_path, **changes):
+    """The fixture tokenizer with `tokenizer_config.json` changed: `key=value` replaces,
+    `key_=value` merges entries into the object at `key`."""
+    fx.write_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    for k, v in changes.items():
+        if k.endswith("_"):
+            cfg[k[:-1]].update(v)
+        else:
+            cfg[k] = v
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+N = fx.TARGET_RANKS
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"added_tokens_decoder": []}, "added_tokens_decoder must be an object"),
+    ({"added_tokens_decoder": {str(N + 70): "s"}}, r"added_tokens_decoder\['\d+'\]: must be"),
+    ({"added_tokens_decoder": {str(N + 1): {"special": True}}}, "non-empty string content"),
+    ({"added_tokens_decoder": {"x1": {"content": "a"}}}, "the id must be a decimal integer"),
+    ({"added_tokens_decoder_": {str(N + 9): {"content": "<|end_of_msg|>"}}}, "not unique"),
+    ({"added_tokens_decoder_": {str(N + 300): {"content": "x"}}}, r"ids \[812\] are not special"),
+    ({"added_tokens_decoder": {str(N): {"content": "[BOS]"}, str(N + 1): {"content": "[EOS]"}}},
+     "names no <|end_of_msg|>"),
+    ({"bos_token": {}}, "bos_token None is not one of the special tokens"),
+    ({"eos_token": "<|im_end|>"}, "eos_token '<|im_end|>' is not one of the special tokens"),
+    ({"eos_token": [1]}, "eos_token"),
+    ({"pat_str": 5}, "pat_str must be a non-empty string"),
+    ({"pat_str": "("}, "pat_str is not a usable pattern"),
+    ({"pat_str": "[A-Za-z]+"}, "pat_str split a"),  # drops spaces and punctuation
+])
+def test_bad_tokenizer_config_is_refused_naming_the_key(tmp_path, changes, match):
+    d = _tiny_dir(tmp_path, **changes)
+    with pytest.raises(tkz.TokenizerError, match=match) as e:
+        load_tokenizer(d)
+    assert "tokenizer_config.json" in str(e.value)
+
+
+def test_an_unknown_pattern_is_loud_and_one_that_drops_text_fails_encode(tmp_path, caplog):
+    # Both cover the probe text. The first backtracks past the regex engine's limit on a long
+    # run of 'a's (an error from deep inside tiktoken); the second matches nothing there, so
+    # tiktoken returns no pieces at all (the text would vanish).
+    for pat, why in [(r"(?:a|aa)+(?=\s|$)(?!x)|\s+|[^\s]", "pat_str cannot split this text"),
+                     (r"(?:[^a\s]|a(?!aaaa))+|\s+", "pat_str split")]:
+        tok = load_tokenizer(_tiny_dir(tmp_path, pat_str=pat))
+        assert "pat_str is not a pre-tokenizer this runtime knows" in caplog.text
+        assert tok.decode(tok.encode("a banana")) == "a banana"
+        with pytest.raises(tkz.TokenizerError, match=f"tokenizer_config.json: {why}"):
+            tok.encode("a" * 5000 + "b")
+
+
+def test_rank_files_the_encoder_could_not_use_are_refused(tmp_path):
+    ranks = fx.build_tiny_ranks()
+    del ranks[b"\x07"]
+    ordered = sorted(ranks, key=ranks.get)
+    _write_ranks(tmp_path / "tiktoken.model", {t: i for i, t in enumerate(ordered)})
+    with pytest.raises(tkz.TokenizerError, match=r"no rank for byte 0x07.*256 single bytes"):
+        load_tokenizer(tmp_path)  # tiktoken once panicked at the first encode instead
+    p = tmp_path / "tiktoken.model"
+    p.write_text("YQ== 0\nYQ== 1\n")
+    with pytest.raises(tkz.TokenizerError, match=":2: token b'a' has a rank already"):
+        read_ranks(p)
+    p.write_text("YQ== +1\n")
+    with pytest.raises(tkz.TokenizerError, match=":1: not a `base64 rank` line"):
+        read_ranks(p)
+    with open(p, "wb") as f:  # sparse: the size cap refuses it before reading
+        f.truncate(tkz.MAX_RANKS_BYTES + 1)
+    with pytest.raises(tkz.TokenizerError, match="size cap for the tokenizer file"):
+        read_ranks(p)
+
+
+def test_special_ids_elsewhere_than_k3s_are_loud(tmp_path, caplog):
+    dec = {str(N + k): {"content": name, "special": True}
+           for k, name in fx.NAMED_SPECIALS.items()}
+    dec[str(N + 3)], dec[str(N + 4)] = dec[str(N + 4)], dec[str(N + 3)]  # <|open|>, <|close|>
+    tok = load_tokenizer(_tiny_dir(tmp_path, added_tokens_decoder=dec))
+    assert tok.special("<|open|>") == N + 4
+    assert "are not where K3 has them" in caplog.text and "<|open|>" in caplog.text

@@ -24,6 +24,7 @@ from mtplx_runtime.artifact.manifest import (
     SidecarPart,
     write_manifest,
 )
+from mtplx_runtime.artifact.open import BankExpertLayout
 from mtplx_runtime.checkpoint.safetensors_io import write_safetensors
 from mtplx_runtime.cli import main as cli_main
 from mtplx_runtime.fixtures.tiny import tiny_config
@@ -36,9 +37,9 @@ def sha(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
-def build(root, mode="t158", bits=None):
+def build(root, mode="t158", bits=None, group=None):
     cfg = tiny_config()
-    desc = descriptor_for(cfg, mode, bits, model_key="tiny-test")
+    desc = descriptor_for(cfg, mode, bits, model_key="tiny-test", group_size=group)
     rng = np.random.default_rng(0)
     rb = sum(c[3] for c in padded_layout(list(desc.components)))
     n = len(desc.layers)
@@ -83,10 +84,12 @@ def run_cli(root, *flags):
     return cli_main(["verify", str(root), *flags])
 
 
-@pytest.mark.parametrize("mode, bits", [("t158", None), ("mxfp4", None), ("ct-int", 3),
-                                        ("ct-int-asym", 4), ("bf16", None)])
-def test_clean_artifact_passes(tmp_path, capsys, mode, bits):
-    build(tmp_path, mode, bits)
+@pytest.mark.parametrize("mode, bits, group", [
+    ("t158", None, None), ("mxfp4", None, None), ("ct-int", 3, None), ("ct-int-asym", 4, None),
+    ("bf16", None, None), ("ct-int", 4, 32), ("fp8-block", None, None)])
+def test_clean_artifact_passes(tmp_path, capsys, mode, bits, group):
+    m = build(tmp_path, mode, bits, group)
+    assert m.quantization["group_size"] == group or group is None
     rep = verify.verify_artifact(tmp_path, records=True, shard_hashes=True)
     assert rep.ok, rep.problems
     assert rep.records_checked == 40
@@ -95,6 +98,14 @@ def test_clean_artifact_passes(tmp_path, capsys, mode, bits):
     assert "OK" in out and "were not re-hashed" not in out
     assert run_cli(tmp_path) == 0  # without --records it says what it did not check
     assert "records were not re-hashed" in capsys.readouterr().out
+    if group is not None:  # the bank reads back with its group's codec
+        bank = BankExpertLayout(tiny_config(), tmp_path, m)
+        assert bank.codec.group_size == group
+        rows, cols = tiny_config().expert_shapes["gate"]
+        rec = bank.read(m.records[0].layer, 0).projections["gate"]
+        assert rec.parts["weight_scale"].shape == (rows, cols // group)
+        with np.errstate(over="ignore"):  # random scale bits: some products overflow
+            assert rec.decode().shape == (rows, cols)
 
 
 @pytest.mark.parametrize("where", ["first", "last", "middle", "pad"])

@@ -2,13 +2,13 @@
 
 One layer = 16 experts of R 3584 -> I 3072 -> R 3584 (FORMAT.md "Bank parts") stored as bank
 records, and T tokens that all route to those 16 experts, so every expert runs once over all T
-tokens (the prefill shape; T = 1 is decode). For each codec (t158, mxfp4, ct-int 3-bit, ct-int
-4-bit) and T = 1, 8, 64 it times `cpu.expert_mlp` (the native multi-token kernels behind the backend
-API) and reports GB/s over the layer's packed record bytes and the share of this machine's memory
-bandwidth, measured in the same run by a large NumPy copy (read + write bytes). The reference path
-(`reference.expert_mlp`: NumPy codec decode, then torch matmuls) is timed at T = 1 on fewer experts
-and scaled to 16 (its cost is the decode, so it barely depends on T); the line says how many experts
-it timed.
+tokens (the prefill shape; T = 1 is decode). For each codec (t158, mxfp4, ct-int 3-bit, ct-int 4-bit
+in groups of 64 and of 32, fp8-block) and T = 1, 8, 64 it times `cpu.expert_mlp` (the native
+multi-token kernels behind the backend API) and reports GB/s over the layer's packed record bytes
+and the share of this machine's memory bandwidth, measured in the same run by a large NumPy copy
+(read + write bytes). The reference path (`reference.expert_mlp`: NumPy codec decode, then torch
+matmuls) is timed at T = 1 on fewer experts and scaled to 16 (its cost is the decode, so it barely
+depends on T); the line says how many experts it timed.
 
     python tools/bench_kernels.py [--quick] [--repeat 3] [--threads N] [--ref-experts 2]
                                   [--tokens 1,8,64] [--dtype bfloat16|float32]
@@ -36,12 +36,14 @@ from mtplx_runtime.formats.record import record_layout
 from mtplx_runtime.kernels import cpu, cpu_native, reference
 from mtplx_runtime.offload.buffers import aligned_buffer
 
-CODECS = (("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4))
+# (mode, bits, group size; None: the mode's default)
+CODECS = (("t158", None, None), ("mxfp4", None, None), ("ct-int", 3, None), ("ct-int", 4, None),
+          ("ct-int", 4, 32), ("fp8-block", None, None))
 
 
-def make_store(mode, bits, shapes, experts, rng):
+def make_store(mode, bits, group, shapes, experts, rng):
     """(layout, uint8 [experts, record bytes]) of random codes with sane scales."""
-    layout = record_layout(SimpleNamespace(expert_shapes=shapes), mode, bits)
+    layout = record_layout(SimpleNamespace(expert_shapes=shapes), mode, bits, group)
     store = aligned_buffer(experts * layout.logical_bytes).reshape(experts, -1)  # zeroed
     for s in layout.segments:
         if s.proj is None:
@@ -51,8 +53,12 @@ def make_store(mode, bits, shapes, experts, rng):
             seg.view(np.uint16)[...] = 0x3C23  # ~0.01
         elif s.part == "weight_scale":  # E8M0 around 2^-7, never the invalid 0xFF
             seg[...] = rng.integers(115, 125, seg.shape, dtype=np.uint8)
-        else:  # every code value is valid in every codec (t158 decodes 243..255 too)
+        elif s.part == "weight_scale_inv":  # fp8-block: f32 scales
+            seg.view(np.float32)[...] = 1e-4
+        else:  # every code value is valid (t158 decodes 243..255 too), bar fp8's two NaNs
             seg[...] = rng.integers(0, 256, seg.shape, dtype=np.uint8)
+            if mode == "fp8-block":
+                seg[(seg & 0x7F) == 0x7F] = 0x7E
     return layout, store
 
 
@@ -117,16 +123,16 @@ def main(argv=None) -> None:
           f"layer = {experts} "
           f"experts {R}->{I}->{R}; reference timed at T=1 on {ref_experts} experts, x"
           f"{experts / ref_experts:g}")
-    for mode, bits in CODECS:
-        layout, store = make_store(mode, bits, shapes, experts, rng)
-        name = mode + (f"-{bits}" if bits else "")
+    for mode, bits, group in CODECS:
+        layout, store = make_store(mode, bits, group, shapes, experts, rng)
+        name = mode + (f"-{bits}" if bits else "") + (f"-g{group}" if group else "")
         nbytes = store.nbytes  # packed record bytes of the layer
         ref = best_time(layer_call(reference, layout, store[:ref_experts], shapes, 1,
                                    ref_experts, rng, dtype), 1) * experts / ref_experts
         for T in tokens:
             sec = best_time(layer_call(cpu, layout, store, shapes, T, experts, rng, dtype),
                             repeat)
-            print(f"{name:<9s} T={T:<3d} cpu {sec * 1e3:9.2f} ms/layer {nbytes / sec / 1e9:7.2f} "
+            print(f"{name:<12s} T={T:<3d} cpu {sec * 1e3:9.2f} ms/layer {nbytes / sec / 1e9:7.2f} "
                   f"GB/s {nbytes / sec / bw:7.1%} of mem bw | reference(T=1) "
                   f"{ref * 1e3:9.1f} ms/layer  speedup {ref / sec:7.1f}x")
         del store

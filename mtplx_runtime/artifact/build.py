@@ -26,13 +26,14 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint import open_checkpoint
+from ..files import fsync_dir
 from ..formats import FormatError
 from ..formats.ctint import pack_codes, pack_zero_points, unpack_codes, unpack_zero_points
 from ..formats.modes import quantization_for
 from ..formats.record import PROJECTIONS, RecordLayout, part_name, record_layout
 from ..formats.resident_layouts import RESIDENT_DTYPES
 from ..formats.t158 import encode_t158
-from .journal import JOURNAL_FORMAT, BuildError, fsync_dir
+from .journal import JOURNAL_FORMAT, BuildError
 from .manifest import load_manifest, write_manifest
 from .outputs import (
     INDEX,
@@ -97,7 +98,7 @@ class ExpertSource:
     def __init__(self, ckpt, codec: str):
         self.ckpt = ckpt
         layout = ckpt.layout
-        self.bits = None
+        self.bits = self.group_size = None  # None: the mode's default
         if codec == "t158" or layout not in (*KEEP_MODES, "w3"):
             # Q2_K (GGUF) always converts to t158; t158 -> t158 copies the records.
             self.mode = "t158"
@@ -105,11 +106,13 @@ class ExpertSource:
         elif layout == "w3":
             c = ckpt.codec
             self.mode, self.bits = ("ct-int" if c.symmetric else "ct-int-asym"), c.num_bits
+            self.group_size = c.group_size
             self.conversion = "repack-dense" if c.num_bits == 3 and c.layout != "dense" else "copy"
         else:
             self.mode, self.conversion = KEEP_MODES[layout], "copy"
         try:
-            self.layout: RecordLayout = record_layout(ckpt.config, self.mode, self.bits)
+            self.layout: RecordLayout = record_layout(ckpt.config, self.mode, self.bits,
+                                                      self.group_size)
         except FormatError as e:
             raise BuildError(f"{ckpt.path}: the source's experts cannot be stored as "
                              f"{self.mode}: {e}") from None
@@ -188,7 +191,8 @@ def journal_header(src: ExpertSource, layer: int, name: str, n_routed: int, file
                    "files": files},
         "conversion": src.conversion,
         "layout": {
-            "mode": src.mode, "quantization": quantization_for(src.mode, src.bits),
+            "mode": src.mode,
+            "quantization": quantization_for(src.mode, src.bits, src.group_size),
             "expert_count": cfg.num_experts, "layer_count": n_routed,
             "projection_shapes": {f"{p}_proj": list(cfg.expert_shapes[p]) for p in PROJECTIONS},
             "record_bytes": lay.logical_bytes, "layer_bytes": lay.logical_bytes * cfg.num_experts,
@@ -427,17 +431,10 @@ def _unlink_if_present(path: Path) -> None:
 
 
 def _install_manifest(manifest, path: Path) -> None:
-    """`write_manifest` (temp file, fsync, rename), with a full disk named like every stage."""
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        with disk_errors(tmp, f"writing {path.name}"):
-            write_manifest(manifest, path)
-    except BaseException:
-        try:  # give the space back (an old manifest, when extending, stays); a rerun writes it
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """`write_manifest` (temp file, fsync, rename; a failed write removes the temp file, an old
+    manifest when extending stays), with a full disk named like every stage."""
+    with disk_errors(path, f"writing {path.name}"):
+        write_manifest(manifest, path)
 
 
 def _refuse_foreign_parts(out: Path, mode: str) -> None:

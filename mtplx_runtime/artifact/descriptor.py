@@ -60,9 +60,11 @@ K3_T158_RECORD_BYTES = 7_741_440
 
 def descriptor_for(cfg, mode: str, bits: int | None = None, *, model_key: str | None = None,
                    source_repo: str | None = None, source_revision: str | None = None,
-                   layers=None, resident_dtype: str | None = None) -> Descriptor:
+                   layers=None, resident_dtype: str | None = None,
+                   group_size: int | None = None) -> Descriptor:
     """Descriptor for one of our artifacts: `cfg` (ModelConfig) gives the routed layers, expert
-    count and projection shapes; `mode` a bank mode with a codec; `bits` defaults per mode.
+    count and projection shapes; `mode` a bank mode with a codec; `bits` and `group_size`
+    default per mode.
     `layers` narrows the routed layers for an artifact built with `--layers` (each must be an
     MoE layer of `cfg`; every expert of each is still required). `resident_dtype` pins the form
     of the residents (FORMAT.md "Quantized residents"); None accepts any."""
@@ -78,9 +80,13 @@ def descriptor_for(cfg, mode: str, bits: int | None = None, *, model_key: str | 
     bits = spec.bits[0] if bits is None and len(spec.bits) == 1 else bits
     if bits not in spec.bits:
         raise ManifestError(f"mode {mode}: bits must be one of {spec.bits}, got {bits!r}")
-    comps = record_components(mode, cfg.expert_shapes, bits)
+    group_size = group_size or spec.group_size
+    if group_size not in spec.groups:
+        raise ManifestError(f"mode {mode}: group_size must be one of {spec.groups}, got "
+                            f"{group_size!r}")
+    comps = record_components(mode, cfg.expert_shapes, bits, group_size)
     return Descriptor(model_key=model_key,
-                      quantization={"bits": bits, "group_size": spec.group_size, "mode": mode},
+                      quantization={"bits": bits, "group_size": group_size, "mode": mode},
                       layers=tuple(sorted(layers)), experts=cfg.num_experts,
                       components=tuple(comps), source_repo=source_repo,
                       source_revision=source_revision, resident_dtype=resident_dtype)

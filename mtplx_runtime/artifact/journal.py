@@ -156,11 +156,3 @@ def truncate_file(path: Path, size: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

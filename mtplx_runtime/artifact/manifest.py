@@ -21,7 +21,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.safetensors_io import CheckpointError, no_duplicate_keys, read_regular
+from ..checkpoint.safetensors_io import CheckpointError, no_duplicate_keys
+from ..files import atomic_write, read_regular
 from ..formats.modes import MODES
 from ..formats.record import ALIGNMENT, PAD
 from ..formats.resident_layouts import RESIDENT_DTYPES
@@ -249,13 +250,15 @@ def parse_manifest_bytes(raw: bytes, *, where: str = "manifest",
         elif claimed is None:  # an explicit null is not "absent" (lowercase hex is required)
             raise ManifestError(f"{where}: manifest_sha256 must be 64 lowercase hex "
                                 "characters, got None")
-        m = Manifest.from_dict(d)
-        if claimed is not None:
-            if type(claimed) is not str or not _HEX64.fullmatch(claimed):
-                raise ManifestError(f"{where}: manifest_sha256 must be 64 lowercase hex "
-                                    f"characters, got {claimed!r}")
-            m.manifest_sha256 = claimed
-        validate_structure(m)
+        if claimed is not None and (type(claimed) is not str or not _HEX64.fullmatch(claimed)):
+            raise ManifestError(f"{where}: manifest_sha256 must be 64 lowercase hex "
+                                f"characters, got {claimed!r}")
+        try:
+            m = Manifest.from_dict(d)
+            validate_structure(m)
+        except ManifestError as e:  # the value and structure rules name the object, not the file
+            raise ManifestError(e if str(e).startswith(where) else f"{where}: {e}") from None
+        m.manifest_sha256 = claimed
         # Fast path: the parsed dict re-serializes to the input bytes, so the input held no
         # duplicate key and, with no explicit defaults, its canonical form is the digest input.
         body = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -305,18 +308,7 @@ def write_manifest(manifest: Manifest, path: str | os.PathLike) -> str:
     data = canonical_json(manifest.to_dict()) + b"\n"
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{path}: {len(data)} bytes would exceed the manifest size cap")
-    path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    atomic_write(path, data, durable=True)
     return manifest.manifest_sha256
 
 
@@ -591,9 +583,9 @@ def validate_structure(m: Manifest) -> None:
     if mode is None:
         raise ManifestError(f"quantization.mode {q['mode']!r} is not supported; have "
                             f"{sorted(MODES)}")
-    if q["bits"] not in mode.bits or mode.group_size not in (None, q["group_size"]):
+    if not mode.allows(q["bits"], q["group_size"]):
         raise ManifestError(f"quantization {q} is invalid for mode {q['mode']!r}: bits "
-                            f"{mode.bits}, group_size {mode.group_size}")
+                            f"{mode.bits}, group_size {mode.groups or 'any'}")
     shards = {}
     for s in m.shards:
         if s.name in shards:

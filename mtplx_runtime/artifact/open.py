@@ -5,8 +5,9 @@ structure-checked by `load_manifest`) is checked here against the config: the re
 its codec mode for the config's expert shapes (`formats.record.record_layout`), every expert of
 each routed layer it holds (FORMAT.md rules 15-20; the pinned K3 descriptor for `kimi-k3-q1t`),
 and each record's segments contiguous from its part's `data_start + sidecar_offset`. Bank parts
-are checked at open with lstat (a regular file of the manifest's size, not a symlink; nothing is
-opened, so a FIFO cannot block) and opened on their first read (O_NOFOLLOW).
+are checked at open with lstat (a regular file of the manifest's size, not a symlink, inside the
+artifact directory even when its name has directories; nothing is opened, so a FIFO cannot block)
+and opened on their first read (O_NOFOLLOW, checked inside the directory again).
 
     (layer, expert) -> manifest record -> ONE os.pread of the whole record
         -> [sha256 checked if asked] -> record_parts (pads skipped) -> ExpertRecord
@@ -22,7 +23,8 @@ from typing import NamedTuple
 from ..checkpoint.config import ModelConfig
 from ..checkpoint.layouts import ExpertLayout, ExpertRecord, ProjectionRecord, is_expert_tensor
 from ..checkpoint.reader import Checkpoint, open_checkpoint
-from ..checkpoint.safetensors_io import CheckpointError, open_regular, stat_regular
+from ..checkpoint.safetensors_io import CheckpointError
+from ..files import inside, open_regular, stat_regular
 from ..formats import FormatError
 from ..formats.modes import mode_codec
 from ..formats.record import RecordLayout, layout_of, record_components, record_parts
@@ -53,9 +55,10 @@ class BankExpertLayout(ExpertLayout):
         self.verify_sha256 = verify_sha256
         where = root / MANIFEST_NAME
         mode, bits = manifest.quantization["mode"], manifest.quantization["bits"]
+        group = manifest.quantization["group_size"]
         try:
-            self.codec = mode_codec(mode, bits)
-            self._components = record_components(mode, cfg.expert_shapes, bits)
+            self.codec = mode_codec(mode, bits, group)
+            self._components = record_components(mode, cfg.expert_shapes, bits, group)
         except (ManifestError, FormatError) as e:
             raise CheckpointError(f"{where}: codec mode {mode!r} (bits {bits}) cannot hold the "
                                   f"config's experts: {e}") from None
@@ -68,12 +71,12 @@ class BankExpertLayout(ExpertLayout):
         # The layout the bank's records declare (all alike, rule 17): padded or not.
         first = manifest.records[0].segments if manifest.records else []
         self._layout: RecordLayout = layout_of(
-            mode, bits, [(g.component, g.dtype, g.shape, g.length) for g in first])
+            mode, bits, [(g.component, g.dtype, g.shape, g.length) for g in first], group)
         self._records: dict[tuple[int, int], Record] = {}
         self._check_records(where)
         self.layers = sorted({r.layer for r in manifest.records})
         for p in manifest.sidecar.parts:  # stat, not open: readers open what they read
-            _check_part(root / p.file, p.size)
+            _check_part(root / p.file, p.size, root)
         self._fds: dict[int, int] = {}  # part -> fd, opened on first read
 
     @property
@@ -103,7 +106,7 @@ class BankExpertLayout(ExpertLayout):
                 desc = K3_T158_DESCRIPTOR
             else:
                 desc = descriptor_for(cfg, m.quantization["mode"], m.quantization["bits"],
-                                      layers=layers)
+                                      layers=layers, group_size=m.quantization["group_size"])
             validate_descriptor(m, desc)
         except ManifestError as e:
             raise CheckpointError(f"{where}: does not match config.json: {e}") from None
@@ -144,7 +147,7 @@ class BankExpertLayout(ExpertLayout):
         p = self._manifest.sidecar.parts[r.part]
         offset = p.data_start + r.sidecar_offset
         if r.part not in self._fds:
-            self._fds[r.part] = _open_part(self._root / p.file, p.size)
+            self._fds[r.part] = _open_part(self._root / p.file, p.size, self._root)
         data = os.pread(self._fds[r.part], r.sidecar_length, offset)
         if len(data) != r.sidecar_length:
             raise CheckpointError(f"{self._root / p.file}: short read of record (layer {layer}, "
@@ -176,19 +179,25 @@ class BankExpertLayout(ExpertLayout):
             os.close(fd)
 
 
-def _check_part(path: Path, size: int) -> None:
-    """A bank part must be a regular file (not a symlink, FIFO or device) of the manifest's size;
-    checked with lstat so nothing is opened (opening a FIFO would block)."""
-    st = stat_regular(path, follow_symlinks=False, what="bank part")
+def _check_part(path: Path, size: int, root: Path) -> None:
+    """A bank part must be a regular file (not a symlink, FIFO or device) of the manifest's size
+    inside the artifact directory (a part name with directories must not pass through a symlink
+    that leaves it); checked with lstat so nothing is opened (opening a FIFO would block)."""
+    st = stat_regular(path, follow_symlinks=False, error=CheckpointError, what="bank part")
+    if not inside(path, root):
+        raise CheckpointError(f"{path}: resolves to {os.path.realpath(path)}, outside {root}; "
+                              "the bank part must not leave the artifact directory")
     if st.st_size != size:
         raise CheckpointError(f"{path}: bank part is {st.st_size} bytes; the manifest says {size} "
                               "bytes")
 
 
-def _open_part(path: Path, size: int) -> int:
+def _open_part(path: Path, size: int, root: Path | None = None) -> int:
     """lstat, then O_NOFOLLOW | O_NONBLOCK and fstat (`open_regular`): a FIFO or device put in
-    a part's place after open time fails at once instead of blocking the read."""
-    fd = open_regular(path, follow_symlinks=False, what="bank part")
+    a part's place after open time fails at once instead of blocking the read, and a part
+    reached through a symlinked directory outside `root` is refused."""
+    fd = open_regular(path, root=root, follow_symlinks=False, error=CheckpointError,
+                      what="bank part")
     size_now = os.fstat(fd).st_size
     if size_now != size:
         os.close(fd)

@@ -20,12 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint.residents import resident_tensor_specs, unused_tensor
+from ..files import HASH_CHUNK, fsync_dir, read_regular, sha256_file
 from ..formats.modes import quantization_for
 from ..formats.record import ALIGNMENT
 from ..formats.resident_layouts import stored_tensors
 from ..formats.resident_quant import encode_stored
 from . import part as _part
-from .journal import BuildError, fsync_dir
+from .journal import BuildError
 from .manifest import (
     DTYPE_BYTES,
     FORMAT,
@@ -40,7 +41,7 @@ from .manifest import (
 from .manifest import (
     MANIFEST_NAME as MANIFEST,
 )
-from .part import HASH_CHUNK, disk_errors, hash_file
+from .part import disk_errors
 
 RECEIPT = "build-receipt.json"
 # Held (flock) by the running build for its whole run and removed when it ends; a killed build
@@ -50,6 +51,7 @@ INDEX = "model.safetensors.index.json"
 RECEIPT_FORMAT = "mtplx-build-receipt-v1"
 RESIDENT_SHARD_BYTES = 4 << 30  # resident shards are cut at ~4 GiB (a bigger tensor stands alone)
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+METADATA_MAX_BYTES = 256 << 20  # the largest metadata file a build copies (a tokenizer file)
 # Routed-expert tensor names of every source layout (checkpoint/layouts.py); never residents.
 _EXPERT = re.compile(r"(?:language_model\.)?model\.layers\.\d+\.(?:mlp|block_sparse_moe)\."
                      r"(?:switch_mlp\.|experts\.\d+\.)")
@@ -71,7 +73,7 @@ def install_chunks(path: Path, chunks) -> tuple[int, str]:
         for c in chunks:
             h.update(c)
             size += len(c)
-        if hash_file(path) != (size, h.hexdigest()):
+        if sha256_file(path) != (size, h.hexdigest()):
             raise BuildError(f"{path}: exists with different content than this build writes; "
                              f"use a fresh output directory")
         if partial.exists():  # killed between link and unlink: the partial is a spare link
@@ -201,14 +203,17 @@ def copy_residents(ckpt, out: Path, resident_dtype: str = "bf16") -> Residents:
 
 
 def copy_metadata_files(ckpt, out: Path) -> list[str]:
-    """Copy config, tokenizer and generation files (every small regular non-weight file; a
-    symlink to a regular file is followed, as in a Hugging Face snapshot)."""
+    """Copy config, tokenizer and generation files (every regular non-weight file of at most
+    METADATA_MAX_BYTES; a symlink is followed only within the source directory or, in a Hugging
+    Face snapshot, into its blobs: `files.read_regular` with a root)."""
     root, copied = Path(ckpt.path), []
     for p in sorted(root.iterdir()):
         if (not p.is_file() or p.name.startswith(".")
                 or p.suffix in (".safetensors", ".gguf", ".partial") or p.name in _NOT_METADATA):
             continue
-        install_bytes(out / p.name, p.read_bytes())
+        data = read_regular(p, limit=METADATA_MAX_BYTES, root=root, error=BuildError,
+                            what="metadata file")
+        install_bytes(out / p.name, data)
         copied.append(p.name)
     return copied
 
@@ -234,7 +239,7 @@ def assemble_manifest(cfg, esrc, ckpt, results: dict, residents: Residents,
         format=FORMAT, model_key=f"mtplx-{cfg_model_key(cfg)}-{esrc.mode}",
         source_repo=Path(ckpt.path).resolve().name,
         source_revision=source_revision(src_hashes),
-        quantization=quantization_for(esrc.mode, esrc.bits),
+        quantization=quantization_for(esrc.mode, esrc.bits, esrc.group_size),
         artifact={"tensor_bytes": routed + res_bytes, "resident_tensor_bytes": res_bytes,
                   "routed_expert_bytes": routed, "shard_count": len(shards),
                   "record_count": len(records)},
@@ -250,7 +255,7 @@ def cfg_model_key(cfg) -> str:
 def source_hashes(files: list[Path]) -> list[dict]:
     out = []
     for p in files:
-        size, digest = hash_file(p)
+        size, digest = sha256_file(p)
         out.append({"name": p.name, "size": size, "sha256": digest})
     return out
 
@@ -269,14 +274,14 @@ def receipt_bytes(ckpt, esrc, codec: str, out: Path, results: dict, manifest: Ma
         if (p.name in (RECEIPT, MANIFEST, LOCK) or p.name.endswith(".partial")
                 or not p.is_file()):
             continue
-        size, digest = known.get(p.name) or hash_file(p)
+        size, digest = known.get(p.name) or sha256_file(p)
         outputs.append({"file": p.name, "size": size, "sha256": digest})
     receipt = {
         "format": RECEIPT_FORMAT,
         "source": {"path": str(Path(ckpt.path).resolve()), "layout": ckpt.layout,
                    "files": src_hashes},
         "codec": {"requested": codec, "mode": esrc.mode, "conversion": esrc.conversion,
-                  "quantization": quantization_for(esrc.mode, esrc.bits),
+                  "quantization": quantization_for(esrc.mode, esrc.bits, esrc.group_size),
                   "record_bytes": esrc.layout.logical_bytes},
         "outputs": outputs,
         "manifest_sha256": manifest.compute_sha256(),

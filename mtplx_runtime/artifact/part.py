@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from ..files import fsync_dir, sha256_file
 from ..formats.record import RecordLayout, record_bytes
 from .journal import (
     BuildError,
     JournalWriter,
     check_record_geometry,
-    fsync_dir,
     header_mismatch,
     parse_journal,
     truncate_file,
@@ -38,7 +38,6 @@ from .journal import (
 
 _CRASH = {"after": int(os.environ.get("MTPLX_BUILD_CRASH_AFTER", "0") or 0), "count": 0}
 _CRASH_LOCK = threading.Lock()
-HASH_CHUNK = 8 << 20
 
 
 def crash_point(what: str) -> None:
@@ -90,16 +89,6 @@ def disk_errors(path: Path, doing: str) -> Iterator[None]:
 
 def sha256_hex(data) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def hash_file(path: Path) -> tuple[int, str]:
-    """(size, sha256) of a file, in 8 MiB reads."""
-    h, size = hashlib.sha256(), 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
 
 
 class PartSource(Protocol):
@@ -241,7 +230,7 @@ def build_part(out_dir: Path, name: str, layer: int, layout: RecordLayout, n_exp
     finally:
         os.close(fd)
     with disk_errors(partial, "reading it back"):
-        size, digest = hash_file(partial)
+        size, digest = sha256_file(partial)
     if size != n_experts * stride or digest != running.hexdigest():
         journal.close()
         raise BuildError(f"{partial}: durable readback hash {digest} ({size} B) differs from the "

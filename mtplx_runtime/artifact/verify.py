@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.config import load_json
-from ..checkpoint.safetensors_io import CheckpointError, SafetensorsFile, open_regular
+from ..checkpoint.safetensors_io import CheckpointError, SafetensorsFile
+from ..files import inside, open_regular, sha256_file
 from .descriptor import K3_T158_DESCRIPTOR, Descriptor, descriptor_for, validate_descriptor
 from .manifest import MANIFEST_NAME, Manifest, load_manifest
 
 INDEX_NAME = "model.safetensors.index.json"
 NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")  # step 2: allowed unlisted residents
-_CHUNK = 16 * 2**20
 
 
 @dataclass
@@ -50,26 +50,21 @@ class VerifyReport:
 
 
 def _member(root: Path, name: str, rep: VerifyReport) -> Path | None:
-    """`root/name` if it stays under the root, or is a Hugging Face snapshot link into the
-    sibling `blobs/` directory; otherwise a problem and None."""
+    """`root/name` if it resolves under the root, or is a Hugging Face snapshot link into the
+    sibling `blobs/` directory (`files.inside`); otherwise a problem and None."""
     p = root / name
-    real, base = os.path.realpath(p), os.path.realpath(root)
-    if real.startswith(base + os.sep):
+    if inside(p, root):
         return p
-    blobs = root.parent.parent / "blobs"
-    if (root.parent.name == "snapshots" and blobs.is_dir() and not blobs.is_symlink()
-            and real.startswith(os.path.realpath(blobs) + os.sep)):
-        return p
-    rep.problems.append(f"{name}: resolves to {real}, outside the artifact root")
+    rep.problems.append(f"{name}: resolves to {os.path.realpath(p)}, outside the artifact root")
     return None
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with os.fdopen(open_regular(path), "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+def _check_links(root: Path, rep: VerifyReport) -> None:
+    """Every symlink among the root's entries (config, index, tokenizer files...) resolves
+    inside the root: a member that leaves it is a problem even when nothing lists it."""
+    for p in sorted(root.iterdir()):
+        if p.is_symlink():
+            _member(root, p.name, rep)
 
 
 def _descriptor(m: Manifest, root: Path, rep: VerifyReport) -> Descriptor | None:
@@ -78,10 +73,11 @@ def _descriptor(m: Manifest, root: Path, rep: VerifyReport) -> Descriptor | None
     from ..checkpoint.config import ModelConfig
 
     try:
-        cfg = ModelConfig.from_file(root / "config.json")
+        cfg = ModelConfig.from_file(root / "config.json", root=root)
         # An artifact built with --layers holds a subset of the routed layers, each complete.
         return descriptor_for(cfg, m.quantization["mode"], m.quantization["bits"],
-                              model_key=m.model_key, layers={r.layer for r in m.records})
+                              model_key=m.model_key, layers={r.layer for r in m.records},
+                              group_size=m.quantization["group_size"])
     except (CheckpointError, OSError) as e:
         rep.problems.append(f"config.json: cannot derive the record layout: {e}")
         return None
@@ -110,13 +106,14 @@ def _check_shards(m: Manifest, root: Path, rep: VerifyReport, hashes: bool) -> d
             continue
         if s.kind != "sidecar":
             try:
-                with SafetensorsFile(p) as f:
+                with SafetensorsFile(p, root=root) as f:
                     tensors[s.name] = f.tensors
             except CheckpointError as e:
                 rep.problems.append(f"{s.name}: bad safetensors header: {e}")
                 continue
             try:  # never raises: a file swapped after the stat above is one more problem
-                with os.fdopen(open_regular(p, what="safetensors file"), "rb") as f:
+                with os.fdopen(open_regular(p, root=root, error=CheckpointError,
+                                            what="safetensors file"), "rb") as f:
                     n = 8 + int.from_bytes(f.read(8), "little")
                     f.seek(0)
                     got = hashlib.sha256(f.read(n)).hexdigest()
@@ -128,7 +125,7 @@ def _check_shards(m: Manifest, root: Path, rep: VerifyReport, hashes: bool) -> d
                                     f"{s.header_bytes}, header_sha256 {got} vs {s.header_sha256})")
         if hashes and s.sha256 is not None:
             try:
-                if _file_sha256(p) != s.sha256:
+                if sha256_file(p, root=root, error=CheckpointError)[1] != s.sha256:
                     rep.problems.append(f"{s.name}: sha256 mismatch (whole file)")
             except CheckpointError as e:
                 rep.problems.append(f"{s.name}: {e}")
@@ -150,7 +147,7 @@ def _check_index(m: Manifest, root: Path, rep: VerifyReport, tensors: dict,
         rep.problems.append(f"{INDEX_NAME}: missing")
         return
     try:  # a regular file, opened without blocking; bounded; deep nesting a CheckpointError
-        index = load_json(root / INDEX_NAME)
+        index = load_json(root / INDEX_NAME, root=root)
     except CheckpointError as e:
         rep.problems.append(f"{INDEX_NAME}: unreadable: {e}")
         return
@@ -209,7 +206,8 @@ def _check_records(m: Manifest, root: Path, rep: VerifyReport,
                 if s.shard not in fds:
                     p = _member(root, s.shard, rep)
                     try:  # never blocks: a FIFO or device in a part's place is refused
-                        fds[s.shard] = None if p is None else open_regular(p, what="bank part")
+                        fds[s.shard] = None if p is None else open_regular(
+                            p, root=root, error=CheckpointError, what="bank part")
                     except CheckpointError as e:
                         fds[s.shard] = None
                         rep.problems.append(f"{s.shard}: cannot read records: {e}")
@@ -250,6 +248,7 @@ def verify_artifact(root: str | os.PathLike, *, records: bool = False,
         rep.problems.append(str(e))
         return rep
     rep.manifest = m
+    _check_links(root, rep)
     desc = None
     if m.authoritative:
         desc = _descriptor(m, root, rep)

@@ -17,7 +17,8 @@ import reprlib
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from .safetensors_io import CheckpointError, no_duplicate_keys, read_regular
+from ..files import read_regular
+from .safetensors_io import CheckpointError, no_duplicate_keys
 
 # config.json, the index and tokenizer JSON files are small; a larger one is hostile.
 MAX_JSON_BYTES = 64 * 2**20
@@ -48,9 +49,10 @@ _K3_MARKERS = (
 # generous next to K3's values (FORMAT.md "Geometry"), small enough that nothing derived from
 # them (layer lists, tensor tables, shapes) is unbounded.
 MAX_LAYERS = 1024
+MAX_EXPERTS = 1 << 16
 _INT_BOUNDS = {
     "vocab_size": 1 << 24, "hidden_size": 1 << 20, "num_hidden_layers": MAX_LAYERS,
-    "intermediate_size": 1 << 22, "num_experts": 1 << 16, "num_experts_per_token": 1 << 16,
+    "intermediate_size": 1 << 22, "num_experts": MAX_EXPERTS, "num_experts_per_token": MAX_EXPERTS,
     "moe_intermediate_size": 1 << 20, "routed_expert_hidden_size": 1 << 20,
     "num_shared_experts": 256, "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
     "q_lora_rank": 1 << 20, "kv_lora_rank": 1 << 20, "qk_nope_head_dim": 1 << 12,
@@ -305,10 +307,12 @@ class ModelConfig(MoELayers):
         return cls(**values)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> ModelConfig:
+    def from_file(cls, path: str | os.PathLike, *,
+                  root: str | os.PathLike | None = None) -> ModelConfig:
+        """`config.json` at `path`; `root`: the model directory it must not leave."""
         path = Path(path)
         try:
-            return cls.from_dict(load_json(path))
+            return cls.from_dict(load_json(path, root=root))
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
 
@@ -390,10 +394,12 @@ def _quantization_config(d: dict, text: dict) -> dict | None:
 
 
 
-def load_json(path: Path, *, error: type[Exception] = CheckpointError) -> object:
-    """Read a JSON file (a regular file of at most MAX_JSON_BYTES, opened without blocking),
-    rejecting duplicate keys and NaN/Infinity; errors are `error` naming the file."""
-    raw = read_regular(path, limit=MAX_JSON_BYTES, error=error, what="JSON file")
+def load_json(path: Path, *, root: str | os.PathLike | None = None,
+              error: type[Exception] = CheckpointError) -> object:
+    """Read a JSON file (a regular file of at most MAX_JSON_BYTES, opened without blocking,
+    inside the directory `root` when given), rejecting duplicate keys and NaN/Infinity; errors
+    are `error` naming the file."""
+    raw = read_regular(path, limit=MAX_JSON_BYTES, root=root, error=error, what="JSON file")
     try:
         return json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys,
                           parse_constant=_reject_constant)

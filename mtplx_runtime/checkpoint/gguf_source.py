@@ -29,11 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import open_regular
 from ..formats.q2k import BLOCK_BYTES, BLOCK_ELEMS, Q2KCodec
 from .config import ModelConfig
 from .layouts import ExpertRecord, ProjectionRecord
 from .residents import check_residents
-from .safetensors_io import CheckpointError, TensorInfo, open_regular
+from .safetensors_io import CheckpointError, TensorInfo
 
 CONFIG = "config.json"
 GGUF_MAGIC = b"GGUF"
@@ -139,10 +140,11 @@ class _Cursor:
 class GGUFFile:
     """One GGUF file: header parsed and validated at open, data read on demand with pread."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, root: str | os.PathLike | None = None):
         self.path = Path(path)
         self._fd = -1
-        self._fd = open_regular(self.path, what="GGUF file")  # never blocks on a FIFO
+        # never blocks on a FIFO; inside the source directory `root` when given
+        self._fd = open_regular(self.path, root=root, error=CheckpointError, what="GGUF file")
         try:
             self.size = os.fstat(self._fd).st_size
             self._parse()
@@ -379,11 +381,11 @@ def open_gguf_source(path: str | os.PathLike) -> GGUFSource:
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a GGUF source directory")
-    config = ModelConfig.from_file(root / CONFIG)
+    config = ModelConfig.from_file(root / CONFIG, root=root)
     files: list[GGUFFile] = []
     try:
         for p in _shard_paths(root):
-            files.append(GGUFFile(p))
+            files.append(GGUFFile(p, root=root))
         _check_split(files)
         return GGUFSource(root, config, files)
     except BaseException:

@@ -379,7 +379,8 @@ def _w3_codec(cfg: ModelConfig, where: Mapping[str, SafetensorsFile], groups: di
     except FormatError as e:
         raise CheckpointError(f"{root}: quantization_config: {e}") from None
     if scheme.num_bits != 3:  # 2/4/8-bit packings are the same in every ct version
-        return get_codec("ct-int", num_bits=scheme.num_bits, symmetric=scheme.symmetric)
+        return get_codec("ct-int", num_bits=scheme.num_bits, symmetric=scheme.symmetric,
+                         group_size=scheme.group_size)
     layouts: dict[str, str] = {}  # layout -> first tensor in it
     seen: dict[tuple[int, int], str] = {}  # (width, cols) -> layout; widths repeat 247k times
     for (_, _, off), have in groups.items():
@@ -399,4 +400,5 @@ def _w3_codec(cfg: ModelConfig, where: Mapping[str, SafetensorsFile], groups: di
         shown = ", ".join(f"{k} ({v})" for k, v in sorted(layouts.items()))
         raise CheckpointError(f"{root}: one packing layout per checkpoint, found {shown}")
     (layout,) = layouts
-    return get_codec("ct-int", num_bits=3, layout=layout, symmetric=scheme.symmetric)
+    return get_codec("ct-int", num_bits=3, layout=layout, symmetric=scheme.symmetric,
+                     group_size=scheme.group_size)

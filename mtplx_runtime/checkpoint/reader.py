@@ -11,6 +11,9 @@ parts, `*.partial` files or build journals without it (an unfinished build), is 
 At open only headers are read: the index is checked against the shard headers, the routed-expert
 layout is detected and checked against the config (layouts.py), and the resident text tensors are
 checked (residents.py). Shards stay open; tensors and experts are read on demand with pread.
+Every file is opened inside the directory: one that resolves outside it (a symlink, or a
+symlinked directory on the way) is refused, except a Hugging Face cache snapshot's links into
+its `blobs/` (`files.open_regular` with a root).
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ class Checkpoint:
         self.config.check_expert_key(layer, expert)
         return self._experts.read(layer, expert)
 
+    def shard_fds(self) -> dict[str, int]:
+        """{shard file name: the descriptor its tensors are read through}, for checks that
+        must see the bytes the reads will see (artifact.integrity)."""
+        return {shard.path.name: shard.fileno() for shard in self._shards}
+
     def _shard(self, name: str) -> SafetensorsFile:
         try:
             return self._where[name]
@@ -113,7 +121,7 @@ def open_checkpoint(path: str | os.PathLike, *, experts=None,
         raise CheckpointError(f"{root}: not a checkpoint directory")
     if experts is None:
         _refuse_artifact(root)
-    config = load_config(root / CONFIG)
+    config = load_config(root / CONFIG, root=root)
     shards: list[SafetensorsFile] = []
     layout = None
     try:
@@ -122,7 +130,7 @@ def open_checkpoint(path: str | os.PathLike, *, experts=None,
         for name in names:
             if not (root / name).is_file():
                 raise CheckpointError(f"{root / INDEX}: shard {name!r} is missing from {root}")
-            shards.append(SafetensorsFile(root / name))
+            shards.append(SafetensorsFile(root / name, root=root))
         where = _locate(shards, weight_map, root)
         layout = experts(config, where) if experts is not None else None
         return Checkpoint(root, config, shards, where, layout, resident_dtype)
@@ -134,11 +142,13 @@ def open_checkpoint(path: str | os.PathLike, *, experts=None,
         raise
 
 
-def load_config(path: str | os.PathLike) -> ModelConfig | DeepseekV3Config:
+def load_config(path: str | os.PathLike, *,
+                root: str | os.PathLike | None = None) -> ModelConfig | DeepseekV3Config:
     """The model config in `path` (a config.json): the DeepSeek-V3 family (DeepSeek-V3/R1,
-    Kimi K2) by its `model_type`, else Kimi K3. ConfigError naming the file."""
+    Kimi K2) by its `model_type`, else Kimi K3. `root`: the model directory it must not leave.
+    ConfigError naming the file."""
     path = Path(path)
-    d = load_json(path)
+    d = load_json(path, root=root)
     try:
         if isinstance(d, dict) and d.get("model_type") in DEEPSEEK_TYPES:
             return DeepseekV3Config.from_dict(d)
@@ -168,7 +178,7 @@ def _read_index(root: Path) -> dict[str, str] | None:
         if not (root / SINGLE).exists():
             raise CheckpointError(f"{root}: neither {INDEX} nor {SINGLE} is present")
         return None
-    data = load_json(index)
+    data = load_json(index, root=root)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(v, str) for v in weight_map.values()

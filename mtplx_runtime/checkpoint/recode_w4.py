@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import atomic_write
 from ..formats.base import FormatError
 from ..formats.ctint import (
-    GROUP_SIZE,
     detect_layout,
     packed_width,
     parse_quantization_config,
@@ -80,7 +80,7 @@ def _qc_holders(cfg: object, path: Path) -> list[dict]:
 def _open_shards(src: Path) -> tuple[dict | None, dict[str, SafetensorsFile], dict[str, str]]:
     """(index or None, shard name -> open file, tensor name -> shard name), cross-checked."""
     if (src / INDEX).exists():
-        index = load_json(src / INDEX)
+        index = load_json(src / INDEX, root=src)
         where = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(where, dict) or not where:
             raise CheckpointError(f"{src / INDEX}: no weight_map")
@@ -92,7 +92,7 @@ def _open_shards(src: Path) -> tuple[dict | None, dict[str, SafetensorsFile], di
         index, names, where = None, [SINGLE], None
     else:
         raise CheckpointError(f"{src}: neither {INDEX} nor {SINGLE} found")
-    files = {n: SafetensorsFile(src / n) for n in names}
+    files = {n: SafetensorsFile(src / n, root=src) for n in names}
     if where is None:
         where = {t: SINGLE for t in files[SINGLE].tensors}
     mapped: dict[str, set[str]] = {n: set() for n in files}
@@ -105,9 +105,10 @@ def _open_shards(src: Path) -> tuple[dict | None, dict[str, SafetensorsFile], di
     return index, files, where
 
 
-def _plan(files: dict[str, SafetensorsFile], where: dict[str, str], symmetric: bool,
+def _plan(files: dict[str, SafetensorsFile], where: dict[str, str], symmetric: bool, group: int,
           version: str | None, override: str | None) -> tuple[dict[str, tuple[int, int]], str]:
-    """Check every quantised projection; return ({prefix: (rows, cols)}, the one 3-bit layout)."""
+    """Check every quantised projection (one scale per `group` columns); return
+    ({prefix: (rows, cols)}, the one 3-bit layout)."""
 
     def info(name: str) -> TensorInfo | None:
         return files[where[name]].info(name) if name in where else None
@@ -137,13 +138,13 @@ def _plan(files: dict[str, SafetensorsFile], where: dict[str, str], symmetric: b
         first.setdefault(layout, name)
         if len(first) > 1:
             raise fail(name, f"mixed 3-bit layouts in one checkpoint: {first}")
-        if cols % GROUP_SIZE or scale is None or scale.shape != (rows, cols // GROUP_SIZE):
+        if cols % group or scale is None or scale.shape != (rows, cols // group):
             got = "missing" if scale is None else list(scale.shape)
-            raise fail(name, f"weight_scale is {got}, expected [{rows}, {cols / GROUP_SIZE:g}]")
+            raise fail(name, f"weight_scale is {got}, expected [{rows}, {cols / group:g}]")
         if symmetric and zp is not None:
             raise fail(name, "symmetric config but a weight_zero_point exists")
         if not symmetric:
-            want = (packed_width(rows, 3, layout), cols // GROUP_SIZE)
+            want = (packed_width(rows, 3, layout), cols // group)
             if zp is None or zp.dtype != "I32" or zp.shape != want:
                 got = "missing" if zp is None else f"{zp.dtype}{list(zp.shape)}"
                 raise fail(name, f"weight_zero_point is {got}, expected I32{list(want)}")
@@ -176,9 +177,7 @@ def _recode(name: str, words: np.ndarray, n: int, layout: str, zero_point: bool)
 
 
 def _write_json(path: Path, obj: object) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode())
 
 
 def recode_checkpoint(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
@@ -197,7 +196,7 @@ def recode_checkpoint(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
     if dst.resolve().is_relative_to(src.resolve()):
         raise CheckpointError(f"{dst}: must not lie inside the source folder {src}")
     cfg_path = src / "config.json"
-    cfg = load_json(cfg_path)
+    cfg = load_json(cfg_path, root=src)
     holders = _qc_holders(cfg, cfg_path)
     try:
         scheme = parse_quantization_config(holders[0]["quantization_config"])
@@ -209,7 +208,8 @@ def recode_checkpoint(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
         )
     index, files, where = _open_shards(src)
     try:
-        plans, src_layout = _plan(files, where, scheme.symmetric, scheme.version, layout)
+        plans, src_layout = _plan(files, where, scheme.symmetric, scheme.group_size,
+                                  scheme.version, layout)
         dst.mkdir(parents=True, exist_ok=True)
         report = RecodeReport(src_layout)
         for i, (shard, f) in enumerate(files.items(), 1):

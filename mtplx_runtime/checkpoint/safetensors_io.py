@@ -9,106 +9,23 @@ back as uint16 bits, and every malformation gets an error that names the file.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..files import InputError, atomic_write, open_regular
 from ..formats.base import ST_DTYPES
 
 # The safetensors reference implementation refuses headers above 100 MB; so do we.
 MAX_HEADER_BYTES = 100_000_000
 
-# safetensors dtype tag -> numpy dtype in memory (BF16 as raw bits; see formats/base.py).
-
-
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint file or directory that cannot be read as claimed; the message names the file."""
-
-
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def _kind(mode: int) -> str:
-    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")):
-        if test(mode):
-            return what
-    return "not a regular file"
-
-
-def stat_regular(path: str | os.PathLike, *, follow_symlinks: bool = True,
-                 error: type[Exception] = CheckpointError, what: str = "file") -> os.stat_result:
-    """The stat of `path` when it is a regular file (lstat when symlinks are refused); a FIFO,
-    directory, device, socket or (refused) symlink is an `error` naming the path, and nothing
-    is opened, so nothing can block."""
-    try:
-        st = os.stat(path) if follow_symlinks else os.lstat(path)
-    except FileNotFoundError:
-        raise error(f"{path}: file not found") from None
-    except OSError as e:
-        raise error(f"{path}: cannot examine the {what}: {e.strerror}") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise error(f"{path}: is a symlink (the {what} is read without following symlinks)")
-    if not stat.S_ISREG(st.st_mode):
-        raise error(f"{path}: not a regular file ({_kind(st.st_mode)}); the {what} must be one")
-    return st
-
-
-def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = True,
-                 error: type[Exception] = CheckpointError, what: str = "file") -> int:
-    """A read-only fd of the regular file `path`, never blocking (FORMAT.md "What the readers
-    validate"): the path is stat-ed first (lstat when symlinks are refused) and a FIFO,
-    directory, device or socket is refused without opening it; the open itself is O_NONBLOCK
-    (and O_NOFOLLOW when refusing symlinks) and re-checked with fstat, so a file swapped in
-    between cannot block either. Errors are `error` (a ValueError subclass) naming the path."""
-    stat_regular(path, follow_symlinks=follow_symlinks, error=error, what=what)
-    flags = os.O_RDONLY | _O_CLOEXEC | _O_NONBLOCK | (0 if follow_symlinks else _O_NOFOLLOW)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise error(f"{path}: file not found") from None
-    except OSError as e:
-        if not follow_symlinks and os.path.islink(path):
-            raise error(f"{path}: is a symlink (the {what} is read without following "
-                        "symlinks)") from None
-        raise error(f"{path}: cannot open the {what}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{path}: not a regular file ({_kind(st.st_mode)}); the {what} must be one")
-        if _O_NONBLOCK:
-            os.set_blocking(fd, True)  # no effect on regular-file reads; plain fd from here
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def read_regular(path: str | os.PathLike, *, limit: int, follow_symlinks: bool = True,
-                 error: type[Exception] = CheckpointError, what: str = "file") -> bytes:
-    """The bytes of the regular file `path` (`open_regular`), at most `limit` of them."""
-    fd = open_regular(path, follow_symlinks=follow_symlinks, error=error, what=what)
-    try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise error(f"{path}: {size} bytes exceeds the {limit}-byte size cap for the {what}")
-        chunks, total = [], 0
-        while chunk := os.read(fd, min(16 * 2**20, limit + 1 - total)):
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > limit:  # the file grew after fstat
-                raise error(f"{path}: exceeds the {limit}-byte size cap for the {what}")
-    finally:
-        os.close(fd)
-    return b"".join(chunks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,10 +54,13 @@ def no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
 class SafetensorsFile:
     """One safetensors file: header parsed and validated at open, tensors read on demand."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, root: str | os.PathLike | None = None):
+        """`root`: the model directory the file belongs to, which it must not leave (symlinks
+        included; FORMAT.md "What the readers validate")."""
         self.path = Path(path)
         self._fd = -1
-        self._fd = open_regular(self.path, what="safetensors file")
+        self._fd = open_regular(self.path, root=root, error=CheckpointError,
+                                what="safetensors file")
         try:
             self.size = os.fstat(self._fd).st_size
             self.metadata, self.tensors = self._parse_header()
@@ -232,6 +152,10 @@ class SafetensorsFile:
         arr = np.frombuffer(self.read_bytes(name), dtype=ST_DTYPES[t.dtype])
         return arr.reshape(t.shape).copy()
 
+    def fileno(self) -> int:
+        """The descriptor every read goes through (integrity checks hash through it too)."""
+        return self._fd
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
@@ -254,7 +178,8 @@ def write_safetensors(
     tensors: Mapping[str, tuple[str, np.ndarray]] | Iterable[tuple[str, str, np.ndarray]],
     metadata: Mapping[str, str] | None = None,
 ) -> None:
-    """Write `{name: (st_dtype, array)}` in name order, atomically (temp file, fsync, rename).
+    """Write `{name: (st_dtype, array)}` in name order, atomically (`files.atomic_write`:
+    temporary file, fsync, rename).
 
     The header is compact JSON space-padded to a multiple of 8 so the data section starts
     8-aligned, as the safetensors library writes it.
@@ -277,13 +202,7 @@ def write_safetensors(
         off += arr.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for _, st_dtype, arr in items:
-            f.write(np.ascontiguousarray(arr).astype(ST_DTYPES[st_dtype], copy=False).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    data = (np.ascontiguousarray(arr).astype(ST_DTYPES[st_dtype], copy=False).tobytes()
+            for _, st_dtype, arr in items)  # one tensor's bytes at a time
+    atomic_write(path, itertools.chain([len(raw).to_bytes(8, "little"), raw], data),
+                 durable=True)

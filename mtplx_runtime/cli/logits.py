@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 
+from ..files import atomic_write
 from .generate import add_resident_dtype
 from .model_dir import add_model_dir
 
@@ -48,7 +50,11 @@ def main(args: argparse.Namespace) -> int:
               f"0..{vocab - 1}", file=sys.stderr)
         return 2
     logits = model.logits(args.tokens).to(torch.float32).numpy()
-    np.save(args.out, logits)
+    npy = io.BytesIO()
+    np.save(npy, logits)
+    # np.save's own naming (".npy" added when missing), written in one step
+    atomic_write(args.out if str(args.out).endswith(".npy") else f"{args.out}.npy",
+                 npy.getbuffer())
     top = logits[-1].argmax()
     print(f"logits {list(logits.shape)} ({args.dtype}) -> {args.out}; next-token argmax {top}")
     return 0

@@ -25,6 +25,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser as a package (pyproject's marker)
     import tomli as tomllib
 
+from ..files import InputError, read_regular
 from ..formats.resident_layouts import RESIDENT_DTYPES
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -35,9 +36,10 @@ CHOICES = {"dtype": ("bfloat16", "float32"), "resident_dtype": RESIDENT_DTYPES,
 INTS = {"context": 1, "prefill_chunk": 1, "lookahead": 0, "batch": 1, "max_tokens": 0,
         "top_k": 0, "seed": None, "max_queue": 1, "max_connections": 1, "max_body_bytes": 1}
 FLOATS = ("temperature", "top_p")
+MAX_PRESET_BYTES = 1 << 20  # a preset is a few lines of TOML
 
 
-class PresetError(ValueError):
+class PresetError(InputError):
     """A preset that cannot be found, read or used; the message names the file and the key."""
 
 
@@ -139,13 +141,15 @@ def find(ref: str | Path) -> Path:
 def load(ref: str | Path) -> Preset:
     """Find, parse and validate a preset; PresetError names the file (and the key)."""
     path = find(ref)
+    raw = read_regular(path, limit=MAX_PRESET_BYTES, error=PresetError, what="preset")
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise PresetError(f"{path}: not UTF-8 text (byte {e.start}); TOML is UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise PresetError(f"{path}: not valid TOML: {e}") from None
-    except OSError as e:
-        raise PresetError(f"{path}: cannot read it: {e.strerror or e}") from None
+    except RecursionError:
+        raise PresetError(f"{path}: not valid TOML: nested too deeply") from None
     for key in data:
         if key not in KEYS:
             raise PresetError(f"{path}: unknown key {key!r} (a preset sets: {', '.join(KEYS)})")

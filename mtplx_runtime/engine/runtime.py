@@ -154,8 +154,9 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
     try:
         tok = _tokenizer(root, ckpt.config) if tokenizer else None
         bank, cfg = ckpt.expert_layout, ckpt.config
-        if verify:
-            admit_shards(root, bank.manifest)
+        # Hashed through the descriptors the residents are read from, so a file renamed over a
+        # shard during the load changes nothing that is read.
+        admitted = admit_shards(root, bank.manifest, ckpt.shard_fds()) if verify else None
         stride = align_up(bank.layout.logical_bytes)  # a slot: one record, 4 KiB-rounded
         plan = None
         transient_bytes = None  # cache_slots: the provider's default prefill pool
@@ -181,6 +182,8 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
             decode_depth=decode_depth)
         try:
             model = _build(ckpt, torch_dtype, dev, provider, resident_dtype)
+            if admitted is not None:  # no write landed between the check and the reads
+                admitted.confirm(root, ckpt.shard_fds())
             path = warm_path(root, bank.manifest, warm)
             if path is not None:
                 provider.start_warm(WarmStart(bank.manifest, path, progress=warm_progress))

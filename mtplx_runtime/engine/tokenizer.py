@@ -11,7 +11,13 @@ the config's `added_tokens_decoder` (else from K3's table below), the rest
 
 Pre-tokenizer. `tokenizer_config.json` MAY carry a `pat_str` field (an extension of this
 runtime; the release has none). Without it the directory is read as K3 and `K3_PAT_STR` is used.
-The tiny fixture declares its simpler ASCII split that way.
+The tiny fixture declares its simpler ASCII split that way (`FIXTURE_PAT_STR`). Any other pattern
+loads with a warning (the model was not trained on its split); one that does not cover a probe
+text (it skips characters, or gives up backtracking) is refused, and every encode checks that
+its pieces still cover the whole input, so text is never dropped silently.
+
+The files are validated as strictly as the manifest (FORMAT.md "What the readers validate"):
+TokenizerError names the file and the key or line; sizes are bounded before anything is built.
 
 K3's `pat_str` intersects character classes (`[A&&[^\\p{Han}]]`). tiktoken's engine (fancy-regex
 on the Rust `regex` crate) supports `&&`: tests/test_tokenizer.py probes tiktoken's actual split
@@ -32,6 +38,8 @@ from __future__ import annotations
 
 import base64
 import codecs
+import logging
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +47,16 @@ from pathlib import Path
 import tiktoken
 
 from ..checkpoint.config import load_json
-from ..checkpoint.safetensors_io import read_regular
+from ..files import InputError, read_regular
+
+log = logging.getLogger(__name__)
 
 NUM_SPECIAL_IDS = 256
-MAX_RANKS_BYTES = 256 * 2**20  # K3's tiktoken.model is about 2.4 MB
+# K3's tiktoken.model is about 2.4 MB and 163,584 ranks; tiktoken holds ~450 B per rank, so the
+# bounds keep a hostile file under ~250 MB of memory.
+MAX_RANKS_BYTES = 16 * 2**20
+MAX_RANKS = 1 << 19
+MAX_PAT_CHARS = 4096
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 
@@ -71,6 +85,16 @@ def _k3_pattern(upper: str, lower: str) -> str:
 
 K3_PAT_STR = _k3_pattern(_K3_UPPER, _K3_LOWER)  # the literal text of tokenization_kimi.py
 K3_PAT_STR_NO_INTERSECTION = _k3_pattern(_NI_UPPER, _NI_LOWER)
+# The tiny fixtures' split: ASCII-only GPT-2 style, read alike by Python's `re` (training) and
+# tiktoken's fancy-regex (encoding). K3's real pattern needs `&&` class intersection.
+FIXTURE_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+"""
+# The pre-tokenizers this runtime knows for the tiktoken family (K3): any other is used loudly.
+KNOWN_PAT_STRS = {K3_PAT_STR: "K3's", K3_PAT_STR_NO_INTERSECTION: "K3's (without &&)",
+                  FIXTURE_PAT_STR: "the tiny fixtures'"}
+# Text every pre-tokenizer must split into pieces that cover it: letters of several scripts
+# and cases, marks, digits, punctuation runs, every kind of whitespace and line end.
+PROBE_TEXT = ("Hello, World! It's 2024: naïve café ÆØÅ ΣΑΣ Привет 中文字符 カタカナ 한국어 "
+              "e\u0301 \u00a0\t\r\n\n  x\u3000y 12345 3.14 --> (a+b)*c; 🙂 \u200b end.\n")
 
 # Named special ids as offsets from the first special id (FORMAT.md "Tokenizer"); used when a
 # directory has no tokenizer_config.json. Offsets, not ids, so any rank count maps them like K3.
@@ -100,21 +124,40 @@ EOS = "[EOS]"
 STOP_NAMES = (END_OF_MSG, "<|im_end|>", EOS)
 
 
-def read_ranks(path: str | Path) -> dict[bytes, int]:
-    """Parse a tiktoken BPE file (`base64 rank` per line) without tiktoken's path-keyed cache."""
+class TokenizerError(InputError):
+    """A tokenizer file that cannot be used as claimed; the message names the file and the key
+    or line (a ValueError, like every loader's error)."""
+
+
+def read_ranks(path: str | Path, *, root: str | Path | None = None) -> dict[bytes, int]:
+    """Parse a tiktoken BPE file (`base64 rank` per line) without tiktoken's path-keyed cache:
+    ranks 0..n-1 each once (n <= MAX_RANKS), distinct non-empty tokens, every single byte
+    among them (tiktoken's encoder panics on a piece it cannot reduce to ranked tokens)."""
     ranks: dict[bytes, int] = {}
-    # A regular file opened without blocking (a FIFO or directory is a ValueError naming it).
-    raw = read_regular(path, limit=MAX_RANKS_BYTES, what="tokenizer file")
+    # A regular file opened without blocking (a FIFO or directory is refused, naming it).
+    raw = read_regular(path, limit=MAX_RANKS_BYTES, root=root, error=TokenizerError,
+                       what="tokenizer file")
     for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue
+        fields = line.split()
         try:
-            tok, rank = line.split()
-            ranks[base64.b64decode(tok, validate=True)] = int(rank)
-        except ValueError as e:
-            raise ValueError(f"{path}:{n}: not a `base64 rank` line") from e
+            tok = base64.b64decode(fields[0], validate=True) if len(fields) == 2 else b""
+        except ValueError:
+            tok = b""
+        if not tok or not (fields[1].isdigit() and len(fields[1]) <= 9):
+            raise TokenizerError(f"{path}:{n}: not a `base64 rank` line")
+        if tok in ranks:
+            raise TokenizerError(f"{path}:{n}: token {tok[:40]!r} has a rank already")
+        if len(ranks) == MAX_RANKS:
+            raise TokenizerError(f"{path}:{n}: more than {MAX_RANKS} ranks")
+        ranks[tok] = int(fields[1])
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"{path}: ranks are not 0..{len(ranks) - 1}, each once")
+        raise TokenizerError(f"{path}: ranks are not 0..{len(ranks) - 1}, each once")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise TokenizerError(f"{path}: no rank for byte 0x{missing[0]:02x} ({len(missing)} of "
+                             "the 256 single bytes missing); a byte-level BPE ranks them all")
     return ranks
 
 
@@ -156,9 +199,11 @@ class Tokenizer:
         bos: str = "[BOS]",
         eos: str = EOS,
         name: str = "k3",
+        source: str = "",
     ):
         self.n_ranks = len(ranks)
         self.pat_str = pat_str
+        self.source = source or name  # what errors name: the file the pattern came from
         self.specials = specials
         self._by_name = {s.text: s.id for s in specials}
         self._skipped = frozenset(s.id for s in specials if s.skipped)
@@ -196,10 +241,20 @@ class Tokenizer:
         """BPE ids of `text`. Special-token text is ordinary text unless allow_special."""
         out: list[int] = []
         for piece in split_long_text(text):
-            if allow_special:
-                out.extend(self._enc.encode(piece, allowed_special="all"))
-            else:
-                out.extend(self._enc.encode(piece, disallowed_special=()))
+            try:
+                ids = self._enc.encode(piece, allowed_special="all" if allow_special else set(),
+                                       disallowed_special=())
+            except ValueError as e:  # the regex engine's: e.g. its backtracking limit
+                raise TokenizerError(f"{self.source}: pat_str cannot split this text: {e}"
+                                     ) from None
+            # A pre-tokenizer that skips characters (or gives up backtracking silently) yields
+            # pieces that do not cover the text: refuse rather than compute on other text.
+            got, want = len(self._enc.decode_bytes(ids)), len(piece.encode("utf-8", "replace"))
+            if got != want:
+                raise TokenizerError(f"{self.source}: pat_str split a {len(piece)}-character "
+                                     f"text into pieces covering {got} of its {want} bytes; "
+                                     "the pre-tokenizer cannot encode this text")
+            out.extend(ids)
         return out
 
     def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
@@ -234,46 +289,107 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def _config_specials(config: dict, n_ranks: int) -> list[SpecialToken]:
+def _config_specials(config: dict, n_ranks: int, where: Path) -> list[SpecialToken]:
+    """The 256 special ids after the ranks, named from `added_tokens_decoder` (an object of
+    decimal id -> {"content": name, "special": bool}) or, without one, K3's table."""
     decoder = config.get("added_tokens_decoder")
     if decoder is None:
         named = {n_ranks + k: (v, v not in K3_NOT_SKIPPED) for k, v in K3_NAMED_SPECIALS.items()}
     else:
-        named = {int(i): (d["content"], bool(d.get("special", True))) for i, d in decoder.items()}
+        if not isinstance(decoder, dict):
+            raise TokenizerError(f"{where}: added_tokens_decoder must be an object of id -> "
+                                 f"token, got {type(decoder).__name__}")
+        named = {}
+        for i, d in decoder.items():
+            key = f"added_tokens_decoder[{i[:20]!r}]"
+            if not (i.isdigit() and len(i) <= 9):
+                raise TokenizerError(f"{where}: {key}: the id must be a decimal integer")
+            if not (isinstance(d, dict) and isinstance(d.get("content"), str) and d["content"]
+                    and isinstance(d.get("special", True), bool)):
+                raise TokenizerError(f"{where}: {key}: must be an object with a non-empty "
+                                     "string content and an optional boolean special")
+            named[int(i)] = (d["content"], d.get("special", True))
     last = n_ranks + NUM_SPECIAL_IDS
     outside = sorted(i for i in named if not n_ranks <= i < last)
     if outside:
-        raise ValueError(f"added tokens {outside} are not special ids {n_ranks}..{last - 1}")
+        raise TokenizerError(f"{where}: added_tokens_decoder: ids {outside[:8]} are not special "
+                             f"ids {n_ranks}..{last - 1}")
     out = [
         SpecialToken(i, *named.get(i, (f"<|reserved_token_{i}|>", True)))
         for i in range(n_ranks, last)
     ]
     if len({s.text for s in out}) != len(out):
-        raise ValueError("special token names are not unique")
+        raise TokenizerError(f"{where}: added_tokens_decoder: special token names are not "
+                             "unique")
+    moved = [v for k, v in K3_NAMED_SPECIALS.items() if named.get(n_ranks + k, (None,))[0] != v]
+    if moved:
+        log.warning("%s: special tokens %s are not where K3 has them (first special id + %s; "
+                    "missing or at another id): this runtime runs K3's chat format with K3's "
+                    "ids", where, moved[:4],
+                    [k for k, v in K3_NAMED_SPECIALS.items() if v in moved][:4])
     return out
 
 
-def _token_name(value: object, default: str) -> str:
+def _token_name(config: dict, key: str, default: str, names: set[str], where: Path) -> str:
+    """The special token `config[key]` names (a string or a serialized AddedToken)."""
+    value = config.get(key)
     if value is None:
-        return default
-    if isinstance(value, dict):  # serialized AddedToken
-        return str(value["content"])
-    return str(value)
+        value = default
+    elif isinstance(value, dict):
+        value = value.get("content")
+    if not isinstance(value, str) or value not in names:
+        raise TokenizerError(f"{where}: {key} {_short(value)} is not one of the special tokens")
+    return value
+
+
+def _short(v: object) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _pattern(config: dict, where: Path) -> str:
+    """The pre-tokenizer: K3's without a `pat_str`; any other than the known ones is used with
+    a warning (the model's own split is the one it was trained on)."""
+    pat = config.get("pat_str")
+    if pat is None:
+        return K3_PAT_STR
+    if not isinstance(pat, str) or not pat or len(pat) > MAX_PAT_CHARS:
+        raise TokenizerError(f"{where}: pat_str must be a non-empty string of at most "
+                             f"{MAX_PAT_CHARS} characters, got {_short(pat)}")
+    if pat not in KNOWN_PAT_STRS:
+        log.warning("%s: pat_str is not a pre-tokenizer this runtime knows (%s): text will be "
+                    "split as it says, not as K3 splits it", where,
+                    ", ".join(KNOWN_PAT_STRS.values()))
+    return pat
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """Tokenizer of a model directory (`tiktoken.model` + optional `tokenizer_config.json`)."""
-    root = Path(model_dir)
-    ranks = read_ranks(root / "tiktoken.model")
+    """Tokenizer of a model directory. Kinds by file: `tiktoken.model` (+ optional
+    `tokenizer_config.json`): the K3 family's tiktoken BPE. Raises TokenizerError (a
+    ValueError) naming the file and key; every file is read inside the directory."""
+    return _load_tiktoken(Path(model_dir))
+
+
+def _load_tiktoken(root: Path) -> Tokenizer:
+    ranks = read_ranks(root / "tiktoken.model", root=root)
     cfg_path = root / "tokenizer_config.json"
-    config = load_json(cfg_path) if cfg_path.exists() else {}  # ValueError naming the file
+    config = (load_json(cfg_path, root=root, error=TokenizerError)
+              if os.path.lexists(cfg_path) else {})
     if not isinstance(config, dict):
-        raise ValueError(f"{cfg_path}: not a JSON object")
-    return Tokenizer(
-        ranks,
-        _config_specials(config, len(ranks)),
-        pat_str=config.get("pat_str") or K3_PAT_STR,
-        bos=_token_name(config.get("bos_token"), "[BOS]"),
-        eos=_token_name(config.get("eos_token"), EOS),
-        name=f"tiktoken:{root.name}",
-    )
+        raise TokenizerError(f"{cfg_path}: not a JSON object")
+    specials = _config_specials(config, len(ranks), cfg_path)
+    names = {s.text for s in specials}
+    for need in (END_OF_MSG, EOS):  # the stop ids of K3's chat format
+        if need not in names:
+            raise TokenizerError(f"{cfg_path}: added_tokens_decoder names no {need} (a stop "
+                                 "token of K3's chat format)")
+    pat_str = _pattern(config, cfg_path)
+    bos = _token_name(config, "bos_token", "[BOS]", names, cfg_path)
+    eos = _token_name(config, "eos_token", EOS, names, cfg_path)
+    try:
+        tok = Tokenizer(ranks, specials, pat_str=pat_str, bos=bos, eos=eos,
+                        name=f"tiktoken:{root.name}", source=str(cfg_path))
+    except ValueError as e:  # tiktoken's: a pat_str its regex engine cannot compile
+        raise TokenizerError(f"{cfg_path}: pat_str is not a usable pattern: {e}") from None
+    tok.encode(PROBE_TEXT)  # a pattern that skips characters fails here, at load
+    return tok

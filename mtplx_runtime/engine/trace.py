@@ -31,7 +31,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..checkpoint.safetensors_io import open_regular
+from ..checkpoint.config import MAX_EXPERTS, MAX_LAYERS
+from ..files import InputError, open_regular
 
 TRACE_FORMAT = "mtplx-route-trace-v1"
 
@@ -111,13 +112,15 @@ class RouteTrace:
         self.close()
 
 
-class TraceError(ValueError):
+class TraceError(InputError):
     """A route-trace file that is not `mtplx-route-trace-v1`; the message names the file and
     line."""
 
 
 MAX_TRACE_LINE = 64 * 2**20  # one token line; a longer one is hostile
-MAX_TRACE_ID = 1 << 24  # layer indices, expert ids, top-k, depths
+MAX_TRACE_ID = 1 << 24  # lookahead depths
+# Layer indices and expert counts within the config's own bounds: a header may not ask a reader
+# for more than a model could have (the profiler allocates [layers, experts] counts).
 
 
 def _int(v: object, lo: int = 0, hi: int = MAX_TRACE_ID) -> bool:
@@ -138,6 +141,11 @@ def _json_line(raw: str, where: str) -> object:
         raise TraceError(f"{where}: not valid JSON: nested too deeply") from None
 
 
+def _short(v: object) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -149,12 +157,14 @@ def check_header(header: object, where: str) -> dict:
     if header.get("format") != TRACE_FORMAT:
         raise TraceError(f"{where}: format {header.get('format')!r}, expected {TRACE_FORMAT!r}")
     layers, experts, k = header.get("layers"), header.get("experts"), header.get("top_k")
-    if type(layers) is not list or not all(_int(x) for x in layers) \
+    if type(layers) is not list or not all(_int(x, 0, MAX_LAYERS - 1) for x in layers) \
             or len(set(layers)) != len(layers):
-        raise TraceError(f"{where}: header layers must be distinct layer indices")
-    if not _int(experts, 1) or not _int(k, 1, experts):
-        raise TraceError(f"{where}: header needs experts >= 1 and 1 <= top_k <= experts, got "
-                         f"{experts!r}, {k!r}")
+        raise TraceError(f"{where}: header layers must be distinct layer indices in "
+                         f"0..{MAX_LAYERS - 1}")
+    if not _int(experts, 1, MAX_EXPERTS) or not _int(k, 1, experts):
+        raise TraceError(f"{where}: header needs 1 <= experts <= {MAX_EXPERTS} and "
+                         f"1 <= top_k <= experts, got experts {_short(experts)}, top_k "
+                         f"{_short(k)}")
     rb = header.get("record_bytes")
     if rb is not None and not _int(rb, 1, 1 << 48):
         raise TraceError(f"{where}: header record_bytes must be a positive integer or null")

@@ -2,8 +2,9 @@
 
 Names: "t158" (MTPLX ternary), "mxfp4" (compressed-tensors mxfp4-pack-quantized), "bf16"
 (unquantized passthrough), "ct-int" (compressed-tensors pack-quantized int; params num_bits,
-layout "dense" | "legacy", symmetric), "q2k" (GGUF Q2_K, read-only: the source the published t158
-artifact was converted from). The codec table (`modes.py`) lists them with their bank modes and
+layout "dense" | "legacy", symmetric), "fp8-block" (FP8 e4m3 with 128 x 128 block scales:
+DeepSeek-V3, Kimi K2), "q2k" (GGUF Q2_K, read-only: the source the published t158 artifact was
+converted from). The codec table (`modes.py`) lists them with their bank modes and
 kernels. Byte layouts: FORMAT.md at the repository root.
 """
 

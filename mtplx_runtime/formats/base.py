@@ -129,3 +129,17 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
     """bf16 bit patterns (uint16) -> float32, exact (`u16 << 16`)."""
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def stored_to_torch(array: np.ndarray, st_dtype: str):
+    """A stored tensor (numpy, as `ST_DTYPES` holds it) as a torch tensor of its safetensors
+    dtype, sharing memory: BF16 bits -> torch.bfloat16, F8_E4M3 bytes -> torch.float8_e4m3fn,
+    every other tag as its numpy dtype. The one place stored bytes become torch values."""
+    import torch  # torch is imported only by what computes; codecs and readers stay light
+
+    a = np.ascontiguousarray(array)
+    if st_dtype == "BF16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    if st_dtype == "F8_E4M3":
+        return torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
+    return torch.from_numpy(a)

@@ -1,4 +1,5 @@
-"""compressed-tensors `pack-quantized` integer weights (W2/W3/W4/W8, group 64). FORMAT.md "ct-int".
+"""compressed-tensors `pack-quantized` integer weights (W2/W3/W4/W8, group 64 or 32). FORMAT.md
+"ct-int".
 
 Signed codes q in [-2^(b-1), 2^(b-1)-1] are stored as u = q + 2^(b-1), packed LSB-first along the
 last axis into little-endian int32 words; every row starts a fresh word and pads with zero bits
@@ -9,7 +10,8 @@ last axis into little-endian int32 words; every row starts a fresh word and pads
 * 3 bits "legacy" (ct 0.17.x): 10 codes per word at bits 3*(i%10), bits 30-31 always zero;
   W = ceil(cols/10).
 Both 3-bit layouts share the format string, so `detect_layout` tells them apart by width
-(FORMAT.md "ct-int", layout detection). Zero points (asymmetric only) have the scale's shape
+(FORMAT.md "ct-int", layout detection). One scale per group of 64 consecutive columns (K3), or of
+32 (Kimi K2 Thinking's INT4 experts). Zero points (asymmetric only) have the scale's shape
 [rows, G] and are packed the same way along dim 0. Dequant: bf16((q - zp) * scale) computed in
 fp32, rounded once.
 """
@@ -28,7 +30,8 @@ from .base import Codec, ComponentSpec, FormatError, Shape2, bf16_bits_to_f32, f
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 LAYOUTS = ("dense", "legacy")
-GROUP_SIZE = 64
+GROUP_SIZE = 64  # the default: K3's W3A16 g64
+GROUP_SIZES = (64, 32)  # the group sizes readers accept (FORMAT.md "ct-int")
 DENSE_SINCE = Version("0.18.0")  # first ct release with the dense 3-bit packing (PR #732)
 BF16_EPS = 2.0**-7  # torch.finfo(torch.bfloat16).eps: ct's replacement for a zero scale
 
@@ -217,7 +220,9 @@ def parse_quantization_config(qc: Mapping, *, allowed_bits: tuple[int, ...] = (3
         need(f"{gname}.format", group.get("format") or qc.get("format"), "pack-quantized")
         need(f"{gname}.weights.type", w.get("type"), "int")
         need(f"{gname}.weights.strategy", w.get("strategy"), "group")
-        need(f"{gname}.weights.group_size", w.get("group_size"), GROUP_SIZE)
+        if w.get("group_size") not in GROUP_SIZES:
+            raise FormatError(f"quantization_config: {gname}.weights.group_size is "
+                              f"{w.get('group_size')!r}, expected one of {GROUP_SIZES}")
         need(f"{gname}.weights.dynamic", w.get("dynamic", False), False)
         need(f"{gname}.input_activations", group.get("input_activations"), None)
         if w.get("num_bits") not in allowed_bits:
@@ -227,19 +232,19 @@ def parse_quantization_config(qc: Mapping, *, allowed_bits: tuple[int, ...] = (3
             )
         if not isinstance(w.get("symmetric", True), bool):
             raise FormatError(f"quantization_config: {gname}.weights.symmetric is not a boolean")
-        seen[(w["num_bits"], w.get("symmetric", True), w.get("actorder"))] = gname
+        seen[(w["num_bits"], w.get("symmetric", True), w["group_size"], w.get("actorder"))] = gname
     if len(seen) > 1:
         raise FormatError(
             f"quantization_config: config groups {sorted(seen.values())} disagree on "
-            f"(num_bits, symmetric, actorder) = {sorted(seen, key=str)}; cannot tell which "
-            "covers the routed experts"
+            f"(num_bits, symmetric, group_size, actorder) = {sorted(seen, key=str)}; cannot "
+            "tell which covers the routed experts"
         )
-    num_bits, symmetric, actorder = next(iter(seen))
+    num_bits, symmetric, group_size, actorder = next(iter(seen))
     version = qc.get("version")
     if version is not None:
         version = str(version)
         _parse_version(version)  # fail now rather than at layout detection
-    return CtScheme(num_bits, symmetric, GROUP_SIZE, actorder, version)
+    return CtScheme(num_bits, symmetric, group_size, actorder, version)
 
 
 def weight_shape_tensor(shape: Shape2) -> np.ndarray:
@@ -323,9 +328,10 @@ def quantize(
 
 @dataclass(frozen=True, slots=True)
 class CtIntCodec(Codec):
-    """compressed-tensors pack-quantized int, group 64. Components: `weight_packed` I32
-    [rows, W], `weight_scale` BF16 [rows, G], and `weight_zero_point` I32 [Wz, G] when asymmetric.
-    The checkpoint's `weight_shape` (I64 [2]) is metadata: see `weight_shape_tensor`."""
+    """compressed-tensors pack-quantized int, group 64 or 32 (G = cols / group_size).
+    Components: `weight_packed` I32 [rows, W], `weight_scale` BF16 [rows, G], and
+    `weight_zero_point` I32 [Wz, G] when asymmetric. The checkpoint's `weight_shape` (I64 [2]) is
+    metadata: see `weight_shape_tensor`."""
 
     num_bits: int = 3
     layout: str = "dense"  # 3 bits only; 2/4/8-bit packing is the same in every layout
@@ -335,8 +341,9 @@ class CtIntCodec(Codec):
 
     def __post_init__(self) -> None:
         _check_bits_layout(self.num_bits, self.layout)
-        if self.group_size <= 0:
-            raise FormatError(f"ct-int: group_size must be positive, got {self.group_size}")
+        if self.group_size not in GROUP_SIZES:
+            raise FormatError(f"ct-int: group_size {self.group_size!r} is not one of "
+                              f"{GROUP_SIZES}")
 
     def _groups(self, shape: Shape2) -> int:
         rows, cols = shape

@@ -29,6 +29,7 @@ class CudaKernel:
     bits: int | None  # the quantization.bits it runs; None: every bits of its mode
     source: str  # file under kernels/native/
     prefix: str  # kernel name prefix (native/grouped.cuh)
+    group: int | None = None  # the group size it runs; None: the mode's first
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,40 +42,55 @@ class Mode:
     codec: str | None  # get_codec's name; None: no codec reads it
     codec_class: str | None  # "module.Class" inside formats/
     bits: tuple[int, ...] = ()  # quantization.bits it allows; (): not a bank mode
-    group_size: int | None = None  # quantization.group_size; None: any
+    groups: tuple[int, ...] = ()  # quantization.group_size it allows, the default first; (): any
     parts: tuple[str, ...] = ()  # component names per projection, in record order
     params: tuple[tuple[str, object], ...] = ()  # fixed codec parameters of the mode
     bits_param: str | None = None  # the codec parameter that quantization.bits sets
+    group_param: str | None = None  # the one quantization.group_size sets (several groups)
     cpu: str | None = None  # the native CPU library's codec; None: the reference decode runs it
     cuda: tuple[CudaKernel, ...] = ()
     label: str = ""  # its name in `mtplx profile --codec` ("{bits}" filled in); "": the mode's
     section: str = ""  # the FORMAT.md section that defines its bytes
+
+    @property
+    def group_size(self) -> int | None:
+        """The default quantization.group_size (None: any)."""
+        return self.groups[0] if self.groups else None
+
+    def allows(self, bits: int, group_size: int) -> bool:
+        """Whether a manifest's quantization {bits, group_size} fits the mode (FORMAT.md rule 2)."""
+        return bits in self.bits and (not self.groups or group_size in self.groups)
 
     def names(self) -> tuple[str, ...]:
         """The record's component names (without pads): gate, up, down, each `parts`."""
         return tuple(f"{p}_proj.{x}" for p in ("gate", "up", "down") for x in self.parts)
 
 
-_CTINT_CUDA = (CudaKernel(3, "ctint_gemv.cu", "ctint3"), CudaKernel(4, "ctint_gemv.cu", "ctint4"))
+# the CUDA ct-int kernels read one scale per 64 columns
+_CTINT_CUDA = (CudaKernel(3, "ctint_gemv.cu", "ctint3", 64),
+               CudaKernel(4, "ctint_gemv.cu", "ctint4", 64))
+# ct-int banks always hold the dense 3-bit layout; group 64 (K3) or 32 (Kimi K2 Thinking)
+_CTINT = dict(codec="ct-int", codec_class="ctint.CtIntCodec", bits=(3, 4), groups=(64, 32),
+              bits_param="num_bits", group_param="group_size", cpu="ct-int", section="ct-int")
 
 ROWS: tuple[Mode, ...] = (
     # FORMAT.md rule 2: t158's components are the published artifact's
-    Mode("t158", "t158", "t158.T158Codec", (2,), 64, ("packed", "scales"), cpu="t158",
+    Mode("t158", "t158", "t158.T158Codec", (2,), (64,), ("packed", "scales"), cpu="t158",
          cuda=(CudaKernel(None, "t158_gemv.cu", "t158"),), section="t158"),
-    Mode("mxfp4", "mxfp4", "mxfp4.MXFP4Codec", (4,), 32, ("weight_packed", "weight_scale"),
+    Mode("mxfp4", "mxfp4", "mxfp4.MXFP4Codec", (4,), (32,), ("weight_packed", "weight_scale"),
          cpu="mxfp4", cuda=(CudaKernel(None, "mxfp4_gemv.cu", "mxfp4"),), section="mxfp4"),
-    # ct-int banks always hold the dense 3-bit layout
-    Mode("ct-int", "ct-int", "ctint.CtIntCodec", (3, 4), 64, ("weight_packed", "weight_scale"),
-         (("layout", "dense"), ("symmetric", True)), "num_bits", cpu="ct-int", cuda=_CTINT_CUDA,
-         label="w{bits}", section="ct-int"),
-    Mode("ct-int-asym", "ct-int", "ctint.CtIntCodec", (3, 4), 64,
-         ("weight_packed", "weight_scale", "weight_zero_point"),
-         (("layout", "dense"), ("symmetric", False)), "num_bits", cpu="ct-int",
-         label="w{bits}-asym", section="ct-int"),
+    Mode("ct-int", parts=("weight_packed", "weight_scale"),
+         params=(("layout", "dense"), ("symmetric", True)), cuda=_CTINT_CUDA, label="w{bits}",
+         **_CTINT),
+    Mode("ct-int-asym", parts=("weight_packed", "weight_scale", "weight_zero_point"),
+         params=(("layout", "dense"), ("symmetric", False)), label="w{bits}-asym", **_CTINT),
     # a bf16 weight needs no decode: no packed format for a kernel to work on
-    Mode("bf16", "bf16", "bf16.BF16Codec", (16,), 1, ("weight",), section="bf16"),
+    Mode("bf16", "bf16", "bf16.BF16Codec", (16,), (1,), ("weight",), section="bf16"),
+    # group 128: the 128 x 128 block of one scale
+    Mode("fp8-block", "fp8-block", "fp8block.FP8BlockCodec", (8,), (128,),
+         ("weight", "weight_scale_inv"), cpu="fp8-block", section="fp8-block"),
     # the published manifest format's affine mode: accepted by the structure rules only
-    Mode("affine", None, None, (2, 4), None, ("weight", "scales", "biases")),
+    Mode("affine", None, None, (2, 4), (), ("weight", "scales", "biases")),
     Mode("q2k", "q2k", "q2k.Q2KCodec", section="q2k"),
 )
 
@@ -101,39 +117,47 @@ def mode_row(mode: str) -> Mode:
     return MODES[mode]
 
 
-def mode_codec(mode: str, bits: int | None = None) -> Codec:
-    """The codec whose components a bank record of `mode` holds; `bits` (quantization.bits) is
-    required where the mode allows several, else None or the one it allows."""
+def mode_codec(mode: str, bits: int | None = None, group_size: int | None = None) -> Codec:
+    """The codec whose components a bank record of `mode` holds. `bits` (quantization.bits) is
+    required where the mode allows several, else None or the one it allows; `group_size` None
+    means the mode's default."""
     row = mode_row(mode)
     if row.codec is None:
         raise FormatError(f"no record layout for codec mode {mode!r}: no codec reads it")
     if (bits is not None or row.bits_param) and bits not in row.bits:
         raise FormatError(f"mode {mode}: bits must be one of {row.bits}, got {bits!r}")
+    if group_size is not None and group_size not in row.groups:
+        raise FormatError(f"mode {mode}: group_size must be one of {row.groups}, got "
+                          f"{group_size!r}")
     params = dict(row.params)
     if row.bits_param:
         params[row.bits_param] = bits
+    if row.group_param:
+        params[row.group_param] = group_size or row.group_size
     return get_codec(row.codec, **params)
 
 
-def quantization_for(mode: str, bits: int | None = None) -> dict:
+def quantization_for(mode: str, bits: int | None = None, group_size: int | None = None) -> dict:
     """The manifest `quantization` object of one of our modes: exactly {bits, group_size, mode}."""
-    mode_codec(mode, bits)  # validates mode and bits
+    mode_codec(mode, bits, group_size)  # validates mode, bits and group
     row = MODES[mode]
-    return {"bits": bits if bits is not None else row.bits[0], "group_size": row.group_size,
-            "mode": mode}
+    return {"bits": bits if bits is not None else row.bits[0],
+            "group_size": group_size or row.group_size, "mode": mode}
 
 
-def mode_labels() -> dict[str, tuple[str, int | None]]:
-    """{name: (mode, bits)} for every bank mode with a codec, one name per bits where the mode
-    allows several (`label`, e.g. ct-int 3 is "w3"); bits None where it allows one."""
-    out: dict[str, tuple[str, int | None]] = {}
+def mode_labels() -> dict[str, tuple[str, int | None, int | None]]:
+    """{name: (mode, bits, group_size)} for every bank mode with a codec: one name per bits
+    (`label`, e.g. ct-int 3 is "w3"; the mode's name where it allows one bits, bits None) and per
+    group size ("-g32" added past the default, group None)."""
+    out: dict[str, tuple[str, int | None, int | None]] = {}
     for m in MODES.values():
         if m.codec is None:
             continue
-        if len(m.bits) == 1:
-            out[m.label or m.name] = (m.name, None)
-        else:
-            out.update({m.label.format(bits=b): (m.name, b) for b in m.bits})
+        for b in m.bits:
+            name = m.label.format(bits=b) if len(m.bits) > 1 else m.label or m.name
+            bits = b if len(m.bits) > 1 else None
+            out[name] = (m.name, bits, None)
+            out.update({f"{name}-g{g}": (m.name, bits, g) for g in m.groups[1:]})
     return out
 
 
@@ -153,5 +177,5 @@ def cpu_codecs() -> tuple[str, ...]:
 def cuda_kernels() -> dict[tuple[str, int | None], tuple[str, str, int]]:
     """{(mode, bits or None): (source, prefix, columns per scale group)}: the CUDA kernels by bank
     mode, in the form of kernels/cuda.py's KERNELS."""
-    return {(m.name, k.bits): (k.source, k.prefix, m.group_size)
+    return {(m.name, k.bits): (k.source, k.prefix, k.group or m.group_size)
             for m in MODES.values() for k in m.cuda}

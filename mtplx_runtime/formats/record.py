@@ -65,25 +65,29 @@ class RecordLayout:
     bits: int | None
     segments: tuple[SegmentLayout, ...]
     logical_bytes: int  # also the record stride in its part
+    group_size: int | None = None  # quantization.group_size; None: the mode's default
 
     @property
     def codec(self) -> Codec:
-        return mode_codec(self.mode, self.bits)
+        return mode_codec(self.mode, self.bits, self.group_size)
 
 
-def record_layout(cfg, mode: str, bits: int | None = None) -> RecordLayout:
+def record_layout(cfg, mode: str, bits: int | None = None,
+                  group_size: int | None = None) -> RecordLayout:
     """The (layer- and expert-independent) segment layout this project writes for one record of
-    `mode` for the expert shapes of `cfg` (a ModelConfig, or anything with `expert_shapes`): the
-    component list of the mode with its `pad` segments."""
+    `mode` (with `bits` and `group_size`, None: the mode's default) for the expert shapes of `cfg`
+    (a ModelConfig, or anything with `expert_shapes`): the mode's components with `pad`
+    segments."""
     try:
-        components = padded_layout(record_components(mode, cfg.expert_shapes, bits))
+        components = padded_layout(record_components(mode, cfg.expert_shapes, bits, group_size))
     except FormatError as e:
         raise FormatError(f"expert shapes {cfg.expert_shapes} cannot be stored as {mode}: "
                           f"{e}") from None
-    return layout_of(mode, bits, components)
+    return layout_of(mode, bits, components, group_size)
 
 
-def layout_of(mode: str, bits: int | None, segments) -> RecordLayout:
+def layout_of(mode: str, bits: int | None, segments,
+              group_size: int | None = None) -> RecordLayout:
     """The RecordLayout of segments `[(component, dtype, shape, length)]` laid out back to back
     from the record start: this project's padded layout, or the one a manifest's records declare
     (pads optional, FORMAT.md "Bank parts"; the manifest rules have checked them)."""
@@ -94,7 +98,7 @@ def layout_of(mode: str, bits: int | None, segments) -> RecordLayout:
         proj = proj and proj.removesuffix("_proj")
         segs.append(SegmentLayout(component, proj, part, off, length, dtype, tuple(shape)))
         off += length
-    return RecordLayout(mode, bits, tuple(segs), off)
+    return RecordLayout(mode, bits, tuple(segs), off, group_size)
 
 
 def first_misaligned(layout: RecordLayout, alignment: int | None = None) -> SegmentLayout | None:
@@ -135,13 +139,14 @@ def record_parts(layout: RecordLayout, data: bytes | memoryview) -> dict[str, di
 Component = tuple[str, str, tuple[int, ...], int]
 
 
-def record_components(mode: str, expert_shapes: Mapping,
-                      bits: int | None = None) -> list[Component]:
+def record_components(mode: str, expert_shapes: Mapping, bits: int | None = None,
+                      group_size: int | None = None) -> list[Component]:
     """The record's components for `mode` WITHOUT padding, gate then up then down.
 
     `expert_shapes` maps "gate"/"up"/"down" (or "gate_proj"...) to `(rows, cols)`. `bits` is
-    needed only for ct-int modes (3 or 4; 3-bit always in the dense layout in banks)."""
-    codec = mode_codec(mode, bits)
+    needed only for ct-int modes (3 or 4; 3-bit always in the dense layout in banks),
+    `group_size` only where the mode allows several (None: its default)."""
+    codec = mode_codec(mode, bits, group_size)
     out = []
     for p in PROJECTIONS:
         shape = expert_shapes[p] if p in expert_shapes else expert_shapes[f"{p}_proj"]

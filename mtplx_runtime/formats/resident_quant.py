@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .base import stored_to_torch
 from .resident_layouts import FP8_MAX, GROUP, quantized_kind
 
 __all__ = ["encode_fp8", "encode_int4", "encode_int8", "encode_stored"]
@@ -88,7 +89,7 @@ def encode_stored(name: str, bits: np.ndarray, resident_dtype: str) -> dict[str,
     """One quantizable BF16 matrix, given as its uint16 bit patterns [N, K], as the tensors
     `formats.resident_layouts.stored_tensors` names: {name: int8 or uint8 codes (fp8: the
     e4m3 bytes), name_scale (and name_zero for int4): uint16 bf16 bits (fp8: float32)}."""
-    w = torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+    w = stored_to_torch(bits, "BF16")
     kind = quantized_kind(tuple(w.shape), resident_dtype)
     if kind == "int8":
         q, scale = encode_int8(w)

@@ -115,11 +115,18 @@ def group_picks(ids: torch.Tensor, weights: torch.Tensor
 def unsupported(layout) -> str | None:
     """Why this backend cannot run `layout`'s records: every mode runs (bf16 banks fall back to
     the reference decode inside `expert_mlp`), but the C code reads each component in place as
-    its dtype, so every component must start at a multiple of its element size."""
+    its dtype, so every component must start at a multiple of its element size, and it decodes
+    64 columns at a time, so a native mode's projections need a multiple of 64 columns."""
     s = first_misaligned(layout)
     if s is not None:
         return (f"the cpu kernels read {s.component} ({s.dtype}) in place, but it starts at "
                 f"record offset {s.offset}, not a multiple of its element size; use the "
                 "reference backend (--kernels reference) or rebuild the bank with "
                 "`mtplx build-manifest` (which aligns every component)")
+    if layout.mode in NATIVE_MODES:
+        try:
+            cpu_native.record_plan(layout)
+        except ValueError as e:
+            return (f"the cpu kernels cannot run these {layout.mode} records ({e}); use the "
+                    "reference backend (--kernels reference)")
     return None

@@ -1,7 +1,7 @@
 """The native CPU expert kernels (`native/cpu/*.c`, built by `cpu_build` into one library,
 `mtplx_cpu`) through ctypes.
 
-    m = ctint(packed, scale, zero, bits=3)      # or t158(...), mxfp4(...), record_matrices(...)
+    m = ctint(packed, scale, zero, bits=3)      # or t158, mxfp4, fp8_block, record_matrices
     Y = gemm(m, X)                              # Y[n, rows] = X[n, cols] · Wᵀ
     out = expert(gate, up, down, X, beta, beta_lin, round_model=False)   # [n, R]
     layer(layout, records, offsets, index, weight, X, acc, beta, beta_lin)  # acc[T, R] +=
@@ -36,7 +36,11 @@ CODECS = cpu_codecs()  # the codec table's cpu column; index = the C codec enum 
 LAYOUTS = ("dense", "legacy")
 BLOCK = 64  # the C driver decodes 64 columns at a time: cols must be a multiple
 _ERRORS = {-1: "bad shape or parameter", -2: "out of memory",
-           -3: "weight_scale holds E8M0 0xFF (NaN), which the mxfp4 decoder rejects"}
+           -3: "an invalid scale (mxfp4: weight_scale holds E8M0 0xFF (NaN); fp8-block: a "
+               "weight_scale_inv is not finite or overflows bf16 at 448x), which the codec's "
+               "decoder rejects",
+           -4: "an fp8-block weight holds the e4m3 NaN code 0x7F or 0xFF, which the decoder "
+               "rejects (the outputs of the call are void)"}
 _lock = threading.Lock()
 _lib: list[ctypes.CDLL] = []  # the loaded library, once
 _error: list[str] = []  # why it did not load, once
@@ -66,9 +70,10 @@ def _load() -> ctypes.CDLL:
         except (cpu_build.BuildError, OSError) as exc:
             _error.append(f"CPU kernel library unavailable: {exc}")
             raise RuntimeError(_error[0]) from exc
-        lib.mtplx_cpu_gemm.argtypes = [_i, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _i, _vp, _i]
-        lib.mtplx_cpu_expert.argtypes = [_i, _vp, _i, _i, _i, _i, _vp, _i, _vp, _f, _f, _i, _i]
-        lib.mtplx_cpu_layer.argtypes = [_i, _vp, _i, _vp, _vp, _vp, _i, _i, _i, _i, _vp, _i,
+        lib.mtplx_cpu_gemm.argtypes = [_i, _vp, _vp, _vp, _i, _i, _i, _i, _i, _vp, _i, _vp, _i]
+        lib.mtplx_cpu_expert.argtypes = [_i, _vp, _i, _i, _i, _i, _i, _vp, _i, _vp, _f, _f, _i,
+                                         _i]
+        lib.mtplx_cpu_layer.argtypes = [_i, _vp, _i, _vp, _vp, _vp, _i, _i, _i, _i, _i, _vp, _i,
                                         _vp, _f, _f, _i, _i]
         lib.mtplx_cpu_set_isa.argtypes = [_i]
         lib.mtplx_cpu_situ_glu.argtypes = [_vp, _vp, _vp, _i, _f, _f, _i]
@@ -136,6 +141,7 @@ class Matrix:
     scale: np.ndarray
     zero: np.ndarray | None = None
     bits: int = 0
+    group: int = 0  # ct-int: columns per scale (64 or 32); 0 for the codecs whose group is fixed
     layout: str = "dense"
 
     def pointers(self) -> tuple[int, int, int | None]:
@@ -180,19 +186,21 @@ def mxfp4(packed: np.ndarray, scale: np.ndarray) -> Matrix:
 
 
 def ctint(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray | None = None, *, bits: int,
-          layout: str = "dense") -> Matrix:
-    """ct-int, group 64: weight_packed int32 [rows, W], weight_scale uint16 (bf16 bits)
-    [rows, G], weight_zero_point int32 [Wz, G] or None (symmetric). bits 3 or 4; layout
-    "dense" or "legacy" (3-bit ct 0.17 packing; banks always hold dense)."""
+          layout: str = "dense", group_size: int = 64) -> Matrix:
+    """ct-int: weight_packed int32 [rows, W], weight_scale uint16 (bf16 bits) [rows, G],
+    weight_zero_point int32 [Wz, G] or None (symmetric), G = cols / group_size. bits 3 or 4;
+    group_size 64 or 32; layout "dense" or "legacy" (3-bit ct 0.17 packing; banks always hold
+    dense)."""
     from ..formats.ctint import packed_width
 
-    allowed = MODES["ct-int"].bits
-    if bits not in allowed or layout not in LAYOUTS:
-        raise ValueError(f"ct-int: bits {bits!r} / layout {layout!r}; the CPU kernels take bits "
-                         f"{' or '.join(map(str, allowed))} and a layout in {LAYOUTS}")
+    row = MODES["ct-int"]
+    if bits not in row.bits or layout not in LAYOUTS or group_size not in row.groups:
+        raise ValueError(f"ct-int: bits {bits!r} / layout {layout!r} / group_size {group_size!r};"
+                         f" the CPU kernels take bits {' or '.join(map(str, row.bits))}, a layout "
+                         f"in {LAYOUTS} and group_size {' or '.join(map(str, row.groups))}")
     _array(packed, np.int32, "ct-int weight_packed")
     rows, groups = _array(scale, np.uint16, "ct-int weight_scale").shape
-    cols = _cols(groups, 64, "ct-int")
+    cols = _cols(groups, group_size, "ct-int")
     if packed.shape != (rows, packed_width(cols, bits, layout)):
         raise ValueError(f"ct-int: weight_packed {packed.shape} does not hold {rows} rows of "
                          f"{cols} {bits}-bit codes in the {layout} layout")
@@ -200,14 +208,29 @@ def ctint(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray | None = None,
             packed_width(rows, bits, layout), groups):
         raise ValueError(f"ct-int: weight_zero_point {zero.shape} does not fit {rows} rows and "
                          f"{groups} groups")
-    return Matrix("ct-int", rows, cols, packed, scale, zero, bits, layout)
+    return Matrix("ct-int", rows, cols, packed, scale, zero, bits, group_size, layout)
+
+
+def fp8_block(weight: np.ndarray, scale_inv: np.ndarray) -> Matrix:
+    """fp8-block: weight uint8 (e4m3 bytes) [rows, cols], weight_scale_inv float32
+    [ceil(rows/128), ceil(cols/128)]; cols a multiple of 64."""
+    rows, cols = _array(weight, np.uint8, "fp8-block weight").shape
+    _cols(cols, 1, "fp8-block")
+    if _array(scale_inv, np.float32, "fp8-block weight_scale_inv").shape != (
+            -(-rows // 128), -(-cols // 128)):
+        raise ValueError(f"fp8-block: weight_scale_inv {scale_inv.shape} does not hold one scale "
+                         f"per 128 x 128 block of weight {weight.shape}")
+    return Matrix("fp8-block", rows, cols, weight, scale_inv)
 
 
 # A native codec's Matrix from one projection's components in record order (the codec table's
-# `parts`) and the record's bits.
-_FROM_PARTS = {"t158": lambda parts, bits: t158(*parts),
-               "mxfp4": lambda parts, bits: mxfp4(*parts),
-               "ct-int": lambda parts, bits: ctint(*parts, bits=bits)}
+# `parts`) and the record's RecordLayout (its bits and group size).
+_FROM_PARTS = {"t158": lambda parts, layout: t158(*parts),
+               "mxfp4": lambda parts, layout: mxfp4(*parts),
+               "ct-int": lambda parts, layout: ctint(
+                   *parts, bits=layout.bits,
+                   group_size=layout.group_size or MODES[layout.mode].group_size),
+               "fp8-block": lambda parts, layout: fp8_block(*parts)}
 
 
 def record_matrices(layout, buf) -> dict[str, Matrix]:
@@ -229,7 +252,7 @@ def record_matrices(layout, buf) -> dict[str, Matrix]:
         if s.proj is not None:
             seg = raw[s.offset:s.offset + s.length]
             parts.setdefault(s.proj, {})[s.part] = seg.view(ST_DTYPES[s.dtype]).reshape(s.shape)
-    return {proj: _FROM_PARTS[row.cpu]([p[x] for x in row.parts], layout.bits)
+    return {proj: _FROM_PARTS[row.cpu]([p[x] for x in row.parts], layout)
             for proj, p in parts.items()}
 
 
@@ -245,7 +268,7 @@ def _tokens(X, cols: int, what: str) -> np.ndarray:
 
 def _raise(rc: int, fn: str) -> None:
     if rc:
-        raise (ValueError if rc in (-1, -3) else RuntimeError)(
+        raise (ValueError if rc in (-1, -3, -4) else RuntimeError)(
             f"{fn} failed: {_ERRORS.get(rc, f'code {rc}')}")
 
 
@@ -254,8 +277,9 @@ def gemm(m: Matrix, X: np.ndarray, threads: int | None = None) -> np.ndarray:
     _tokens(X, m.cols, "X")
     Y = np.empty((X.shape[0], m.rows), np.float32)
     rc = _load().mtplx_cpu_gemm(
-        CODECS.index(m.codec), *m.pointers(), m.rows, m.cols, m.bits, LAYOUTS.index(m.layout),
-        X.ctypes.data, X.shape[0], Y.ctypes.data, threads or default_threads())
+        CODECS.index(m.codec), *m.pointers(), m.rows, m.cols, m.bits, m.group,
+        LAYOUTS.index(m.layout), X.ctypes.data, X.shape[0], Y.ctypes.data,
+        threads or default_threads())
     _raise(rc, f"{m.codec} gemm")
     return Y
 
@@ -269,13 +293,13 @@ def expert(gate: Matrix, up: Matrix, down: Matrix, X: np.ndarray, beta: float, b
     if not (up.rows, up.cols) == (I, R) == (down.cols, down.rows):
         raise ValueError(f"expert shapes disagree: gate [{I},{R}] up [{up.rows},{up.cols}] "
                          f"down [{down.rows},{down.cols}]")
-    if len({(m.codec, m.bits, m.layout) for m in (gate, up, down)}) != 1:
-        raise ValueError("gate, up and down must share one codec, bit width and layout")
+    if len({(m.codec, m.bits, m.group, m.layout) for m in (gate, up, down)}) != 1:
+        raise ValueError("gate, up and down must share one codec, bit width, group and layout")
     _tokens(X, R, "X")
     out = np.empty((X.shape[0], R), np.float32)
     mats = (ctypes.c_void_p * 9)(*(p for m in (gate, up, down) for p in m.pointers()))
     rc = _load().mtplx_cpu_expert(
-        CODECS.index(gate.codec), mats, R, I, gate.bits, LAYOUTS.index(gate.layout),
+        CODECS.index(gate.codec), mats, R, I, gate.bits, gate.group, LAYOUTS.index(gate.layout),
         X.ctypes.data, X.shape[0], out.ctypes.data, beta, beta_lin, int(round_model),
         threads or default_threads())
     _raise(rc, f"{gate.codec} expert")
@@ -285,12 +309,13 @@ def expert(gate: Matrix, up: Matrix, down: Matrix, X: np.ndarray, beta: float, b
 @dataclass(frozen=True)
 class RecordPlan:
     """Where a record of one bank layout keeps its matrices: codec, gate's [I, R], the ct-int
-    bit width, and the byte offsets of {gate, up, down} x {packed, scale, zero} (None: no
-    zero point) from the record start."""
+    bit width and group size, and the byte offsets of {gate, up, down} x {packed, scale, zero}
+    (None: no zero point) from the record start."""
 
     codec: str
     shape: tuple[int, int]
     bits: int
+    group: int
     offsets: tuple[int | None, ...]
 
 
@@ -320,7 +345,8 @@ def record_plan(layout) -> RecordPlan:
     base = blank.ctypes.data
     offsets = tuple(None if p is None else p - base
                     for proj in ("gate", "up", "down") for p in m[proj].pointers())
-    return RecordPlan(m["gate"].codec, (m["gate"].rows, m["gate"].cols), m["gate"].bits, offsets)
+    g = m["gate"]
+    return RecordPlan(g.codec, (g.rows, g.cols), g.bits, g.group, offsets)
 
 
 def _vector(a, dtype, n: int, what: str) -> np.ndarray:
@@ -365,6 +391,6 @@ def layer(layout, records, tok_offsets: np.ndarray, tok_index: np.ndarray,
     rc = _load().mtplx_cpu_layer(
         CODECS.index(plan.codec), (ctypes.c_void_p * len(ptrs))(*ptrs), n,
         tok_offsets.ctypes.data, tok_index.ctypes.data, tok_weight.ctypes.data, R, I, plan.bits,
-        0, X.ctypes.data, T, acc.ctypes.data,  # 0: the dense layout, as banks hold it
+        plan.group, 0, X.ctypes.data, T, acc.ctypes.data,  # 0: the dense layout of banks
         beta, beta_lin, int(round_model), threads or default_threads())
     _raise(rc, f"{plan.codec} layer")

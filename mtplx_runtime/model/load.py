@@ -15,6 +15,7 @@ import torch
 
 from ..checkpoint import Checkpoint, resident_tensor_specs
 from ..checkpoint.residents import naming
+from ..formats.base import stored_to_torch
 from ..formats.resident_layouts import (
     RESIDENT_DTYPES,
     quantizable,
@@ -36,10 +37,9 @@ def model_dtype(name: str) -> torch.dtype:
 def to_torch(array: np.ndarray, st_dtype: str, dtype: torch.dtype, device: str) -> torch.Tensor:
     """One stored tensor as torch: BF16 bits -> `dtype`, F32 kept float32."""
     if st_dtype == "BF16":
-        t = torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
-        return t.to(device=device, dtype=dtype)
+        return stored_to_torch(array, st_dtype).to(device=device, dtype=dtype)
     if st_dtype == "F32":
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device)
+        return stored_to_torch(array, st_dtype).to(device=device)
     raise ValueError(f"resident tensors are BF16 or F32, not {st_dtype}")
 
 
@@ -108,14 +108,7 @@ def _stored(ckpt: Checkpoint, name: str, st_dtype: str, device: str) -> torch.Te
     """One stored tensor of a quantized matrix as is: I8/U8 codes, F8_E4M3 codes (read as their
     bytes), BF16 scales and zeros, F32 scales (the checkpoint reader checked dtype and shape
     against the table at open)."""
-    a = np.ascontiguousarray(ckpt.tensor(name))
-    if st_dtype == "BF16":
-        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    elif st_dtype == "F8_E4M3":
-        t = torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
-    else:
-        t = torch.from_numpy(a)
-    return t.to(device)
+    return stored_to_torch(ckpt.tensor(name), st_dtype).to(device)
 
 
 def sub(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -10,15 +10,19 @@ XXH3-64 (seed 0; kernels/native/cpu/checksum.c) hashes a record from memory at a
 one core where SHA-256 manages about 2, so a record re-read from disk costs a tenth of the
 hashing; the first read of a record pays SHA-256 unless `mtplx verify --records` already learned
 it (`learn`). A learned value only ever comes from bytes whose SHA-256 matched, and a mismatch
-is settled by SHA-256, so a wrong learned value costs one re-hash and never fails or passes a
-read by itself. Learned values persist beside the integrity receipts (artifact/integrity.py):
-one file per artifact directory and manifest digest, `MAGIC`, the record count (u64), then one
-u64 per manifest record in manifest order (0 = not learned).
+is settled by SHA-256, so a stale learned value costs one re-hash and never fails a read.
+
+What is kept is not the XXH3 itself but a *tag*: the receipt key's keyed BLAKE2b of (this
+file's name, record index, XXH3), so whoever can write bank parts, but not this user's receipt
+directory, cannot make a tag pass for bytes of their choosing (artifact/integrity.py says who
+may write there). Tags persist beside the integrity receipts: one file per artifact directory
+and manifest digest, `MAGIC`, the record count (u64), then one u64 per manifest record in
+manifest order (0 = not learned). Without a usable receipt directory tags live in memory only,
+keyed per process, and nothing is read or written.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -29,14 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifact.integrity import receipt_path
+from ..artifact.integrity import receipt_key, receipt_path
 from ..artifact.manifest import Manifest
-from ..checkpoint.safetensors_io import CheckpointError, read_regular
+from ..files import InputError, atomic_write, read_regular
 from ..kernels import cpu_native
 
 __all__ = ["RecordCheck", "RecordDigests", "fast_hash"]
 
-MAGIC = b"MTPLXXH3"
+MAGIC = b"MTPLXXHK"  # keyed tags; the unkeyed `MTPLXXH3` files of earlier versions are ignored
 SUFFIX = ".xxh3"  # files of the earlier XXH64 checks (.xxh64) are not read
 SAVE_EVERY = 1024  # newly learned values between saves, so a killed process keeps most of them
 log = logging.getLogger(__name__)
@@ -75,14 +79,19 @@ class RecordDigests:
         self._keys = [(r.layer, r.expert) for r in manifest.records]
         self._index = {k: i for i, k in enumerate(self._keys)}
         self._path = receipt_path(root, manifest, SUFFIX, receipts)
-        self._values = np.zeros(len(self._sha), dtype=np.uint64)
+        self._values = np.zeros(len(self._sha), dtype=np.uint64)  # tags; 0 = not learned
         self._lock = threading.Lock()
         self._counts = {"xxh3": 0, "sha256": 0, "relearned": 0, "seconds": 0.0}
         self._unsaved = 0
         self.fast_unavailable = cpu_native.unavailable_reason()
-        if self.fast_unavailable is None:
+        key = receipt_key(receipts) if self.fast_unavailable is None else None
+        self._persist = key is not None  # a directory only this user can write
+        self._mac = hashlib.blake2b(key=key or os.urandom(32), digest_size=8,
+                                    person=b"mtplx-xxh3")
+        self._mac.update(self._path.name.encode())
+        if self._persist:
             self._load()
-        else:
+        elif self.fast_unavailable is not None:
             log.warning("records are checked with SHA-256 only (slower): %s",
                         self.fast_unavailable)
 
@@ -105,7 +114,7 @@ class RecordDigests:
             return
         with self._lock:
             for i, v in values.items():
-                self._values[i] = v
+                self._values[i] = self._tag(i, v)
             self._unsaved += len(values)
 
     def stats(self) -> dict[str, float]:
@@ -115,25 +124,27 @@ class RecordDigests:
             return dict(self._counts)
 
     def save(self) -> None:
-        """Write the learned values atomically; a cache directory that cannot be written only
-        means the next process learns them again."""
+        """Write the learned values atomically; a cache directory that cannot be written (or is
+        not private) only means the next process learns them again."""
         with self._lock:
-            if not self._unsaved:
+            if not self._unsaved or not self._persist:
+                self._unsaved = 0
                 return
             values, self._unsaved = self._values.copy(), 0
-        tmp = self._path.with_name(f".{self._path.name}.{os.getpid()}.{threading.get_ident()}")
         try:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(MAGIC + np.uint64(len(values)).tobytes() + values.astype("<u8").tobytes())
-            os.replace(tmp, self._path)
+            atomic_write(self._path, MAGIC + np.uint64(len(values)).tobytes()
+                         + values.astype("<u8").tobytes(), mode=0o600)
         except OSError as e:
             log.warning("cannot write the record checksums %s (%s): the next load checks "
                         "records with SHA-256 again", self._path, e)
-            with contextlib.suppress(OSError):  # nothing was written, or nowhere to write it
-                tmp.unlink()
 
     # -- internals -----------------------------------------------------------------------
+
+    def _tag(self, i: int, fast: int) -> int:
+        """The kept form of record `i`'s XXH3: keyed, never 0 (0 means not learned)."""
+        mac = self._mac.copy()
+        mac.update(i.to_bytes(8, "little") + fast.to_bytes(8, "little"))
+        return int.from_bytes(mac.digest(), "little") or 1
 
     def _load(self) -> None:
         n = len(self._values)
@@ -142,7 +153,7 @@ class RecordDigests:
         try:
             data = read_regular(self._path, limit=16 + 8 * n, follow_symlinks=False,
                                 what="record checksum file")
-        except CheckpointError as e:
+        except InputError as e:
             log.warning("ignoring the record checksums %s: %s", self._path, e)
             return
         if (len(data) != 16 + 8 * n or data[:8] != MAGIC
@@ -156,7 +167,8 @@ class RecordDigests:
         t0 = time.perf_counter()
         known = int(self._values[i])
         fast = cpu_native.xxh3(view) if self.fast_unavailable is None else 0
-        if known and fast == known:
+        tag = self._tag(i, fast) if self.fast_unavailable is None else 0
+        if known and tag == known:
             with self._lock:
                 self._counts["xxh3"] += 1
                 self._counts["seconds"] += time.perf_counter() - t0
@@ -169,9 +181,9 @@ class RecordDigests:
             return f"do not match sha256 {sha}"
         with self._lock:
             self._counts["sha256"] += 1
-            if fast:
+            if tag:
                 self._counts["relearned"] += bool(known)
-                self._values[i] = fast
+                self._values[i] = tag
                 self._unsaved += 1
             due = self._unsaved >= SAVE_EVERY
         if known:

@@ -18,7 +18,6 @@ make the first token wait for most of the warm (BENCHMARKS.md "bench_warm").
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -32,7 +31,7 @@ import torch
 
 from ..artifact.integrity import receipt_path
 from ..artifact.manifest import Manifest
-from ..checkpoint.safetensors_io import CheckpointError, read_regular
+from ..files import InputError, atomic_write, read_regular
 
 __all__ = ["WarmStart", "warm_path", "read_counts", "write_counts", "pick"]
 
@@ -71,7 +70,7 @@ def read_counts(path: Path, manifest: Manifest) -> np.ndarray | None:
     try:
         data = read_regular(path, limit=HEADER_BYTES + 8 * n, follow_symlinks=False,
                             what="warm-start file")
-    except CheckpointError as e:  # too big, not a regular file, a symlink, unreadable
+    except InputError as e:  # too big, not a regular file, a symlink, unreadable
         log.warning("ignoring the warm-start file: %s; starting cold", e)
         return None
     why = None
@@ -98,16 +97,11 @@ def write_counts(path: Path, manifest: Manifest, counts: np.ndarray) -> bool:
     cannot be written: a read-only cache directory only means the next run starts cold."""
     body = (MAGIC + VERSION.to_bytes(4, "little") + bytes(4) + artifact_digest(manifest)
             + len(counts).to_bytes(8, "little") + counts.astype("<f8").tobytes())
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(body)
-        os.replace(tmp, path)
+        atomic_write(path, body)
     except OSError as e:
         log.warning("cannot write the warm-start file %s (%s): the next run starts cold", path, e)
-        with contextlib.suppress(OSError):  # nothing was written, or nowhere to write it
-            tmp.unlink()
         return False
     return True
 

@@ -30,7 +30,7 @@ from ..offload.policy import BeladyPolicy, DecayedFrequencyPolicy, LRUPolicy, Po
 from .traces import Trace
 
 K3_EXPERT_SHAPES = {"gate": (3072, 3584), "up": (3072, 3584), "down": (3584, 3072)}
-CODEC_MODES = mode_labels()  # {"t158": ("t158", None), "w3": ("ct-int", 3), ...}
+CODEC_MODES = mode_labels()  # {"t158": ("t158", None, None), "w3": ("ct-int", 3, None), ...}
 
 
 def record_bytes(codec: str, expert_shapes=None) -> int:
@@ -40,9 +40,9 @@ def record_bytes(codec: str, expert_shapes=None) -> int:
 
     if codec not in CODEC_MODES:
         raise ValueError(f"codec must be one of {sorted(CODEC_MODES)}, got {codec!r}")
-    mode, bits = CODEC_MODES[codec]
+    mode, bits, group = CODEC_MODES[codec]
     return sum(c[3] for c in padded_layout(record_components(
-        mode, expert_shapes or K3_EXPERT_SHAPES, bits)))
+        mode, expert_shapes or K3_EXPERT_SHAPES, bits, group)))
 
 
 # ---- policies ----------------------------------------------------------------------------

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import io
 import json
 import math
 from pathlib import Path
 
 import numpy as np
 
+from ..files import atomic_write
 from .replay import Result, io_figures
 
 CSV_FIELDS = ("policy", "capacity", "hits", "misses", "hit_rate", "belady_share",
@@ -92,15 +94,16 @@ def table(s: dict) -> str:
 
 
 def write_json(s: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(s, indent=1) + "\n", encoding="utf-8")
+    atomic_write(path, (json.dumps(s, indent=1) + "\n").encode())
 
 
 def write_csv(s: dict, path: str | Path) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, CSV_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for r in s["results"]:
-            w.writerow(r)
+    fh = io.StringIO(newline="")
+    w = csv.DictWriter(fh, CSV_FIELDS, extrasaction="ignore")
+    w.writeheader()
+    for r in s["results"]:
+        w.writerow(r)
+    atomic_write(path, fh.getvalue().encode())
 
 
 # ---- plots -------------------------------------------------------------------------------
@@ -125,7 +128,9 @@ def plot(s: dict, path: str | Path) -> list[Path]:
     """Write the four PNGs of `plot_paths`; returns their paths. Needs matplotlib."""
     paths = plot_paths(path)
     for fig, p in zip(figures(s), paths):
-        fig.savefig(p, dpi=100)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=100)
+        atomic_write(p, png.getbuffer())
     return paths
 
 

@@ -8,6 +8,12 @@ L layers, K ids (ascending; -1 pads a short row of an imported trace). The plain
 (uniform, Zipf, temporal locality, and `k3`: temporal with defaults calibrated to K3's published
 LRU hit rate, BENCHMARKS.md "A synthetic K3 route trace") feed tests, benchmarks and what-if
 runs. All of them are decode lines.
+
+Every size an input declares (experts, top-k, layers, tokens, an array's shape) is bounded
+before anything is allocated: by the config's own bounds (experts <= 65,536, layers <= 1,024),
+by what the file holds, and by the memory this machine has (the routes may take an eighth of
+it: profiling makes a few arrays of their size). A synthetic spec is also bounded in the work
+it asks for. Refusals are TraceErrors naming the source and the key.
 """
 
 from __future__ import annotations
@@ -15,13 +21,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import tokenize
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.safetensors_io import open_regular
-from ..engine.trace import MAX_TRACE_ID, TRACE_FORMAT, TraceError, read_trace
+from ..checkpoint.config import MAX_EXPERTS, MAX_LAYERS
+from ..engine.trace import TRACE_FORMAT, TraceError, read_trace
+from ..files import memory_available_bytes, open_regular
 
 # What `load` accepts, for error messages that tell a user what a trace should be.
 SOURCES = ("mtplx-route-trace-v1 JSONL, a plain route list (UTF-8 text), an integer .npy "
@@ -31,6 +40,15 @@ SYNTH_SPEC = ("synth:uniform|zipf|temporal|k3,tokens=N,layers=L,experts=E,top_k=
 _SYNTH_KEYS = {"tokens": int, "layers": int, "experts": int, "top_k": int, "alpha": float,
                "locality": float, "seed": int}
 NPY_MAGIC = b"\x93NUMPY"
+NPY_MAX_HEADER = 1 << 16
+# Profiling a trace makes a few arrays of its routes' size (int64 keys, sorted copies, replay
+# state): the routes may take this share of the memory available, no more.
+MEMORY_SHARE = 8
+# Synthetic traces: at most this many tokens (the temporal kinds loop over them in Python) and
+# this many random draws (tokens x layers x experts; about a minute on one core).
+MAX_SYNTH_TOKENS = 1 << 20
+MAX_SYNTH_DRAWS = 1 << 31
+MAX_PLAIN_LINE = 64 * 2**20  # one line of a plain route list
 # synth:k3's skew and locality: the profiler's LRU replay at 33 slots per layer then hits 32.6 %,
 # the rate published for K3 t158 (calibration table: BENCHMARKS.md "A synthetic K3 route trace").
 K3_ALPHA, K3_LOCALITY = 0.5, 0.285
@@ -77,14 +95,15 @@ class Trace:
         return out
 
 
-def _dense(rows: list[list[list[int]]], top_k: int) -> np.ndarray:
-    """[N][L][k<=K] nested lists -> int32 [N, L, K], short rows padded with -1."""
-    n, nl = len(rows), (len(rows[0]) if rows else 0)
-    out = np.full((n, nl, top_k), -1, dtype=np.int32)
-    for i, line in enumerate(rows):
-        for j, ids in enumerate(line):
-            out[i, j, :len(ids)] = sorted(ids)
-    return out
+def _budget() -> int:
+    """Bytes of routes this machine can hold while they are profiled."""
+    return memory_available_bytes() // MEMORY_SHARE
+
+
+def _too_big(where: str, what: str, nbytes: int, budget: int) -> TraceError:
+    return TraceError(f"{where}: {what} need {nbytes / 2**20:,.1f} MiB; profiling may use "
+                      f"{budget / 2**20:,.1f} MiB for routes (1/{MEMORY_SHARE} of the memory "
+                      "available)")
 
 
 def read_route_trace(path: str | Path) -> Trace:
@@ -92,10 +111,22 @@ def read_route_trace(path: str | Path) -> Trace:
     header, lines = read_trace(path)
     layers = [int(x) for x in header["layers"]]
     keys = [str(la) for la in layers]
+    experts, k = int(header["experts"]), int(header["top_k"])
+    budget = _budget()
+    if len(layers) * experts * 8 > budget:  # the profiler's per-layer counts [L, E]
+        raise _too_big(f"{path}:1", f"{len(layers)} layers x experts {experts}",
+                       len(layers) * experts * 8, budget)
+    line_bytes = len(layers) * k * 4
     rows, decode, ts, predicted = [], [], [], {}
     for i, obj in enumerate(lines):
+        if (i + 1) * line_bytes > budget:  # checked as lines arrive: the file says how many
+            raise _too_big(f"{path}:{i + 2}", f"{i + 1} lines x {len(layers)} layers x top_k "
+                           f"{k}", (i + 1) * line_bytes, budget)
+        row = np.full((len(layers), k), -1, np.int32)  # [L, K], short rows padded
         r = obj["routes"]
-        rows.append([r[k] for k in keys])
+        for j, key in enumerate(keys):
+            row[j, :len(r[key])] = sorted(r[key])
+        rows.append(row)
         decode.append(obj.get("phase") == "decode")
         ts.append(int(obj["t"]))
         for la, by_depth in (obj.get("predicted") or {}).items():
@@ -105,8 +136,7 @@ def read_route_trace(path: str | Path) -> Trace:
                 got.append([int(e) for e in ids])
     if not rows:
         raise TraceError(f"{path}: no token lines after the header")
-    k = int(header["top_k"])
-    return Trace(layers, int(header["experts"]), k, _dense(rows, k), np.array(decode, bool),
+    return Trace(layers, experts, k, np.stack(rows), np.array(decode, bool),
                  np.array(ts, np.int64), {key: (np.array(v[0]), v[1])
                                           for key, v in predicted.items()},
                  header.get("record_bytes"), str(header.get("model", "")), str(path))
@@ -114,51 +144,83 @@ def read_route_trace(path: str | Path) -> Trace:
 
 def read_plain(path: str | Path) -> Trace:
     """The plain import format: one token per line, layers separated by ';', ids by spaces or
-    commas; '#' lines are comments, except `# layers=...` and `# experts=...` settings."""
-    rows, layers, experts = [], None, None
-    with open(open_regular(path, error=TraceError, what="route list"), encoding="utf-8") as fh:
-        n = 0
+    commas; '#' lines are comments, except `# layers=...` and `# experts=...` settings. Ids
+    are kept packed (4 bytes each) while the file is read."""
+    layers, experts, nl, n = None, None, None, 0
+    ids, lens = array("i"), array("I")  # every id in file order; ids per (line, layer)
+    budget = _budget()
+    fh = open(open_regular(path, error=TraceError, what="route list"), encoding="utf-8")
+    with fh:
         try:
-            for n, raw in enumerate(fh, 1):  # noqa: B007 (n names the line in errors)
+            while raw := fh.readline(MAX_PLAIN_LINE + 1):
+                n += 1
+                if len(raw) > MAX_PLAIN_LINE:
+                    raise ValueError(f"longer than {MAX_PLAIN_LINE} characters")
                 line = raw.strip()
                 if line.startswith("#"):
                     for word in line[1:].split():
                         name, _, val = word.partition("=")
                         if name == "layers" and val:
-                            layers = [_plain_int(x) for x in val.split(",")]
+                            layers = [_plain_int(x, MAX_LAYERS, "a layer index")
+                                      for x in val.split(",")]
                         elif name == "experts" and val:
-                            experts = _plain_int(val)
+                            experts = _plain_int(val, MAX_EXPERTS + 1, "experts")
                     continue
                 if not line:
                     continue
-                rows.append([[_plain_int(x) for x in part.replace(",", " ").split()]
-                             for part in line.split(";")])
+                parts = line.split(";")
+                if nl is None and len(parts) > MAX_LAYERS:
+                    raise ValueError(f"{len(parts)} layers, more than {MAX_LAYERS}")
+                if nl is not None and len(parts) != nl:
+                    raise ValueError(f"every line must list the same number of layers ({nl})")
+                nl = len(parts)
+                for part in parts:
+                    got = [_plain_int(x, MAX_EXPERTS, "an expert id")
+                           for x in part.replace(",", " ").split()]
+                    ids.extend(got)
+                    lens.append(len(got))
+                if 4 * (len(ids) + len(lens)) > budget:
+                    raise MemoryError
         except UnicodeDecodeError:
             raise TraceError(f"{path}:{n + 1}: not UTF-8 text; expected {SOURCES}") from None
         except ValueError as e:
             raise TraceError(f"{path}:{n}: {e}; expected a plain route list (ids separated by "
                              "spaces or commas, layers by ';')") from None
-    if not rows:
+        except MemoryError:
+            raise _too_big(f"{path}:{n}", "the ids read so far", 4 * (len(ids) + len(lens)),
+                           budget) from None
+    if nl is None:
         raise TraceError(f"{path}: no route lines")
-    nl = len(rows[0])
-    if any(len(r) != nl for r in rows):
-        raise TraceError(f"{path}: every line must list the same number of layers ({nl})")
-    for r in rows:
-        for ids in r:
-            if len(set(ids)) != len(ids):
-                raise TraceError(f"{path}: repeated expert id in {ids}")
+    if experts == 0:
+        raise TraceError(f"{path}: `# experts=0`; a layer has at least one expert")
     layers = layers or list(range(nl))
-    if len(layers) != nl:
-        raise TraceError(f"{path}: `# layers=` names {len(layers)} layers, lines have {nl}")
-    top_k = max(len(ids) for r in rows for ids in r)
-    routes = _dense(rows, top_k)
+    if len(layers) != nl or len(set(layers)) != nl:
+        raise TraceError(f"{path}: `# layers=` names {len(layers)} layers, lines have {nl} "
+                         "(distinct indices)")
+    count = np.frombuffer(lens, np.uint32).astype(np.int64)  # [N * L]
+    top_k = int(count.max())
+    if top_k == 0:
+        raise TraceError(f"{path}: no expert ids")
+    rows = len(count) // nl
+    if rows * nl * top_k * 4 > budget:
+        raise _too_big(str(path), f"{rows} lines x {nl} layers x top_k {top_k}",
+                       rows * nl * top_k * 4, budget)
+    routes = np.full((rows * nl, top_k), -1, np.int32)
+    starts = np.cumsum(count) - count
+    cell = np.repeat(np.arange(len(count)), count)  # [ids]: the (line, layer) of each id
+    routes[cell, np.arange(len(ids)) - starts[cell]] = np.frombuffer(ids, np.int32)
+    routes = np.sort(routes, axis=-1).reshape(rows, nl, top_k)
+    if ((routes[..., 1:] == routes[..., :-1]) & (routes[..., 1:] >= 0)).any():
+        bad = np.argwhere((routes[..., 1:] == routes[..., :-1]) & (routes[..., 1:] >= 0))[0]
+        raise TraceError(f"{path}: route line {bad[0] + 1}, layer {layers[bad[1]]} repeats "
+                         f"expert id {routes[tuple(bad)]}")
     return _from_array(routes, layers, experts, str(path))
 
 
-def _plain_int(x: str) -> int:
-    """A 0-based id of a plain route list (at most 9 digits)."""
-    if not (x.isdecimal() and len(x) <= 9):
-        raise ValueError(f"{x[:40]!r} is not a 0-based integer")
+def _plain_int(x: str, below: int, what: str) -> int:
+    """A 0-based integer of a plain route list, below `below`."""
+    if not (x.isascii() and x.isdigit() and len(x) <= 9 and int(x) < below):
+        raise ValueError(f"{x[:40]!r} is not a 0-based integer below {below} ({what})")
     return int(x)
 
 
@@ -187,7 +249,7 @@ def load(source: str) -> Trace:
         raise TraceError(f"{p}: a binary file, not a route trace; expected {SOURCES}")
     try:
         head = json.loads(first)
-    except ValueError:
+    except (ValueError, RecursionError):
         head = None
     if isinstance(head, dict):  # a JSON header: our reader names what is wrong with it
         return read_route_trace(p)
@@ -202,38 +264,63 @@ def _synth(spec: str) -> Trace:
         name, eq, val = o.partition("=")
         key = name.strip().replace("-", "_")
         if key not in _SYNTH_KEYS or not eq:
-            raise TraceError(f"{spec}: unknown option {o!r}; expected {SYNTH_SPEC}")
+            raise TraceError(f"{spec[:200]}: unknown option {o[:40]!r}; expected {SYNTH_SPEC}")
         try:
-            kw[key] = _SYNTH_KEYS[key](val)
+            kw[key] = _SYNTH_KEYS[key](val) if len(val) <= 40 else None
         except ValueError:
+            kw[key] = None
+        if kw[key] is None:
             what = "an integer" if _SYNTH_KEYS[key] is int else "a number"
-            raise TraceError(f"{spec}: {key}={val!r} is not {what}; expected {SYNTH_SPEC}"
-                             ) from None
+            raise TraceError(f"{spec[:200]}: {key}={val[:40]!r} is not {what}; expected "
+                             f"{SYNTH_SPEC}")
     try:
         trace = synthetic(kind.strip(), **kw)
     except TraceError as e:
-        raise TraceError(f"{spec}: {e}; expected {SYNTH_SPEC}") from None
+        raise TraceError(f"{spec[:200]}: {e}; expected {SYNTH_SPEC}") from None
     trace.name = spec
     return trace
 
 
 def read_npy(path: str | Path) -> Trace:
     """An integer .npy [tokens, layers, top_k] of 0-based expert ids (-1 pads a short row),
-    layers 0..L-1, all decode lines. Anything else is a TraceError naming the file."""
+    layers 0..L-1, all decode lines. The header is parsed and its shape checked against the
+    file's size and this machine's memory before the data is read. Anything else is a
+    TraceError naming the file."""
     want = "expected an integer .npy array [tokens, layers, top_k] of expert ids"
     with os.fdopen(open_regular(path, error=TraceError, what="route array"), "rb") as fh:
         if fh.read(len(NPY_MAGIC)) != NPY_MAGIC:
             raise TraceError(f"{path}: not a NumPy .npy file; {want}")
         fh.seek(0)
         try:
-            routes = np.load(fh, allow_pickle=False)
-        except (ValueError, EOFError) as e:  # a damaged header, object dtype, truncated data
-            raise TraceError(f"{path}: unreadable .npy ({e}); {want}") from None
-    if routes.ndim != 3 or routes.dtype.kind not in "iu" or 0 in routes.shape:
-        raise TraceError(f"{path}: {routes.dtype} array of shape {routes.shape}; {want}")
-    if routes.min() < -1 or routes.max() >= MAX_TRACE_ID or routes.max() < 0:
-        raise TraceError(f"{path}: ids must be in 0..{MAX_TRACE_ID - 1} (-1 pads a short row) "
+            version = np.lib.format.read_magic(fh)
+            read = {(1, 0): np.lib.format.read_array_header_1_0,
+                    (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if read is None:
+                raise ValueError(f"format version {version}")
+            shape, fortran, dtype = read(fh, max_header_size=NPY_MAX_HEADER)
+        except (ValueError, TypeError, SyntaxError, RecursionError, tokenize.TokenError) as e:
+            # numpy parses the header dict with ast and tokenize: any of their errors
+            raise TraceError(f"{path}: unreadable .npy header ({str(e)[:200]}); {want}"
+                             ) from None
+        if dtype.kind not in "iu" or len(shape) != 3 or 0 in shape:
+            raise TraceError(f"{path}: {dtype} array of shape {shape}; {want}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        left = os.fstat(fh.fileno()).st_size - fh.tell()
+        if nbytes != left:
+            raise TraceError(f"{path}: the header's {dtype}{list(shape)} needs {nbytes} bytes "
+                             f"of data, the file holds {left}; {want}")
+        budget = _budget()
+        if math.prod(shape) * 8 > budget:  # sorted as int64 below
+            raise _too_big(str(path), f"shape {list(shape)}", math.prod(shape) * 8, budget)
+        data = fh.read(nbytes)
+        if len(data) != nbytes:  # the file shrank after fstat
+            raise TraceError(f"{path}: truncated while read; {want}")
+    routes = np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
+    if routes.min() < -1 or routes.max() >= MAX_EXPERTS or routes.max() < 0:
+        raise TraceError(f"{path}: ids must be in 0..{MAX_EXPERTS - 1} (-1 pads a short row) "
                          f"with at least one id; {want}")
+    if shape[1] > MAX_LAYERS:
+        raise TraceError(f"{path}: {shape[1]} layers, more than {MAX_LAYERS}; {want}")
     ids = np.sort(routes.astype(np.int64), axis=-1)
     if ((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any():
         raise TraceError(f"{path}: a row repeats an expert id; {want}")
@@ -262,6 +349,18 @@ def synthetic(kind: str, tokens: int = 1000, layers: int = 92, experts: int = 89
     if min(tokens, layers, experts) < 1 or not 0 < top_k <= experts:
         raise TraceError(f"need tokens, layers, experts >= 1 and 0 < top_k <= experts, got "
                          f"{tokens}, {layers}, {experts}, {top_k}")
+    for key, v, hi in (("tokens", tokens, MAX_SYNTH_TOKENS), ("layers", layers, MAX_LAYERS),
+                       ("experts", experts, MAX_EXPERTS)):
+        if v > hi:
+            raise TraceError(f"{key}={v} exceeds {hi}")
+    if tokens * layers * experts > MAX_SYNTH_DRAWS:  # the work: one draw per expert per step
+        raise TraceError(f"tokens x layers x experts = {tokens * layers * experts:,} random "
+                         f"draws, more than {MAX_SYNTH_DRAWS:,} (about a minute): ask for "
+                         "fewer tokens")
+    budget = _budget()
+    if tokens * layers * top_k * 4 > budget:
+        raise _too_big("synth", f"tokens {tokens} x layers {layers} x top_k {top_k}",
+                       tokens * layers * top_k * 4, budget)
     if not (0 <= locality <= 1 and math.isfinite(alpha) and seed >= 0):
         raise TraceError(f"need 0 <= locality <= 1, a finite alpha and seed >= 0, got "
                          f"{locality}, {alpha}, {seed}")

@@ -179,6 +179,23 @@ fused_avx512(decode_fn dec, const mat_t *m, const float *X, int ldx, int TT, flo
         for (int j = 0; j < TT; j++) Y[(size_t)j * ldy + r + i] = hsum512(acc[i][j]);
 }
 
+/* Y rows [r, r + rb) of n tokens from RB decoded rows w: tiles of 4 tokens, then the
+ * remainder as one constant-width tile. */
+__attribute__((target(AVX512_TARGET))) static inline __attribute__((always_inline)) void
+tiles_avx512(const float *w, int ldw, const float *X, int ldx, int n, int cols, float *Y, int ldy,
+             int r, int rb) {
+    int t = 0;
+    for (; t + 4 <= n; t += 4)
+        tile_avx512(w, ldw, X + (size_t)t * ldx, ldx, 4, cols, Y + (size_t)t * ldy + r, ldy, rb);
+    const float *x = X + (size_t)t * ldx;
+    float *y = Y + (size_t)t * ldy + r;
+    switch (n - t) {
+    case 3: tile_avx512(w, ldw, x, ldx, 3, cols, y, ldy, rb); break;
+    case 2: tile_avx512(w, ldw, x, ldx, 2, cols, y, ldy, rb); break;
+    case 1: tile_avx512(w, ldw, x, ldx, 1, cols, y, ldy, rb); break;
+    }
+}
+
 __attribute__((target(AVX512_TARGET))) static inline __attribute__((always_inline)) void
 rows_tpl_avx512(decode_fn dec, const mat_t *m, const float *X, int ldx, int n, float *Y,
                 int ldy, int r0, int r1, float *w) {
@@ -192,17 +209,7 @@ rows_tpl_avx512(decode_fn dec, const mat_t *m, const float *X, int ldx, int n, f
         case 4: fused_avx512(dec, m, X, ldx, 4, Y, ldy, r, rb, next_block(m, r, r1)); continue;
         }
         decode_rows(dec, m, r, rb, w, ldw);
-        int t = 0;
-        for (; t + 4 <= n; t += 4)
-            tile_avx512(w, ldw, X + (size_t)t * ldx, ldx, 4, m->cols, Y + (size_t)t * ldy + r,
-                        ldy, rb);
-        const float *x = X + (size_t)t * ldx;
-        float *y = Y + (size_t)t * ldy + r;
-        switch (n - t) { /* the remainder as one constant-width tile */
-        case 3: tile_avx512(w, ldw, x, ldx, 3, m->cols, y, ldy, rb); break;
-        case 2: tile_avx512(w, ldw, x, ldx, 2, m->cols, y, ldy, rb); break;
-        case 1: tile_avx512(w, ldw, x, ldx, 1, m->cols, y, ldy, rb); break;
-        }
+        tiles_avx512(w, ldw, X, ldx, n, m->cols, Y, ldy, r, rb);
     }
 }
 

@@ -26,6 +26,8 @@ typedef struct {
     int rows, cols, bits, layout;         /* bits, layout: ct-int only (layout 1 = legacy 3-bit) */
     size_t row_bytes, scale_row_bytes;    /* filled in by the codec's prepare hook */
     int codec;                            /* enum mtplx_codec */
+    int *flag; /* set (atomically) by a decoder that meets an invalid code: fp8-block NaN */
+    int group; /* ct-int: columns per scale, 64 or 32 (the others' groups are fixed) */
 } mat_t;
 
 /* Y[t*ldy + r] = row r of m · X[t*ldx ...] for t < n, r in [r0, r1). `scratch` holds
@@ -57,6 +59,8 @@ int mxfp4_prepare(mat_t *m);
 rows_fn mxfp4_rows(const mat_t *m, int isa);
 int ctint_prepare(mat_t *m);
 rows_fn ctint_rows(const mat_t *m, int isa);
+int fp8_prepare(mat_t *m);
+rows_fn fp8_rows(const mat_t *m, int isa);
 
 /* This thread's buffer `slot` with room for `floats` (64-byte aligned, contents unspecified,
  * kept across calls, freed at thread exit; thread_buf.c), or NULL when out of memory. */
@@ -68,6 +72,7 @@ enum {
     THREAD_BUF_STAGE_IN,    /* its input stage of x (gate and up) */
     THREAD_BUF_STAGE_DOWN,  /* its input stage of h (down) */
     THREAD_BUF_PIPE_SETS,   /* its buffer sets (the calling thread's) */
+    THREAD_BUF_FP8_TABLES,  /* fp8-block's decoded-value tables of one row band */
     THREAD_BUF_SLOTS
 };
 float *thread_floats(int slot, size_t floats);

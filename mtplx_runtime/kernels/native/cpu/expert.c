@@ -1,8 +1,8 @@
 /* The driver of the CPU expert library: the codec table and the multi-token GEMM / expert-MLP /
  * layer pipeline behind the exported C ABI (mtplx_cpu.h). A codec source (t158.c, mxfp4.c,
- * ctint.c) supplies two hooks, prepare and rows (cpu_common.h); everything else (threads through
- * thread_pool.c, the ISA switch in isa.c, SiTU-GLU, model rounding) is shared, so every codec
- * behaves the same. */
+ * ctint.c, fp8block.c) supplies two hooks, prepare and rows (cpu_common.h); everything else
+ * (threads through thread_pool.c, the ISA switch in isa.c, SiTU-GLU, model rounding) is shared,
+ * so every codec behaves the same. */
 #include <sched.h>
 #include <stdatomic.h>
 
@@ -21,6 +21,7 @@ static const struct {
     [MTPLX_CODEC_T158] = {"t158", t158_prepare, t158_rows, &T158_INPUT},
     [MTPLX_CODEC_MXFP4] = {"mxfp4", mxfp4_prepare, mxfp4_rows, NULL},
     [MTPLX_CODEC_CTINT] = {"ct-int", ctint_prepare, ctint_rows, NULL},
+    [MTPLX_CODEC_FP8] = {"fp8-block", fp8_prepare, fp8_rows, NULL},
 };
 
 const char *mtplx_cpu_codec_name(int codec) {
@@ -97,8 +98,10 @@ static int prepare(mat_t *m) {
 }
 
 int mtplx_cpu_gemm(int codec, const void *packed, const void *scale, const void *zero, int rows,
-                   int cols, int bits, int layout, const float *X, int n, float *Y, int threads) {
-    mat_t m = {packed, scale, zero, rows, cols, bits, layout, 0, 0, codec};
+                   int cols, int bits, int group, int layout, const float *X, int n, float *Y,
+                   int threads) {
+    int bad = 0; /* raised by a decoder that meets an invalid code (mtplx_cpu.h: -4) */
+    mat_t m = {packed, scale, zero, rows, cols, bits, layout, 0, 0, codec, &bad, group};
     int rc = prepare(&m);
     if (rc) return rc;
     if (n <= 0) return -1;
@@ -116,7 +119,7 @@ int mtplx_cpu_gemm(int codec, const void *packed, const void *scale, const void 
                   rows};
     run_chunks(gemm_chunk, &j, chunks, threads);
     free(xp), free(scratch);
-    return 0;
+    return __atomic_load_n(&bad, __ATOMIC_RELAXED) ? -4 : 0;
 }
 
 /* ---- the expert pipeline: one pool region per call (mtplx_cpu_expert: one expert;
@@ -343,36 +346,38 @@ static int pipe_run(pipe_job *p, int threads) {
     return atomic_load(&p->failed) ? -2 : 0;
 }
 
-/* gate, up, down of one expert from mats[9], checked. */
-static int prepare_expert(int codec, const void *const *mats, int R, int I, int bits, int layout,
-                          mat_t m[3]) {
-    m[0] = (mat_t){mats[0], mats[1], mats[2], I, R, bits, layout, 0, 0, codec};
-    m[1] = (mat_t){mats[3], mats[4], mats[5], I, R, bits, layout, 0, 0, codec};
-    m[2] = (mat_t){mats[6], mats[7], mats[8], R, I, bits, layout, 0, 0, codec};
+/* gate, up, down of one expert from mats[9], checked; their decoders raise *bad. */
+static int prepare_expert(int codec, const void *const *mats, int R, int I, int bits, int group,
+                          int layout, int *bad, mat_t m[3]) {
+    m[0] = (mat_t){mats[0], mats[1], mats[2], I, R, bits, layout, 0, 0, codec, bad, group};
+    m[1] = (mat_t){mats[3], mats[4], mats[5], I, R, bits, layout, 0, 0, codec, bad, group};
+    m[2] = (mat_t){mats[6], mats[7], mats[8], R, I, bits, layout, 0, 0, codec, bad, group};
     int rc;
     if ((rc = prepare(&m[0])) || (rc = prepare(&m[1])) || (rc = prepare(&m[2]))) return rc;
     return 0;
 }
 
-int mtplx_cpu_expert(int codec, const void *const *mats, int R, int I, int bits, int layout,
-                     const float *X, int n, float *out, float beta, float beta_lin,
+int mtplx_cpu_expert(int codec, const void *const *mats, int R, int I, int bits, int group,
+                     int layout, const float *X, int n, float *out, float beta, float beta_lin,
                      int round_model, int threads) {
     pipe_expert x = {.n = n};
     atomic_init(&x.gathered, 0), atomic_init(&x.gu_done, 0), atomic_init(&x.d_done, 0);
-    int rc = prepare_expert(codec, mats, R, I, bits, layout, x.m);
+    int bad = 0;
+    int rc = prepare_expert(codec, mats, R, I, bits, group, layout, &bad, x.m);
     if (rc) return rc;
     if (n <= 0) return -1;
     pipe_job p = {.ex = &x, .E = 1, .R = R, .I = I, .round_model = round_model, .X = X,
                   .out = out, .beta = beta, .beta_lin = beta_lin};
-    return pipe_run(&p, threads);
+    rc = pipe_run(&p, threads);
+    return rc ? rc : __atomic_load_n(&bad, __ATOMIC_RELAXED) ? -4 : 0;
 }
 
 /* A layer window in one call, so the caller makes no per-expert round trip (why: BENCHMARKS.md,
  * "CPU kernel notes"). Every matrix is checked before acc is touched. */
 int mtplx_cpu_layer(int codec, const void *const *mats, int n_experts, const int *tok_offsets,
                     const int *tok_index, const float *tok_weight, int R, int I, int bits,
-                    int layout, const float *X, int T, float *acc, float beta, float beta_lin,
-                    int round_model, int threads) {
+                    int group, int layout, const float *X, int T, float *acc, float beta,
+                    float beta_lin, int round_model, int threads) {
     if (codec < 0 || codec >= MTPLX_CODECS || n_experts < 0 || n_experts >= 1 << 18 || T <= 0 ||
         tok_offsets[0] != 0)
         return -1;
@@ -384,11 +389,11 @@ int mtplx_cpu_layer(int codec, const void *const *mats, int n_experts, const int
     /* experts with no tokens are checked, then left out of the task list */
     pipe_expert *ex = malloc((size_t)n_experts * sizeof *ex);
     if (!ex) return -2;
-    int rc = 0, E = 0, nmax = 0;
+    int rc = 0, E = 0, nmax = 0, bad = 0;
     for (int e = 0; e < n_experts && !rc; e++) {
         pipe_expert *x = ex + E;
         int off = tok_offsets[e], n = tok_offsets[e + 1] - off;
-        rc = prepare_expert(codec, mats + (size_t)9 * e, R, I, bits, layout, x->m);
+        rc = prepare_expert(codec, mats + (size_t)9 * e, R, I, bits, group, layout, &bad, x->m);
         if (rc || !n) continue;
         x->tok = tok_index + off, x->wt = tok_weight + off, x->n = n;
         atomic_init(&x->gathered, 0), atomic_init(&x->gu_done, 0), atomic_init(&x->d_done, 0);
@@ -405,5 +410,5 @@ int mtplx_cpu_layer(int codec, const void *const *mats, int n_experts, const int
         }
     }
     free(ex);
-    return rc;
+    return rc ? rc : __atomic_load_n(&bad, __ATOMIC_RELAXED) ? -4 : 0;
 }

@@ -7,7 +7,8 @@
  * and AVX-512 they are decoded in split order instead (nib_split.h), these natural-order
  * decoders serving the scalar path and the out-of-memory fallback.
  * 3-bit streams (ct-int dense): code i at bits 3i..3i+2 of a little-endian bit stream; a
- * 64-code block is 24 bytes, read as three u64 so no code needs a straddle test.
+ * 64-code block is 24 bytes, read as three u64 so no code needs a straddle test. Their decoders
+ * take one table per 32-code half, lo and hi (ct-int's groups of 32; the same one twice for 64).
  */
 #ifndef MTPLX_LUT_DECODE_H
 #define MTPLX_LUT_DECODE_H
@@ -32,11 +33,12 @@ static inline uint64_t trit3_chunk(const uint64_t q[3], int c) {
     }
 }
 
-/* 64 3-bit codes of p[0..24) through lut[8]. */
-static inline void bits3_scalar(const uint8_t *p, const float *lut, float *w) {
+/* 64 3-bit codes of p[0..24) through lo[8] (codes 0..31) and hi[8] (codes 32..63). */
+static inline void bits3_scalar(const uint8_t *p, const float *lo, const float *hi, float *w) {
     uint64_t q[3] = {load_u64(p), load_u64(p + 8), load_u64(p + 16)};
     for (int c = 0; c < 4; c++) {
         uint64_t v = trit3_chunk(q, c);
+        const float *lut = c < 2 ? lo : hi;
         for (int i = 0; i < 16; i++) w[16 * c + i] = lut[(v >> (3 * i)) & 7];
     }
 }
@@ -66,9 +68,10 @@ __attribute__((target("avx2,fma"))) static inline void nib32_avx2(const uint8_t 
     }
 }
 
-/* 64 3-bit codes of p[0..24) through an 8-float table: 8 codes (24 bits) per broadcast. */
-__attribute__((target("avx2,fma"))) static inline void bits3_avx2(const uint8_t *p, __m256 lut,
-                                                                   float *w) {
+/* 64 3-bit codes of p[0..24) through an 8-float table per half (lo: codes 0..31, hi: 32..63): 8
+ * codes (24 bits) per broadcast. */
+__attribute__((target("avx2,fma"))) static inline void bits3_avx2(const uint8_t *p, __m256 lo,
+                                                                   __m256 hi, float *w) {
     const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), m = _mm256_set1_epi32(7);
     uint64_t q[3] = {load_u64(p), load_u64(p + 8), load_u64(p + 16)};
     for (int c = 0; c < 4; c++) {
@@ -76,15 +79,17 @@ __attribute__((target("avx2,fma"))) static inline void bits3_avx2(const uint8_t 
         for (int h = 0; h < 2; h++) {
             __m256i idx = _mm256_and_si256(
                 _mm256_srlv_epi32(_mm256_set1_epi32((int)((v >> (24 * h)) & 0xFFFFFF)), sh), m);
-            _mm256_store_ps(w + 16 * c + 8 * h, _mm256_permutevar8x32_ps(lut, idx));
+            _mm256_store_ps(w + 16 * c + 8 * h, _mm256_permutevar8x32_ps(c < 2 ? lo : hi, idx));
         }
     }
 }
 
-/* 64 3-bit codes of p[0..24) through an 8-entry table (lanes 0..7 of lut): 16 codes per step,
- * lanes 0..7 from the chunk's low 24 bits and lanes 8..15 from its high 24. */
+/* 64 3-bit codes of p[0..24) through an 8-entry table per half (lanes 0..7 of lo: codes 0..31,
+ * of hi: 32..63): 16 codes per step, lanes 0..7 from the chunk's low 24 bits and lanes 8..15 from
+ * its high 24. */
 __attribute__((target(AVX512_TARGET))) static inline void bits3_avx512(const uint8_t *p,
-                                                                        __m512 lut, float *w) {
+                                                                        __m512 lo, __m512 hi,
+                                                                        float *w) {
     const __m512i sh = _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21);
     const __m512i m = _mm512_set1_epi32(7);
     uint64_t q[3] = {load_u64(p), load_u64(p + 8), load_u64(p + 16)};
@@ -93,7 +98,7 @@ __attribute__((target(AVX512_TARGET))) static inline void bits3_avx512(const uin
         __m512i both = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32((int)(v & 0xFFFFFF)),
                                                _mm512_set1_epi32((int)((v >> 24) & 0xFFFFFF)));
         __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(both, sh), m);
-        _mm512_store_ps(w + 16 * c, _mm512_permutexvar_ps(idx, lut));
+        _mm512_store_ps(w + 16 * c, _mm512_permutexvar_ps(idx, c < 2 ? lo : hi));
     }
 }
 
