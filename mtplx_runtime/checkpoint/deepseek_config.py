@@ -228,10 +228,12 @@ class DeepseekV3Config(MoELayers):
                    quantization_config=_quantization_config(d), **v)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> DeepseekV3Config:
+    def from_file(cls, path: str | os.PathLike, *,
+                  root: str | os.PathLike | None = None) -> DeepseekV3Config:
+        """`config.json` at `path`; `root`: the model directory it must not leave."""
         path = Path(path)
         try:
-            return cls.from_dict(load_json(path))
+            return cls.from_dict(load_json(path, root=root))
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
 

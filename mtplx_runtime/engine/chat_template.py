@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.config import MAX_JSON_BYTES, load_json
-from ..checkpoint.safetensors_io import read_regular
+from ..files import read_regular
 
 # Private-use markers around control-token text found in caller strings (stripped first, so a
 # caller cannot forge them).
@@ -38,7 +38,7 @@ def read_chat_template(model_dir: str | Path) -> str | None:
     root = Path(model_dir)
     cfg_path = root / "tokenizer_config.json"
     if cfg_path.exists():
-        cfg = load_json(cfg_path, error=ValueError)
+        cfg = load_json(cfg_path, root=root, error=ValueError)
         tpl = cfg.get("chat_template") if isinstance(cfg, dict) else None
         if isinstance(tpl, list):
             named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
@@ -49,7 +49,8 @@ def read_chat_template(model_dir: str | Path) -> str | None:
             return tpl
     path = root / TEMPLATE_FILE
     if path.exists():
-        raw = read_regular(path, limit=MAX_JSON_BYTES, error=ValueError, what="chat template")
+        raw = read_regular(path, limit=MAX_JSON_BYTES, root=root, error=ValueError,
+                           what="chat template")
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..checkpoint.config import load_json
-from ..checkpoint.safetensors_io import read_regular
+from ..files import read_regular
 from .tokenizer import SpecialToken, StreamDecoder, Tokenizer, load_tokenizer
 
 MAX_TOKENIZER_BYTES = 256 * 2**20  # DeepSeek-V3's tokenizer.json is about 7.8 MB
@@ -144,7 +144,7 @@ def generation_stop_ids(model_dir: Path) -> list[int]:
     path = model_dir / "generation_config.json"
     if not path.exists():
         return []
-    data = load_json(path, error=ValueError)
+    data = load_json(path, root=model_dir, error=ValueError)
     eos = data.get("eos_token_id") if isinstance(data, dict) else None
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
@@ -157,7 +157,7 @@ def load_hf_tokenizer(model_dir: str | Path) -> HFTokenizer:
     generation_config.json)."""
     root = Path(model_dir)
     cfg_path = root / "tokenizer_config.json"
-    config = load_json(cfg_path, error=ValueError) if cfg_path.exists() else {}
+    config = load_json(cfg_path, root=root, error=ValueError) if cfg_path.exists() else {}
     if not isinstance(config, dict):
         raise ValueError(f"{cfg_path}: not a JSON object")
     return HFTokenizer(root / FILE, config, generation_stop_ids(root))
