@@ -60,7 +60,7 @@ def test_resident_and_streamed_ids_agree(built):
     from mtplx_runtime import load
 
     ids = load_tokenizer(src).encode(PROMPT)
-    want, _ = generate(load_model(src), ids, max_tokens=8)
+    want, _ = generate(load_model(src, dtype="bfloat16"), ids, max_tokens=8)
     with load(art, memory_budget="600MiB", kernels="reference", tokenizer=False) as rt:
         got, _ = generate(rt.model, ids, max_tokens=8)
     assert got == want

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..formats import Codec, ComponentSpec, FormatError, get_codec
 from ..formats.ctint import detect_layout, parse_quantization_config
+from ..formats.fp8block import parse_quantization_config as parse_fp8_config
 from .config import ModelConfig
 from .deepseek_config import DeepseekV3Config
 from .safetensors_io import CheckpointError, SafetensorsFile
@@ -107,7 +108,7 @@ class ExpertRecord:
 
 
 class ExpertLayout(ABC):
-    name: str  # "mxfp4" | "w3" | "t158" | "bf16"
+    name: str  # "mxfp4" | "w3" | "t158" | "bf16" | "fp8"
     codec: Codec
 
     @abstractmethod
@@ -297,8 +298,8 @@ class StackedT158Layout(ExpertLayout):
 
 def _kind(shard: SafetensorsFile, name: str, suffix: str) -> str | None:
     """The layout one per-expert tensor implies, or None for a suffix that implies none."""
-    if suffix == "weight":
-        return "bf16"
+    if suffix == "weight":  # BF16, or FP8 e4m3 beside its block scales (fp8-block)
+        return "fp8" if shard.tensors[name].dtype == "F8_E4M3" else "bf16"
     if suffix != "weight_packed":
         return None
     dtype = shard.tensors[name].dtype
@@ -333,7 +334,7 @@ def detect_expert_layout(cfg: ModelConfig, where: Mapping[str, SafetensorsFile],
         raise CheckpointError(f"{root}: mixed routed-expert layouts: {shown}")
     if not examples:
         raise CheckpointError(f"{root}: no routed-expert tensors of a known layout "
-                              f"(mxfp4, w3, t158, bf16)")
+                              f"(mxfp4, w3, t158, bf16, fp8)")
     (kind,) = examples
     qc = cfg.quantization_config
     if kind == "t158":
@@ -348,6 +349,13 @@ def detect_expert_layout(cfg: ModelConfig, where: Mapping[str, SafetensorsFile],
     elif kind == "bf16":
         _require_no_quantization(qc, kind, root)
         codec = get_codec("bf16")
+    elif kind == "fp8":
+        try:
+            parse_fp8_config(qc if qc is not None else {})
+        except FormatError as e:
+            raise CheckpointError(f"{root}: experts are FP8 (F8_E4M3 weight) but the config's "
+                                  f"{e}") from None
+        codec = get_codec("fp8-block")
     else:
         codec = _w3_codec(cfg, where, groups, root)
     return PerExpertLayout(kind, codec, cfg, where, groups, root)

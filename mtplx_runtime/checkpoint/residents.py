@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from ..formats.fp8block import scale_shape as fp8_scale_shape
 from ..formats.resident_layouts import stored_tensors
 from .config import ModelConfig
 from .deepseek_config import DeepseekV3Config
@@ -29,6 +30,8 @@ BACKBONE = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"
 DEEPSEEK_BACKBONE = "model."
 DEEPSEEK_LM_HEAD = "lm_head.weight"
+SCALE_INV = "_scale_inv"  # an FP8 matrix `X.weight`'s block scales: `X.weight_scale_inv`
+_FP8_KEEP = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")  # BF16 in fp8 ckpts
 _LAYER = re.compile(r"layers\.(\d{1,9})\.")
 # Which config key decides whether a tensor exists (for the "ignored tensor" message).
 _DECIDED_BY = (("shared_experts.", "num_shared_experts"), ("lm_head.", "tie_word_embeddings"),
@@ -201,9 +204,13 @@ def check_residents(
         f"the config with {resident_dtype} residents requires"
     backbone, lm_head = naming(cfg)
     text = (backbone, lm_head.rsplit(".", 1)[0] + ".")
+    # FP8 matrices of an fp8 checkpoint: each one's block scales beside it
+    fp8 = {n: n + SCALE_INV for n, spec in specs.items()
+           if n in where and fp8_resident(cfg, n, spec) and where[n].tensors[n].dtype == "F8_E4M3"}
+    scales = set(fp8.values())
     for name, shard in where.items():
-        if (name.startswith(text) and name not in specs and not is_expert_tensor(name)
-                and not unused_tensor(cfg, name)):
+        if (name.startswith(text) and name not in specs and name not in scales
+                and not is_expert_tensor(name) and not unused_tensor(cfg, name)):
             raise CheckpointError(f"{shard.path}: tensor {name!r} is not used by the config "
                                   f"({_decided_by(name, cfg)}); a config that ignores weights "
                                   f"the checkpoint holds is refused")
@@ -217,6 +224,9 @@ def check_residents(
     for name, spec in specs.items():
         shard = where[name]
         info = shard.tensors[name]
+        if name in fp8:
+            _check_fp8(name, spec, where, root)
+            continue
         if name.endswith(".A_log"):
             shape_ok = _a_log_shape_ok(info.shape, cfg)
         else:
@@ -229,6 +239,33 @@ def check_residents(
                 f"{shard.path}: tensor {name!r} is {info.dtype}{list(info.shape)}, {needs} "
                 f"{spec.dtype}{list(spec.shape)}"
             )
+
+
+def fp8_resident(cfg, name: str, spec: ResidentSpec) -> bool:
+    """Whether `name` may be stored as FP8 e4m3 with block scales (`name` + "_scale_inv"): in a
+    DeepSeek-V3 family checkpoint whose `quantization_config` is fp8, every 2-D BF16 matrix but
+    the embedding, the head and the router (FORMAT.md "DeepSeek-V3 family layouts")."""
+    qc = getattr(cfg, "quantization_config", None) or {}
+    return (isinstance(cfg, DeepseekV3Config) and qc.get("quant_method") == "fp8"
+            and spec.dtype == "BF16" and len(spec.shape) == 2 and not name.endswith(_FP8_KEEP))
+
+
+def _check_fp8(name: str, spec: ResidentSpec, where: Mapping[str, SafetensorsFile],
+               root: str) -> None:
+    """An FP8 resident: F8_E4M3 of the table's shape, its F32 block scales of the fp8-block
+    shape (formats/fp8block.py)."""
+    shard, scale = where[name], name + SCALE_INV
+    if shard.tensors[name].shape != spec.shape:
+        raise CheckpointError(f"{shard.path}: tensor {name!r} is F8_E4M3"
+                              f"{list(shard.tensors[name].shape)}, the config requires "
+                              f"{list(spec.shape)}")
+    want = fp8_scale_shape(spec.shape)
+    if scale not in where:
+        raise CheckpointError(f"{root}: FP8 tensor {name!r} has no {scale!r} beside it")
+    info = where[scale].tensors[scale]
+    if info.dtype != "F32" or info.shape != want:
+        raise CheckpointError(f"{where[scale].path}: tensor {scale!r} is {info.dtype}"
+                              f"{list(info.shape)}, its FP8 weight needs F32{list(want)}")
 
 
 def unused_tensor(cfg, name: str) -> bool:

@@ -184,13 +184,15 @@ def facts_from_dir(model_dir: str | Path, manifest=None) -> ModelFacts:
     sizes = {r.logical_bytes for r in m.records}
     if len(sizes) != 1:
         raise PlanError(f"{root}: records of {len(sizes)} sizes; the plan needs one record size")
-    # Only the tensors the model loads count; a stored length beats the table (A_log padding).
+    # Only the tensors the model loads count; a stored length beats the table (A_log padding),
+    # but a matrix stored in another dtype (an fp8 checkpoint's FP8 one) loads as the table's.
     wanted = resident_tensor_specs(cfg)
     stored = {t.tensor: (t.dtype, t.length) for t in m.resident_tensors}
     quantized = m.resident_dtype != "bf16"
     residents = tuple(
         (name, s.dtype, math.prod(s.shape) * DTYPE_BYTES[s.dtype])
-        if name not in stored or (quantized and quantizable(name, s.shape, s.dtype))
+        if name not in stored or stored[name][0] != s.dtype
+        or (quantized and quantizable(name, s.shape, s.dtype))
         else (name, *stored[name]) for name, s in wanted.items())
     return ModelFacts(cfg, m.quantization["mode"], sizes.pop(),
                       tuple(sorted({r.layer for r in m.records})), residents, "manifest",
