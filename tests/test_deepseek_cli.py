@@ -1,7 +1,8 @@
 """The DeepSeek-V3 family through the command line: `mtplx build-manifest` turns each layout of
-the tiny fixtures into a streaming artifact, and `mtplx generate --memory-budget` streams text
-from it (plain and `--chat`), the same ids as the resident model; `mtplx inspect` and
-`mtplx plan` read the family too."""
+the tiny fixtures (bf16 in both variants, Kimi K2 Thinking's INT4, DeepSeek's FP8) into a
+streaming artifact, and `mtplx generate --memory-budget` streams text from it (plain and
+`--chat`), the same ids as the resident model; `mtplx inspect`, `mtplx plan`, route traces and
+`mtplx profile` read the family too."""
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from mtplx_runtime.engine.generate import generate
 from mtplx_runtime.engine.hf_tokenizer import model_tokenizer as load_tokenizer
 from mtplx_runtime.fixtures.tiny_deepseek import make_tiny_deepseek
 
-CASES = [("bf16", "v3"), ("bf16", "k2")]
+CASES = [("bf16", "v3"), ("bf16", "k2"), ("int4", "k2"), ("fp8", "v3")]
 PROMPT = "The expert cache keeps"
 
 
