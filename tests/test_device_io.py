@@ -85,6 +85,33 @@ def test_staged_read_errors_reach_the_future(part):
         dr.close()
 
 
+def test_prepare_runs_once_the_bytes_are_in_the_slot(part):
+    """The kernel backend's repack sees the slot after the copy and before the read resolves;
+    a record that fails its check is never prepared."""
+    root, data = part
+    rr = RecordReader(root, [("part0.bin", data.nbytes)], direct=False)
+    log = []
+
+    def to_device(host, dev):
+        log.append("copy")
+        np.copyto(dev, host)
+
+    def prepare(dev):
+        log.append(("prepare", bytes(dev[:4]) == data[:4].tobytes()))
+
+    dr = DeviceReader(rr, staging_bytes=2 * PAGE, use_kvikio=False, threads=1,
+                      to_device=to_device, prepare=prepare)
+    slot = aligned_buffer(2 * PAGE)
+    try:
+        assert dr.read_into(0, 0, PAGE, slot).result() == PAGE
+        assert log == ["copy", ("prepare", True)]
+        with pytest.raises(RecordHashError):
+            dr.read_into(0, 0, PAGE, slot, digest="0" * 64).result()
+        assert log == ["copy", ("prepare", True)]
+    finally:
+        dr.close()
+
+
 def test_guard_waits_once_per_mark():
     log = []
     guard = SlotGuard()

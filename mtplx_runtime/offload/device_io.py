@@ -4,11 +4,12 @@
         guard.wait(slot)            the last kernel that read the slot has finished
         kvikio:  CuFile.pread(slot) GDS where the system has it, kvikio's POSIX compat mode else
         staging: RecordReader (O_DIRECT/pread) -> pinned host buffer -> copy stream -> slot
+        prepare(slot)               the kernel backend's one-time repack (kernels/cuda.py)
 
-Both paths resolve the returned future only once the bytes are in the slot, so the cache's commit
-(and a kernel launch after it) never sees a half-written record. The staging path reuses the
-RecordReader's checks, retries and digest checks; kvikio reads are checked on a host copy
-of the slot (a device-to-host copy per record: on this path read-time checking costs PCIe
+Both paths resolve the returned future only once the bytes are in the slot (and prepared), so
+the cache's commit (and a kernel launch after it) never sees a half-written record. The staging
+path reuses the RecordReader's checks, retries and digest checks; kvikio reads are checked on a
+host copy of the slot (a device-to-host copy per record: on this path read-time checking costs PCIe
 bandwidth until a device-side check exists).
 Nothing here imports cupy or kvikio at module import: the CPU build never needs them.
 """
@@ -82,12 +83,14 @@ class DeviceReader:
     staging buffers of that size are allocated, pinned when cupy can. `to_device(host_view,
     dev_buf)` copies and returns when the bytes have landed (default: cupy `set` on a dedicated
     copy stream, then that stream's synchronize); tests pass a host copy to drive the staging
-    path without a GPU.
+    path without a GPU. `prepare(dev_buf)`, when given, runs once a record's bytes are in the
+    slot and checked, before its read resolves, and returns when done (the CUDA backend's
+    `prepare_slot`: records of some codecs are repacked in place for the kernels).
     """
 
     def __init__(self, reader, *, staging_bytes: int, guard: SlotGuard | None = None,
                  use_kvikio: bool | str = "auto", threads: int = 4,
-                 to_device: Callable | None = None):
+                 to_device: Callable | None = None, prepare: Callable | None = None):
         if use_kvikio not in (True, False, "auto"):
             raise ValueError(f"use_kvikio must be True, False or 'auto', got {use_kvikio!r}")
         self.reader, self.guard = reader, guard or SlotGuard()
@@ -102,6 +105,7 @@ class DeviceReader:
                      f"staged: pread -> pinned host buffer -> copy stream ({why})")
         log.info("device reads: %s", self.mode)
         self._to_device = to_device or _stream_copy()
+        self._prepare = prepare
         self._staging: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(0 if ok else threads):
             self._staging.put(_host_buffer(staging_bytes))
@@ -127,6 +131,8 @@ class DeviceReader:
             self._to_device(view, buf[:length])
         finally:
             self._staging.put(host)
+        if self._prepare is not None:
+            self._prepare(buf)
         return length
 
     def _kvikio_read(self, part, offset, length, buf, digest, on_read) -> int:
@@ -144,6 +150,8 @@ class DeviceReader:
             if why is not None:
                 raise RecordHashError(f"part {part} bytes at offset {offset} length {length} "
                                       f"{why}")
+        if self._prepare is not None:
+            self._prepare(buf)
         return length
 
     @property

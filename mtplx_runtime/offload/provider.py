@@ -23,6 +23,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 
@@ -144,8 +145,11 @@ class StreamingExpertProvider:
                                     max_open_files=max(64, len(self.manifest.sidecar.parts)))
         self.guard = SlotGuard()  # CUDA events of the kernels reading each compute slot
         if self.on_gpu:
+            # the backend's one-time repack of each record that lands (t158, ct-int3)
+            prepare = (partial(self.kernels.prepare_slot, layout=self.layout)
+                       if self.kernels.needs_prepare(self.layout) else None)
             self.reader = DeviceReader(self.reader, staging_bytes=self.stride_bytes,
-                                       guard=self.guard, threads=read_depth)
+                                       guard=self.guard, threads=read_depth, prepare=prepare)
         if max_inflight_bytes is None:
             # Room for the whole read depth, and for a window's misses beside the guesses.
             span = max(read_depth, 2 * cfg.num_experts_per_token * max(1, self.lookahead))
