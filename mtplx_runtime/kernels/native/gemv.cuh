@@ -72,12 +72,13 @@ __device__ void build_lut(uint2* lut) {
   }
 }
 
-// acc[tile][matrix][n-tile][4] (the MMA C layout) += the warp's two tiles (tile0, tile0 + 1) of
-// the NM matrices times the pass's vectors. Tiles at or past rows / 16 are skipped. All threads
-// of the block (barriers inside).
+// acc[tile][matrix][n-tile][4] (the MMA C layout) = the warp's two tiles (tile0, tile0 + 1) of
+// the NM matrices times the pass's vectors, over column slices s0 .. s1 - 1 (default: all).
+// Tiles at or past rows / 16 are skipped. All threads of the block (barriers inside).
 template <class C, int NM, int NT, int PARTS>
 __device__ void mainloop(const Mat (&mats)[NM], int tile0, const Src& src, int first, int npass,
-                         uint2* xs, const Ctx& ctx, float (&acc)[2][NM][NT][4]) {
+                         uint2* xs, const Ctx& ctx, float (&acc)[2][NM][NT][4], int s0 = 0,
+                         int s1 = 1 << 30) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int cols = mats[0].cols, tiles = mats[0].rows / 16;
 #pragma unroll
@@ -89,8 +90,8 @@ __device__ void mainloop(const Mat (&mats)[NM], int tile0, const Src& src, int f
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[rt][mx][nt][e] = 0.0f;
   const bool live[2] = {tile0 < tiles, tile0 + 1 < tiles};
-  const int slices = (cols + MTPLX_SLICE - 1) / MTPLX_SLICE;
-  for (int s = 0; s < slices; ++s) {
+  const int slices = min(s1, (cols + MTPLX_SLICE - 1) / MTPLX_SLICE);
+  for (int s = s0; s < slices; ++s) {
     __syncthreads();  // every warp is done with the previous slice
     stage_slice<C, NT, PARTS>(xs, src, first, npass, s);
     __syncthreads();
