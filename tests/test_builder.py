@@ -39,7 +39,8 @@ from mtplx_runtime.artifact.verify import verify_artifact
 from mtplx_runtime.cli import build_manifest as builder_cli
 from mtplx_runtime.fixtures.tiny import make_tiny, tiny_config
 from mtplx_runtime.formats import FormatError
-from mtplx_runtime.formats.record import PAD, mode_codec, part_name, record_layout, record_parts
+from mtplx_runtime.formats.modes import mode_codec
+from mtplx_runtime.formats.record import PAD, part_name, record_layout, record_parts
 from mtplx_runtime.formats.t158 import encode_t158
 
 SOURCES = {

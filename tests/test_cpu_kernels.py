@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from mtplx_runtime.formats.ctint import CtIntCodec
+from mtplx_runtime.formats.modes import MODES
 from mtplx_runtime.formats.mxfp4 import decode_mxfp4
 from mtplx_runtime.formats.t158 import decode_t158
 from mtplx_runtime.kernels import cpu, cpu_native, reference
@@ -40,8 +41,9 @@ ISAS = [name for name in cpu_native.ISAS
         if ok and cpu_native.ISAS.index(name) <= cpu_native.ISAS.index(cpu_native.best_isa())]
 R, I, E, K, T = 128, 192, 8, 4, 5
 SHAPES = {"gate": (I, R), "up": (I, R), "down": (R, I)}
-BANK_MODES = [("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4),
-              ("ct-int-asym", 3), ("ct-int-asym", 4)]
+# every bank mode with a native CPU codec (the codec table's cpu column), at each of its bits
+BANK_MODES = [(m.name, b if len(m.bits) > 1 else None) for m in MODES.values() if m.cpu
+              for b in m.bits]
 
 
 def _bf16_bits(rng, shape, lo=0.005, hi=0.05):

@@ -281,3 +281,13 @@ def test_header_edit_changes_library_key(tmp_path, monkeypatch):
     header = srcdir / "cpu_common.h"
     header.write_text(header.read_text() + "\n/* changed */\n")
     assert cpu_build.library_path() != before
+
+
+def test_checksum_and_glu_link_without_the_driver(tmp_path):
+    """The ISA switch lives in isa.c, so the record checksum and SiTU-GLU build into a library
+    of their own with every symbol resolved: neither needs the expert driver (expert.c)."""
+    srcs = [cpu_build.SRC_DIR / f for f in ("checksum.c", "glu.c", "isa.c")]
+    cmd = [cpu_build.compiler(), *cpu_build.FLAGS, "-Wl,--no-undefined", f"-I{cpu_build.SRC_DIR}",
+           "-o", str(tmp_path / "part.so"), *map(str, srcs), *cpu_build.LIBS]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr

@@ -28,7 +28,8 @@ import numpy as np
 from ..checkpoint import open_checkpoint
 from ..formats import FormatError
 from ..formats.ctint import pack_codes, pack_zero_points, unpack_codes, unpack_zero_points
-from ..formats.record import PROJECTIONS, RecordLayout, part_name, quantization_for, record_layout
+from ..formats.modes import quantization_for
+from ..formats.record import PROJECTIONS, RecordLayout, part_name, record_layout
 from ..formats.resident_layouts import RESIDENT_DTYPES
 from ..formats.t158 import encode_t158
 from .journal import JOURNAL_FORMAT, BuildError, fsync_dir

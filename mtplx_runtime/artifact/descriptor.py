@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..formats.record import MODES, PAD, Component, record_components
+from ..formats.modes import MODES
+from ..formats.record import PAD, Component, record_components
 from .manifest import Manifest, ManifestError, rec
 
 
@@ -61,7 +62,7 @@ def descriptor_for(cfg, mode: str, bits: int | None = None, *, model_key: str | 
                    source_repo: str | None = None, source_revision: str | None = None,
                    layers=None, resident_dtype: str | None = None) -> Descriptor:
     """Descriptor for one of our artifacts: `cfg` (ModelConfig) gives the routed layers, expert
-    count and projection shapes; `mode` one of MODES except affine; `bits` defaults per mode.
+    count and projection shapes; `mode` a bank mode with a codec; `bits` defaults per mode.
     `layers` narrows the routed layers for an artifact built with `--layers` (each must be an
     MoE layer of `cfg`; every expert of each is still required). `resident_dtype` pins the form
     of the residents (FORMAT.md "Quantized residents"); None accepts any."""
@@ -70,8 +71,9 @@ def descriptor_for(cfg, mode: str, bits: int | None = None, *, model_key: str | 
     elif not set(layers) <= set(cfg.moe_layers):
         raise ManifestError(f"layers {sorted(set(layers) - set(cfg.moe_layers))} are not MoE "
                             f"layers of this config ({cfg.moe_layers})")
-    if mode not in MODES or mode == "affine":
-        raise ManifestError(f"unknown codec mode {mode!r}; have {sorted(set(MODES) - {'affine'})}")
+    if mode not in MODES or MODES[mode].codec is None:
+        raise ManifestError(f"unknown codec mode {mode!r}; have "
+                            f"{sorted(m for m, row in MODES.items() if row.codec)}")
     spec = MODES[mode]
     bits = spec.bits[0] if bits is None and len(spec.bits) == 1 else bits
     if bits not in spec.bits:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.safetensors_io import CheckpointError, no_duplicate_keys, read_regular
-from ..formats.record import ALIGNMENT, MODES, PAD
+from ..formats.modes import MODES
+from ..formats.record import ALIGNMENT, PAD
 from ..formats.resident_layouts import RESIDENT_DTYPES
 
 FORMAT = "mtplx-expert-manifest-v1"

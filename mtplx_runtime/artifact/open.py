@@ -24,13 +24,8 @@ from ..checkpoint.layouts import ExpertLayout, ExpertRecord, ProjectionRecord, i
 from ..checkpoint.reader import Checkpoint, open_checkpoint
 from ..checkpoint.safetensors_io import CheckpointError, open_regular, stat_regular
 from ..formats import FormatError
-from ..formats.record import (
-    RecordLayout,
-    layout_of,
-    mode_codec,
-    record_components,
-    record_parts,
-)
+from ..formats.modes import mode_codec
+from ..formats.record import RecordLayout, layout_of, record_components, record_parts
 from .descriptor import K3_T158_DESCRIPTOR, descriptor_for, validate_descriptor
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, Record, load_manifest
 

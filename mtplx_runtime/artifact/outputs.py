@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint.residents import resident_tensor_specs
-from ..formats.record import ALIGNMENT, quantization_for
+from ..formats.modes import quantization_for
+from ..formats.record import ALIGNMENT
 from ..formats.resident_layouts import stored_tensors
 from ..formats.resident_quant import encode_stored
 from . import part as _part

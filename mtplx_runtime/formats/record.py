@@ -7,7 +7,7 @@ component whose length is not a multiple of 4096 is followed by an explicit `pad
 (tensor "", U8 [n], zero bytes), so a record's `logical_bytes` (its stride in the part) is a
 multiple of 4096 (K3 t158 needs no padding). Other writers may leave pads out; `layout_of`
 takes a record's layout as its manifest declares it. Codec modes extend the manifest's
-`quantization.mode`: t158, mxfp4, ct-int (3-bit always dense), ct-int-asym, bf16.
+`quantization.mode`: the bank modes of the codec table (`modes.py`).
 
     mode + expert shapes -> components -> padded segments -> RecordLayout (what we write)
     manifest record segments -> RecordLayout (what a bank holds: layout_of)
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import get_codec
 from .base import ST_DTYPES, Codec, FormatError
+from .modes import mode_codec
 
 ALIGNMENT = 4096  # record alignment in a bank part; our writer's component alignment (O_DIRECT)
 PAD = "pad"  # the component name of a padding segment
@@ -131,48 +131,8 @@ def record_parts(layout: RecordLayout, data: bytes | memoryview) -> dict[str, di
     return out
 
 
-
-
-@dataclass(frozen=True, slots=True)
-class Mode:
-    bits: tuple[int, ...]  # allowed quantization.bits
-    group_size: int | None  # None: any
-    parts: tuple[str, ...]  # per-projection component suffixes, in record order
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(f"{p}_proj.{x}" for p in PROJECTIONS for x in self.parts)
-
-
-MODES: dict[str, Mode] = {
-    "t158": Mode((2,), 64, ("packed", "scales")),  # FORMAT.md rule 2: the published form
-    "mxfp4": Mode((4,), 32, ("weight_packed", "weight_scale")),
-    "ct-int": Mode((3, 4), 64, ("weight_packed", "weight_scale")),
-    "ct-int-asym": Mode((3, 4), 64, ("weight_packed", "weight_scale", "weight_zero_point")),
-    "bf16": Mode((16,), 1, ("weight",)),
-    "affine": Mode((2, 4), None, ("weight", "scales", "biases")),  # reference only
-}
-
 # One expected segment: (component, dtype, shape, length).
 Component = tuple[str, str, tuple[int, ...], int]
-
-
-def mode_codec(mode: str, bits: int | None = None):
-    """The codec whose components a bank record of `mode` holds (ct-int: always dense)."""
-    if mode in ("t158", "mxfp4", "bf16"):
-        return get_codec(mode)
-    if mode in ("ct-int", "ct-int-asym"):
-        if bits not in (3, 4):
-            raise FormatError(f"mode {mode}: bits must be 3 or 4, got {bits!r}")
-        return get_codec("ct-int", num_bits=bits, layout="dense", symmetric=mode == "ct-int")
-    raise FormatError(f"no record layout for codec mode {mode!r}")
-
-
-def quantization_for(mode: str, bits: int | None = None) -> dict:
-    """The manifest `quantization` object of one of our modes: exactly {bits, group_size, mode}."""
-    mode_codec(mode, bits)  # validates mode and bits
-    spec = MODES[mode]
-    return {"bits": bits if len(spec.bits) > 1 else spec.bits[0], "group_size": spec.group_size,
-            "mode": mode}
 
 
 def record_components(mode: str, expert_shapes: Mapping,

@@ -3,14 +3,14 @@
 
 Shape legend: T tokens, K experts per token, R latent width (3584), I expert width (3072).
 
-Native modes: t158, mxfp4, ct-int and ct-int-asym (3 or 4 bits, the dense layout banks hold),
-in one `cpu_native.layer` call per window (the per-expert Python loop it replaces cost 40-60 us
-an expert). Each needed expert runs once over all the tokens that chose it (its weights are read
-from memory once per layer, which is what prefill needs; decode is the n = 1 case). The kernel
-mirrors the model dtype: in a bf16 model gate·x, up·x, the SiTU-GLU output and down·h are
-rounded to bf16 as the reference's bf16 GEMMs round them; in an fp32 model nothing is rounded.
-The products are combined exactly as the reference does (fp32, times the routing weight, added
-in ascending expert id).
+Native modes (the codec table's cpu column): t158, mxfp4, ct-int and ct-int-asym (3 or 4 bits, the
+dense layout banks hold), in one `cpu_native.layer` call per window (the per-expert Python loop it
+replaces cost 40-60 us an expert). Each needed expert runs once over all the tokens that chose it
+(its weights are read from memory once per layer, which is what prefill needs; decode is the n = 1
+case). The kernel mirrors the model dtype: in a bf16 model gate·x, up·x, the SiTU-GLU output and
+down·h are rounded to bf16 as the reference's bf16 GEMMs round them; in an fp32 model nothing is
+rounded. The products are combined exactly as the reference does (fp32, times the routing weight,
+added in ascending expert id).
 
 bf16 banks (and a model dtype other than float32/bfloat16) go through `reference.expert_mlp`:
 a bf16 weight needs no decode, so there is no packed format for a CPU kernel to work on.
@@ -25,12 +25,13 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from ..formats.modes import native_modes
 from ..formats.record import first_misaligned
 from . import cpu_native, reference
 from .reference import SITU_BETA, SITU_LINEAR_BETA
 
 DEVICE = "cpu"  # inputs and slot bytes in host memory
-NATIVE_MODES = frozenset({"t158", "mxfp4", "ct-int", "ct-int-asym"})
+NATIVE_MODES = native_modes("cpu")  # the codec table's modes with a native CPU codec
 _MODEL_DTYPES = (torch.float32, torch.bfloat16)
 
 

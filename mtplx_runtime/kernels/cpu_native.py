@@ -7,14 +7,15 @@
     layer(layout, records, offsets, index, weight, X, acc, beta, beta_lin)  # acc[T, R] +=
     h = xxh3(view)                              # the fast record checksum (offload/digests.py)
 
-One library serves every codec (C ABI: native/cpu/mtplx_cpu.h): each entry point takes the
-codec's index in CODECS, the library's codec table, as its first argument; it has one thread
-pool and one ISA switch. The weights stay packed: a call reads each matrix once for all n token
-rows of X. `isa()` names the SIMD path ("avx512bf16", "avx512", "avx2" or "scalar"), the best
-this CPU supports unless `MTPLX_CPU_ISA` or `set_isa` asks for a lower one; the choice applies to
-every codec ("avx512bf16" differs from "avx512" only for mxfp4 token rows of bf16 values).
-Arrays are checked for dtype, C-contiguity and shape before any call (TypeError for a wrong type
-or dtype, ValueError for layout and shape), because the C code trusts its pointers.
+One library serves every codec (C ABI: native/cpu/mtplx_cpu.h): each entry point takes the codec's
+index in CODECS (the codec table's cpu column, in the order of the library's C enum, checked by name
+at load) as its first argument; it has one thread pool and one ISA switch. The weights stay packed:
+a call reads each matrix once for all n token rows of X. `isa()` names the SIMD path ("avx512bf16",
+"avx512", "avx2" or "scalar"), the best this CPU supports unless `MTPLX_CPU_ISA` or `set_isa` asks
+for a lower one; the choice applies to every codec ("avx512bf16" differs from "avx512" only for
+mxfp4 token rows of bf16 values). Arrays are checked for dtype, C-contiguity and shape before any
+call (TypeError for a wrong type or dtype, ValueError for layout and shape), because the C code
+trusts its pointers.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..formats.modes import MODES, cpu_codecs
 from . import cpu_build
 
 ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
-CODECS = ("t158", "mxfp4", "ct-int")  # index = the C codec enum (mtplx_cpu.h)
+CODECS = cpu_codecs()  # the codec table's cpu column; index = the C codec enum (mtplx_cpu.h)
 LAYOUTS = ("dense", "legacy")
 BLOCK = 64  # the C driver decodes 64 columns at a time: cols must be a multiple
 _ERRORS = {-1: "bad shape or parameter", -2: "out of memory",
@@ -184,9 +186,10 @@ def ctint(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray | None = None,
     "dense" or "legacy" (3-bit ct 0.17 packing; banks always hold dense)."""
     from ..formats.ctint import packed_width
 
-    if bits not in (3, 4) or layout not in LAYOUTS:
+    allowed = MODES["ct-int"].bits
+    if bits not in allowed or layout not in LAYOUTS:
         raise ValueError(f"ct-int: bits {bits!r} / layout {layout!r}; the CPU kernels take bits "
-                         f"3 or 4 and a layout in {LAYOUTS}")
+                         f"{' or '.join(map(str, allowed))} and a layout in {LAYOUTS}")
     _array(packed, np.int32, "ct-int weight_packed")
     rows, groups = _array(scale, np.uint16, "ct-int weight_scale").shape
     cols = _cols(groups, 64, "ct-int")
@@ -200,13 +203,24 @@ def ctint(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray | None = None,
     return Matrix("ct-int", rows, cols, packed, scale, zero, bits, layout)
 
 
+# A native codec's Matrix from one projection's components in record order (the codec table's
+# `parts`) and the record's bits.
+_FROM_PARTS = {"t158": lambda parts, bits: t158(*parts),
+               "mxfp4": lambda parts, bits: mxfp4(*parts),
+               "ct-int": lambda parts, bits: ctint(*parts, bits=bits)}
+
+
 def record_matrices(layout, buf) -> dict[str, Matrix]:
     """{"gate", "up", "down": Matrix} viewing one bank record's bytes in place (no copy).
 
     `layout` is the record's `formats.record.RecordLayout`; `buf` its bytes (uint8 array or
-    buffer). Modes: t158, mxfp4, ct-int, ct-int-asym (dense layout, as banks store it)."""
+    buffer). Modes: those with a cpu codec in the codec table (ct-int: the dense layout, as banks
+    store it)."""
     from ..checkpoint.safetensors_io import ST_DTYPES
 
+    row = MODES.get(layout.mode)
+    if row is None or row.cpu is None:
+        raise ValueError(f"no CPU kernel for bank mode {layout.mode!r}")
     raw = np.ascontiguousarray(np.asarray(buf, dtype=np.uint8).reshape(-1))
     if raw.size < layout.logical_bytes:
         raise ValueError(f"record holds {raw.size} bytes, its layout {layout.logical_bytes}")
@@ -215,18 +229,8 @@ def record_matrices(layout, buf) -> dict[str, Matrix]:
         if s.proj is not None:
             seg = raw[s.offset:s.offset + s.length]
             parts.setdefault(s.proj, {})[s.part] = seg.view(ST_DTYPES[s.dtype]).reshape(s.shape)
-    out = {}
-    for proj, p in parts.items():
-        if layout.mode == "t158":
-            out[proj] = t158(p["packed"], p["scales"])
-        elif layout.mode == "mxfp4":
-            out[proj] = mxfp4(p["weight_packed"], p["weight_scale"])
-        elif layout.mode in ("ct-int", "ct-int-asym"):
-            out[proj] = ctint(p["weight_packed"], p["weight_scale"], p.get("weight_zero_point"),
-                              bits=layout.bits)
-        else:
-            raise ValueError(f"no CPU kernel for bank mode {layout.mode!r}")
-    return out
+    return {proj: _FROM_PARTS[row.cpu]([p[x] for x in row.parts], layout.bits)
+            for proj, p in parts.items()}
 
 
 def _tokens(X, cols: int, what: str) -> np.ndarray:

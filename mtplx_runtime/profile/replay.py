@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..formats.modes import mode_labels
 from ..offload.cache import ExpertCache
 from ..offload.policy import BeladyPolicy, DecayedFrequencyPolicy, LRUPolicy, Policy
 from .traces import Trace
 
 K3_EXPERT_SHAPES = {"gate": (3072, 3584), "up": (3072, 3584), "down": (3584, 3072)}
-CODEC_MODES = {"t158": ("t158", None), "w3": ("ct-int", 3), "mxfp4": ("mxfp4", None)}
+CODEC_MODES = mode_labels()  # {"t158": ("t158", None), "w3": ("ct-int", 3), ...}
 
 
 def record_bytes(codec: str, expert_shapes=None) -> int:

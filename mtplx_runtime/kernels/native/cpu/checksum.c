@@ -3,7 +3,7 @@
  * read-time integrity (offload/digests.py). Inputs over 240 bytes (every record) run through
  * eight 64-bit accumulators fed 64-byte stripes with one 32x32->64 multiply per lane, which maps
  * onto one AVX-512 register or two AVX2 ones; the path follows the library's ISA switch
- * (expert.c), with a scalar twin of each. Bytes are read as little-endian words; the library
+ * (isa.c), with a scalar twin of each. Bytes are read as little-endian words; the library
  * builds on little-endian hosts only. */
 #include "cpu_common.h"
 

@@ -1,7 +1,7 @@
-/* The driver of the CPU expert library: the codec table, the ISA switch, and the multi-token
- * GEMM / expert-MLP / layer pipeline behind the exported C ABI (mtplx_cpu.h). A codec source
- * (t158.c, mxfp4.c, ctint.c) supplies two hooks, prepare and rows (cpu_common.h); everything
- * else (threads through thread_pool.c, SiTU-GLU, model rounding) is shared, so every codec
+/* The driver of the CPU expert library: the codec table and the multi-token GEMM / expert-MLP /
+ * layer pipeline behind the exported C ABI (mtplx_cpu.h). A codec source (t158.c, mxfp4.c,
+ * ctint.c) supplies two hooks, prepare and rows (cpu_common.h); everything else (threads through
+ * thread_pool.c, the ISA switch in isa.c, SiTU-GLU, model rounding) is shared, so every codec
  * behaves the same. */
 #include <sched.h>
 #include <stdatomic.h>
@@ -28,32 +28,6 @@ const char *mtplx_cpu_codec_name(int codec) {
 }
 
 static rows_fn codec_rows(const mat_t *m, int isa) { return CODECS[m->codec].rows(m, isa); }
-
-/* ---- ISA selection: one portable build, variants behind per-function target attributes ---- */
-
-static int g_isa = -1;
-
-int mtplx_cpu_best_isa(void) {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) {
-        if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16")) return 3;
-        return 2;
-    }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-    return 0;
-}
-
-/* Select path min(want, best); want < 0 means best. Returns the path now in use. */
-int mtplx_cpu_set_isa(int want) {
-    int best = mtplx_cpu_best_isa();
-    g_isa = (want < 0 || want > best) ? best : want;
-    return g_isa;
-}
-
-int mtplx_cpu_get_isa(void) {
-    if (g_isa < 0) mtplx_cpu_set_isa(-1);
-    return g_isa;
-}
 
 /* ---- the pipeline ---- */
 

@@ -20,10 +20,11 @@
  *       h[i] = SiTU-GLU(g[i], u[i]) for i < n, the experts' activation as the expert calls
  *       compute it (glu.h).
  *   const char *mtplx_cpu_codec_name(int codec)
- *       The codec's name ("t158", "mxfp4", "ct-int"), NULL past the table.
+ *       The codec's name ("t158", "mxfp4", "ct-int"), NULL past the table. The Python side
+ *       (the codec table's cpu column, formats/modes.py) checks these names at load.
  *   int mtplx_cpu_best_isa(void), mtplx_cpu_get_isa(void), mtplx_cpu_set_isa(int want)
  *       0 scalar, 1 avx2, 2 avx512, 3 avx512bf16 (2 plus BW and BF16; the best the CPU
- *       supports unless lowered); one choice for every codec.
+ *       supports unless lowered); one choice for every codec (isa.c).
  *   uint64_t mtplx_cpu_xxh3_64(const void *data, size_t n)
  *       XXH3-64 of n bytes, seed 0 and the default secret (the published xxHash algorithm;
  *       checksum.c, on the ISA switch's path): the fast per-record check of read-time
@@ -48,6 +49,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* In the order of the codec table's cpu column (formats/modes.py cpu_codecs). */
 enum mtplx_codec { MTPLX_CODEC_T158, MTPLX_CODEC_MXFP4, MTPLX_CODEC_CTINT, MTPLX_CODECS };
 
 MTPLX_API int mtplx_cpu_gemm(int codec, const void *packed, const void *scale, const void *zero,

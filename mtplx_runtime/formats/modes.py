@@ -1,0 +1,157 @@
+"""The codec table: one row per bank mode and per source-only codec, the one list every codec
+fact is read from (FORMAT.md "Expert codecs", "Bank parts").
+
+A row names the mode (a manifest's `quantization.mode`), the codec that encodes and decodes its
+projections (its class, imported on first use, holds the reference decode), the manifest
+quantization it allows (bits, group size), its components per projection in record order, and
+the kernels that run it: the native CPU library's codec (the C enum's name, checked when the
+library loads) and the CUDA kernels per bit width. The rest is read from here: `get_codec` and
+`CODEC_NAMES`, `mode_codec` and `quantization_for` (record layouts, manifests, descriptors),
+`cpu_native.CODECS`, `cpu.NATIVE_MODES` (and through it the memory plan's decoding check), the
+profiler's codec names; tests/test_modes.py checks `cuda.KERNELS` and FORMAT.md against it.
+
+    row -> codec class (lazy) -> components -> record layout (record.py)
+        -> cpu / cuda kernel names -> the backends that run its records
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from .base import Codec, FormatError
+
+
+@dataclass(frozen=True, slots=True)
+class CudaKernel:
+    """One CUDA kernel family of a mode (kernels/native/*.cu, entry points `{prefix}_...`)."""
+
+    bits: int | None  # the quantization.bits it runs; None: every bits of its mode
+    source: str  # file under kernels/native/
+    prefix: str  # kernel name prefix (native/grouped.cuh)
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    """One row of the codec table. A row with `bits` is a bank mode; one without is a codec that
+    is only ever a source (q2k). A bank mode without a codec (affine) is one a manifest may
+    declare but nothing here can read."""
+
+    name: str  # quantization.mode (bank modes), else the codec's name
+    codec: str | None  # get_codec's name; None: no codec reads it
+    codec_class: str | None  # "module.Class" inside formats/
+    bits: tuple[int, ...] = ()  # quantization.bits it allows; (): not a bank mode
+    group_size: int | None = None  # quantization.group_size; None: any
+    parts: tuple[str, ...] = ()  # component names per projection, in record order
+    params: tuple[tuple[str, object], ...] = ()  # fixed codec parameters of the mode
+    bits_param: str | None = None  # the codec parameter that quantization.bits sets
+    cpu: str | None = None  # the native CPU library's codec; None: the reference decode runs it
+    cuda: tuple[CudaKernel, ...] = ()
+    label: str = ""  # its name in `mtplx profile --codec` ("{bits}" filled in); "": the mode's
+    section: str = ""  # the FORMAT.md section that defines its bytes
+
+    def names(self) -> tuple[str, ...]:
+        """The record's component names (without pads): gate, up, down, each `parts`."""
+        return tuple(f"{p}_proj.{x}" for p in ("gate", "up", "down") for x in self.parts)
+
+
+_CTINT_CUDA = (CudaKernel(3, "ctint_gemv.cu", "ctint3"), CudaKernel(4, "ctint_gemv.cu", "ctint4"))
+
+ROWS: tuple[Mode, ...] = (
+    # FORMAT.md rule 2: t158's components are the published artifact's
+    Mode("t158", "t158", "t158.T158Codec", (2,), 64, ("packed", "scales"), cpu="t158",
+         cuda=(CudaKernel(None, "t158_gemv.cu", "t158"),), section="t158"),
+    Mode("mxfp4", "mxfp4", "mxfp4.MXFP4Codec", (4,), 32, ("weight_packed", "weight_scale"),
+         cpu="mxfp4", cuda=(CudaKernel(None, "mxfp4_gemv.cu", "mxfp4"),), section="mxfp4"),
+    # ct-int banks always hold the dense 3-bit layout
+    Mode("ct-int", "ct-int", "ctint.CtIntCodec", (3, 4), 64, ("weight_packed", "weight_scale"),
+         (("layout", "dense"), ("symmetric", True)), "num_bits", cpu="ct-int", cuda=_CTINT_CUDA,
+         label="w{bits}", section="ct-int"),
+    Mode("ct-int-asym", "ct-int", "ctint.CtIntCodec", (3, 4), 64,
+         ("weight_packed", "weight_scale", "weight_zero_point"),
+         (("layout", "dense"), ("symmetric", False)), "num_bits", cpu="ct-int",
+         label="w{bits}-asym", section="ct-int"),
+    # a bf16 weight needs no decode: no packed format for a kernel to work on
+    Mode("bf16", "bf16", "bf16.BF16Codec", (16,), 1, ("weight",), section="bf16"),
+    # the published manifest format's affine mode: accepted by the structure rules only
+    Mode("affine", None, None, (2, 4), None, ("weight", "scales", "biases")),
+    Mode("q2k", "q2k", "q2k.Q2KCodec", section="q2k"),
+)
+
+# Bank modes by name: what `quantization.mode` may be (FORMAT.md rule 2).
+MODES: dict[str, Mode] = {m.name: m for m in ROWS if m.bits}
+# Codec names in table order (get_codec's names).
+CODEC_NAMES: tuple[str, ...] = tuple(dict.fromkeys(m.codec for m in ROWS if m.codec))
+_CLASSES = {m.codec: m.codec_class for m in ROWS if m.codec}
+
+
+def get_codec(name: str, **params) -> Codec:
+    """A codec instance of `name` (one of CODEC_NAMES). The class's module is imported here, on
+    first use, so one codec's dependencies never burden another."""
+    if name not in _CLASSES:
+        raise ValueError(f"unknown codec {name!r}; known: {', '.join(CODEC_NAMES)}")
+    module, cls = _CLASSES[name].rsplit(".", 1)
+    return getattr(importlib.import_module(f".{module}", __package__), cls)(**params)
+
+
+def mode_row(mode: str) -> Mode:
+    """The table row of bank mode `mode`, or FormatError."""
+    if mode not in MODES:
+        raise FormatError(f"unknown codec mode {mode!r}; have {', '.join(MODES)}")
+    return MODES[mode]
+
+
+def mode_codec(mode: str, bits: int | None = None) -> Codec:
+    """The codec whose components a bank record of `mode` holds; `bits` (quantization.bits) is
+    required where the mode allows several, else None or the one it allows."""
+    row = mode_row(mode)
+    if row.codec is None:
+        raise FormatError(f"no record layout for codec mode {mode!r}: no codec reads it")
+    if (bits is not None or row.bits_param) and bits not in row.bits:
+        raise FormatError(f"mode {mode}: bits must be one of {row.bits}, got {bits!r}")
+    params = dict(row.params)
+    if row.bits_param:
+        params[row.bits_param] = bits
+    return get_codec(row.codec, **params)
+
+
+def quantization_for(mode: str, bits: int | None = None) -> dict:
+    """The manifest `quantization` object of one of our modes: exactly {bits, group_size, mode}."""
+    mode_codec(mode, bits)  # validates mode and bits
+    row = MODES[mode]
+    return {"bits": bits if bits is not None else row.bits[0], "group_size": row.group_size,
+            "mode": mode}
+
+
+def mode_labels() -> dict[str, tuple[str, int | None]]:
+    """{name: (mode, bits)} for every bank mode with a codec, one name per bits where the mode
+    allows several (`label`, e.g. ct-int 3 is "w3"); bits None where it allows one."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for m in MODES.values():
+        if m.codec is None:
+            continue
+        if len(m.bits) == 1:
+            out[m.label or m.name] = (m.name, None)
+        else:
+            out.update({m.label.format(bits=b): (m.name, b) for b in m.bits})
+    return out
+
+
+def native_modes(backend: str) -> frozenset[str]:
+    """The bank modes whose records `backend` ("cpu" or "cuda") runs with kernels of its own."""
+    if backend not in ("cpu", "cuda"):
+        raise ValueError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
+    return frozenset(m.name for m in MODES.values() if getattr(m, backend))
+
+
+def cpu_codecs() -> tuple[str, ...]:
+    """The native CPU library's codecs in table order: its C enum (kernels/native/cpu/mtplx_cpu.h)
+    in the same order, checked by name when the library loads."""
+    return tuple(dict.fromkeys(m.cpu for m in ROWS if m.cpu))
+
+
+def cuda_kernels() -> dict[tuple[str, int | None], tuple[str, str, int]]:
+    """{(mode, bits or None): (source, prefix, columns per scale group)}: the CUDA kernels by bank
+    mode, in the form of kernels/cuda.py's KERNELS."""
+    return {(m.name, k.bits): (k.source, k.prefix, m.group_size)
+            for m in MODES.values() for k in m.cuda}
