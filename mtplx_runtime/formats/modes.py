@@ -28,7 +28,7 @@ class CudaKernel:
 
     bits: int | None  # the quantization.bits it runs; None: every bits of its mode
     source: str  # file under kernels/native/
-    prefix: str  # kernel name prefix (native/grouped.cuh)
+    prefix: str  # kernel name prefix (native/experts.cuh)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +55,14 @@ class Mode:
         return tuple(f"{p}_proj.{x}" for p in ("gate", "up", "down") for x in self.parts)
 
 
-_CTINT_CUDA = (CudaKernel(3, "ctint_gemv.cu", "ctint3"), CudaKernel(4, "ctint_gemv.cu", "ctint4"))
+_CTINT_CUDA = (CudaKernel(3, "ctint.cu", "ctint3"), CudaKernel(4, "ctint.cu", "ctint4"))
 
 ROWS: tuple[Mode, ...] = (
     # FORMAT.md rule 2: t158's components are the published artifact's
     Mode("t158", "t158", "t158.T158Codec", (2,), 64, ("packed", "scales"), cpu="t158",
-         cuda=(CudaKernel(None, "t158_gemv.cu", "t158"),), section="t158"),
+         cuda=(CudaKernel(None, "t158.cu", "t158"),), section="t158"),
     Mode("mxfp4", "mxfp4", "mxfp4.MXFP4Codec", (4,), 32, ("weight_packed", "weight_scale"),
-         cpu="mxfp4", cuda=(CudaKernel(None, "mxfp4_gemv.cu", "mxfp4"),), section="mxfp4"),
+         cpu="mxfp4", cuda=(CudaKernel(None, "mxfp4.cu", "mxfp4"),), section="mxfp4"),
     # ct-int banks always hold the dense 3-bit layout
     Mode("ct-int", "ct-int", "ctint.CtIntCodec", (3, 4), 64, ("weight_packed", "weight_scale"),
          (("layout", "dense"), ("symmetric", True)), "num_bits", cpu="ct-int", cuda=_CTINT_CUDA,

@@ -29,18 +29,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..formats.modes import MODES, cuda_kernels
 from ..formats.record import first_misaligned
 from .reference import SITU_BETA, SITU_LINEAR_BETA, check_acc
 
 NATIVE = Path(__file__).resolve().parent / "native"
 DEVICE = "cuda"  # where inputs, slots and results live (StreamingExpertProvider reads it)
-# bank mode (and bits) -> (source file, kernel prefix, repack kernel or None)
-KERNELS = {("t158", None): ("t158.cu", "t158", "t158_repack"),
-           ("mxfp4", None): ("mxfp4.cu", "mxfp4", None),
-           ("ct-int", 3): ("ctint.cu", "ctint3", "ctint3_repack"),
-           ("ct-int", 4): ("ctint.cu", "ctint4", None)}
-COMPONENTS = {"t158": ("packed", "scales"), "mxfp4": ("weight_packed", "weight_scale"),
-              "ct-int": ("weight_packed", "weight_scale")}
+# (bank mode, bits or None) -> (source file, kernel prefix, columns per scale group): the codec
+# table's cuda column; the packed and scale components of each mode it runs.
+KERNELS = cuda_kernels()
+COMPONENTS = {m.name: m.parts[:2] for m in MODES.values() if m.cuda}
+# kernel prefix -> its slot repack (codecs whose records the kernels read in another order)
+REPACKS = {"t158": "t158_repack", "ctint3": "ctint3_repack"}
 # Up to this many tokens the kernels group a layer's (token, expert) pairs themselves (one warp
 # ballot per block); above it `route` sorts them on the device first.
 DECODE_MAX_T = 32
@@ -173,7 +173,7 @@ def segment_offsets(layout) -> dict[str, int]:
 
 def needs_prepare(layout) -> bool:
     """Whether records of `layout` must pass `prepare_slot` once they are in a device slot."""
-    return KERNELS[kernel_key(layout)][2] is not None
+    return KERNELS[kernel_key(layout)][1] in REPACKS
 
 
 def prepare_slot(view, layout) -> None:
@@ -185,7 +185,8 @@ def prepare_slot(view, layout) -> None:
     ct-int4."""
     require()
     key = kernel_key(layout)
-    source, _, repack = KERNELS[key]
+    source, prefix, _ = KERNELS[key]
+    repack = REPACKS.get(prefix)
     if repack is None:
         return
     base = int(view.data.ptr)
