@@ -96,8 +96,9 @@ def device_tier(layout, store):
     tier = SlotTier("dev", layout.logical_bytes, len(store) * slot_bytes, device="cuda")
     for s in range(len(store)):
         tier.view(s)[...] = cupy.asarray(store[s])
+    cupy.cuda.Device().synchronize()  # the bytes have landed: prepare_slot runs on its own stream
+    for s in range(len(store)):
         cuda.prepare_slot(tier.view(s), layout)
-    cupy.cuda.get_current_stream().synchronize()
     return tier
 
 

@@ -173,7 +173,9 @@ def test_cuda_matches_reference(mode, bits, dtype):
     tier = SlotTier("dev", layout.logical_bytes, E * slot_bytes, device="cuda")
     for s in range(E):
         tier.view(s)[...] = cupy.asarray(store[s])
-        cuda.prepare_slot(tier.view(s), layout)  # what the device reader does as a record lands
+    cupy.cuda.Device().synchronize()  # landed; then what the device reader does with a record
+    for s in range(E):
+        cuda.prepare_slot(tier.view(s), layout)
     moe = moe_layer(bank_provider(layout, store, dtype), dtype)
     x = torch.randn(T, R, generator=torch.Generator().manual_seed(5)).to(dtype)
     moe.forward(x)

@@ -188,6 +188,7 @@ def expert_bank(mode, bits, slots):
     slot_bytes = -(-layout.logical_bytes // 4096) * 4096
     tier = SlotTier("bench", layout.logical_bytes, slots * slot_bytes, device="cuda")
     torch.as_tensor(tier.data, device="cuda").random_(0, 256)  # values do not change the time
+    torch.cuda.synchronize()  # landed: prepare_slot runs on a stream of its own
     for s in range(slots):
         cuda.prepare_slot(tier.view(s), layout)
     return layout, tier, packed

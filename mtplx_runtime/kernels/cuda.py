@@ -180,9 +180,9 @@ def prepare_slot(view, layout) -> None:
     """Repack the record in device slot `view` (cupy uint8, the record's bytes as read) in place
     into the layout the kernels read (native/codecs.cuh: t158 by bands of 16 rows, ct-int3 by
     groups; same size). Once per fill, after the record's check and before any kernel reads it:
-    a second call would scramble it. Runs on a non-blocking stream of the calling thread and
-    returns when done (the fill pipeline's reader threads call it). A no-op for mxfp4 and
-    ct-int4."""
+    a second call would scramble it. The bytes must have landed (the stream that wrote them
+    synchronized): it runs on a non-blocking stream of the calling thread, and returns when done
+    (the fill pipeline's reader threads call it). A no-op for mxfp4 and ct-int4."""
     require()
     key = kernel_key(layout)
     source, prefix, _ = KERNELS[key]
