@@ -219,6 +219,7 @@ MTPLX_HD Ctx t158_ctx(const uint2* lut, int lane) {
 // (FORMAT.md: mxfp4 column 2k in the low nibble of byte k; ct-int code i at bit 4i of its word).
 // A bf16 pair takes nibble jj of both 16-bit halves: columns 8w + jj and 8w + 4 + jj, so one
 // shift and mask serve two weights. MMA m uses word m / 2, nibbles 2 (m % 2) and 2 (m % 2) + 1.
+template <class D>  // the codec: D::pair(raw, rho, word, jj) is its bf16 pair
 struct Nibbles {
   static constexpr int KC = 128, MMAS = 8, UNIT = 1;
   static constexpr bool POST = false;
@@ -237,8 +238,24 @@ struct Nibbles {
       q[rho][0] = v.x, q[rho][1] = v.y, q[rho][2] = v.z, q[rho][3] = v.w;
     }
   }
+  // The lane's codes of both rows, when it holds columns of this chunk (raw.has).
+  template <class Raw>
+  static MTPLX_HD bool load_codes(Raw& w, const Mat& m, int tile, int c0, int lane) {
+    w.has = c0 < m.cols;
+    if (w.has) load16(w.q, m, tile, c0, lane);
+    return w.has;
+  }
   // Nibble jj of both halves of word x, as integers in the 16-bit lanes.
   static MTPLX_HD u32 nib(u32 x, int jj) { return (x >> (4 * jj)) & 0x000F000Fu; }
+  template <class Raw>
+  static MTPLX_HD void frags(const Raw& w, int m, const Ctx&, u32 (&a)[1][4]) {
+    const int word = m >> 1, jj = 2 * (m & 1);
+#pragma unroll
+    for (int rho = 0; rho < 2; ++rho) {
+      a[0][rho] = w.has ? D::pair(w, rho, word, jj) : 0u;
+      a[0][2 + rho] = w.has ? D::pair(w, rho, word, jj + 1) : 0u;
+    }
+  }
 };
 
 #define MTPLX_BF16X2_NEG136 0xC308C308u  // (-136, -136): 0x4300 | u is bf16 128 + u
@@ -247,7 +264,7 @@ struct Nibbles {
 #define MTPLX_BF16X2_2P120 0x7B807B80u   // (2^120, 2^120)
 
 // mxfp4 (FORMAT.md "mxfp4"): E2M1 nibbles, one E8M0 scale per 32 columns (a lane's 32).
-struct MXFP4 : Nibbles {
+struct MXFP4 : Nibbles<MXFP4> {
   struct Raw {
     u32 q[2][4];
     u32 s2[2];  // bf16 2^(e - 127) in both halves, rows g and g + 8
@@ -255,9 +272,7 @@ struct MXFP4 : Nibbles {
   };
   static MTPLX_HD void load(Raw& w, const Mat& m, int tile, int chunk, int lane) {
     const int c0 = col0(chunk, lane);
-    w.has = c0 < m.cols;
-    if (!w.has) return;
-    load16(w.q, m, tile, c0, lane);
+    if (!load_codes(w, m, tile, c0, lane)) return;
 #pragma unroll
     for (int rho = 0; rho < 2; ++rho) {
       const long long r = 16LL * tile + (lane >> 2) + 8 * rho;
@@ -273,20 +288,12 @@ struct MXFP4 : Nibbles {
     const u32 v = (x & 0x80008000u) | ((x >> 6) & 0x01C001C0u);
     return bf16x2_mul(bf16x2_mul(v, MTPLX_BF16X2_2P126), w.s2[rho]);
   }
-  static MTPLX_HD void frags(const Raw& w, int m, const Ctx&, u32 (&a)[1][4]) {
-    const int word = m >> 1, jj = 2 * (m & 1);
-#pragma unroll
-    for (int rho = 0; rho < 2; ++rho) {
-      a[0][rho] = w.has ? pair(w, rho, word, jj) : 0u;
-      a[0][2 + rho] = w.has ? pair(w, rho, word, jj + 1) : 0u;
-    }
-  }
 };
 
 // ct-int4, symmetric (FORMAT.md "ct-int"): codes u = q + 8, one bf16 scale per 64 columns (a
 // lane's 32 columns share one). Weight = bf16_rne(q * scale): (128 + u) - 136 = q exactly, then
 // one rounded bf16 product, the reference's dequant bit for bit.
-struct CtInt4 : Nibbles {
+struct CtInt4 : Nibbles<CtInt4> {
   struct Raw {
     u32 q[2][4];
     u32 s2[2];
@@ -294,9 +301,7 @@ struct CtInt4 : Nibbles {
   };
   static MTPLX_HD void load(Raw& w, const Mat& m, int tile, int chunk, int lane) {
     const int c0 = col0(chunk, lane);
-    w.has = c0 < m.cols;
-    if (!w.has) return;
-    load16(w.q, m, tile, c0, lane);
+    if (!load_codes(w, m, tile, c0, lane)) return;
     const u16* sc = reinterpret_cast<const u16*>(m.scale);
 #pragma unroll
     for (int rho = 0; rho < 2; ++rho) {
@@ -307,14 +312,6 @@ struct CtInt4 : Nibbles {
   static MTPLX_HD u32 pair(const Raw& w, int rho, int word, int jj) {
     const u32 v = nib(w.q[rho][word], jj) | 0x43004300u;
     return bf16x2_mul(bf16x2_add(v, MTPLX_BF16X2_NEG136), w.s2[rho]);
-  }
-  static MTPLX_HD void frags(const Raw& w, int m, const Ctx&, u32 (&a)[1][4]) {
-    const int word = m >> 1, jj = 2 * (m & 1);
-#pragma unroll
-    for (int rho = 0; rho < 2; ++rho) {
-      a[0][rho] = w.has ? pair(w, rho, word, jj) : 0u;
-      a[0][2 + rho] = w.has ? pair(w, rho, word, jj + 1) : 0u;
-    }
   }
 };
 
@@ -399,6 +396,7 @@ MTPLX_HD void ctint3_repack_group(const u32 (&in)[6], u32 (&out)[6]) {
 // fp32 sums) and int4 (scale and zero per 32 inputs, folded). Row-major as stored: a lane loads 16
 // bytes of each row (16 columns of int8/fp8, lane q: columns 16q .. 16q+15 of a 64-column chunk;
 // 32 of int4, as Nibbles). MMA m takes bytes 4m .. 4m+3 of the lane's 16.
+template <class D>  // the codec: D::pair(word, selector) turns two bytes into a bf16 pair
 struct Bytes8 {
   static constexpr int KC = 64, MMAS = 4, UNIT = 1;
   static constexpr bool POST = false;
@@ -419,42 +417,37 @@ struct Bytes8 {
     }
   }
   static MTPLX_HD int col(int m, int q, int i) { return 16 * q + 4 * m + i; }
-};
-
-// int8 (two's complement): |q| & 127 as bf16 128 + m, plus -128 or -256 by the sign bit: exact.
-struct Int8Res : Bytes8 {
-  static MTPLX_HD u32 pair(u32 word, u32 sel) {
-    const u32 v = prmt(word, 0u, sel);  // two bytes in the low bytes of the 16-bit halves
-    return bf16x2_add((v & 0x007F007Fu) | 0x43004300u, (v & 0x00800080u) | 0xC300C300u);
-  }
   static MTPLX_HD void frags(const Raw& w, int m, const Ctx&, u32 (&a)[1][4]) {
 #pragma unroll
     for (int rho = 0; rho < 2; ++rho) {
-      a[0][rho] = w.has ? pair(w.q[rho][m], 0x4140u) : 0u;      // bytes 0, 1
-      a[0][2 + rho] = w.has ? pair(w.q[rho][m], 0x4342u) : 0u;  // bytes 2, 3
+      a[0][rho] = w.has ? D::pair(w.q[rho][m], D::SEL_LO) : 0u;      // bytes 0, 1
+      a[0][2 + rho] = w.has ? D::pair(w.q[rho][m], D::SEL_HI) : 0u;  // bytes 2, 3
     }
+  }
+};
+
+// int8 (two's complement): |q| & 127 as bf16 128 + m, plus -128 or -256 by the sign bit: exact.
+struct Int8Res : Bytes8<Int8Res> {
+  static constexpr u32 SEL_LO = 0x4140u, SEL_HI = 0x4342u;  // bytes to the low byte of a half
+  static MTPLX_HD u32 pair(u32 word, u32 sel) {
+    const u32 v = prmt(word, 0u, sel);
+    return bf16x2_add((v & 0x007F007Fu) | 0x43004300u, (v & 0x00800080u) | 0xC300C300u);
   }
 };
 
 // fp8 e4m3fn: sign to bit 15, exponent and mantissa to bits 4..10 (e4m3 * 2^-120, subnormals
 // included), times 2^120 exactly.
-struct Fp8Res : Bytes8 {
+struct Fp8Res : Bytes8<Fp8Res> {
+  static constexpr u32 SEL_LO = 0x1404u, SEL_HI = 0x3424u;  // bytes to the high byte of a half
   static MTPLX_HD u32 pair(u32 word, u32 sel) {
-    const u32 v = prmt(word, 0u, sel);  // two bytes in the high bytes of the 16-bit halves
+    const u32 v = prmt(word, 0u, sel);
     return bf16x2_mul((v & 0x80008000u) | ((v >> 4) & 0x07F007F0u), MTPLX_BF16X2_2P120);
-  }
-  static MTPLX_HD void frags(const Raw& w, int m, const Ctx&, u32 (&a)[1][4]) {
-#pragma unroll
-    for (int rho = 0; rho < 2; ++rho) {
-      a[0][rho] = w.has ? pair(w.q[rho][m], 0x1404u) : 0u;
-      a[0][2 + rho] = w.has ? pair(w.q[rho][m], 0x3424u) : 0u;
-    }
   }
 };
 
 // int4 asymmetric, groups of 32 inputs: weight = bf16_rne((q - 8) * scale + zero), one fma.
 // scale and zero are bf16 [K / 32, N] (column-group major, as stored).
-struct Int4Res : Nibbles {
+struct Int4Res : Nibbles<Int4Res> {
   struct Raw {
     u32 q[2][4];
     u32 s2[2], z2[2];
@@ -462,9 +455,7 @@ struct Int4Res : Nibbles {
   };
   static MTPLX_HD void load(Raw& w, const Mat& m, int tile, int chunk, int lane) {
     const int c0 = col0(chunk, lane);
-    w.has = c0 < m.cols;
-    if (!w.has) return;
-    load16(w.q, m, tile, c0, lane);
+    if (!load_codes(w, m, tile, c0, lane)) return;
     const u16* sc = reinterpret_cast<const u16*>(m.scale);
     const u16* ze = reinterpret_cast<const u16*>(m.zero);
 #pragma unroll
@@ -477,13 +468,5 @@ struct Int4Res : Nibbles {
   static MTPLX_HD u32 pair(const Raw& w, int rho, int word, int jj) {
     const u32 v = nib(w.q[rho][word], jj) | 0x43004300u;
     return bf16x2_fma(bf16x2_add(v, MTPLX_BF16X2_NEG136), w.s2[rho], w.z2[rho]);
-  }
-  static MTPLX_HD void frags(const Raw& w, int m, const Ctx&, u32 (&a)[1][4]) {
-    const int word = m >> 1, jj = 2 * (m & 1);
-#pragma unroll
-    for (int rho = 0; rho < 2; ++rho) {
-      a[0][rho] = w.has ? pair(w, rho, word, jj) : 0u;
-      a[0][2 + rho] = w.has ? pair(w, rho, word, jj + 1) : 0u;
-    }
   }
 };

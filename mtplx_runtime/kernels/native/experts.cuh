@@ -97,24 +97,18 @@ struct GateUpPass {
   __device__ void run(int first, int npass) {
     float acc[2][2][NT][4];
     mainloop<C, 2, NT, PARTS>(mats, tile0, src, first, npass, xs, ctx, acc);
-#pragma unroll
-    for (int rt = 0; rt < 2; ++rt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = 16 * (tile0 + rt) + acc_row(e), n = acc_vec(nt, e);
-          if (row >= I || n >= npass) continue;
-          const long long at = (long long)pairs[first + n] * I + row;
-          float gv = acc[rt][0][nt][e], uv = acc[rt][1][nt][e];
-          if (PARTS == 1) {  // a bf16 model rounds the gate and up GEMMs and the SiTU output
-            gv = round_bf16(gv);
-            uv = round_bf16(uv);
-            static_cast<u16*>(h)[at] = (u16)bf16_rne_bits(situ_glu(gv, uv, beta, beta_lin));
-          } else {
-            static_cast<float*>(h)[at] = situ_glu(gv, uv, beta, beta_lin);
-          }
-        }
+    each_acc<NT>(tile0, [&](int rt, int nt, int e, int row, int n) {
+      if (row >= I || n >= npass) return;
+      const long long at = (long long)pairs[first + n] * I + row;
+      float gv = acc[rt][0][nt][e], uv = acc[rt][1][nt][e];
+      if (PARTS == 1) {  // a bf16 model rounds the gate and up GEMMs and the SiTU output
+        gv = round_bf16(gv);
+        uv = round_bf16(uv);
+        static_cast<u16*>(h)[at] = (u16)bf16_rne_bits(situ_glu(gv, uv, beta, beta_lin));
+      } else {
+        static_cast<float*>(h)[at] = situ_glu(gv, uv, beta, beta_lin);
+      }
+    });
   }
 };
 
@@ -157,20 +151,14 @@ struct DownPass {
   __device__ void run(int first, int npass) {
     float acc[2][1][NT][4];
     mainloop<C, 1, NT, PARTS>(mats, tile0, src, first, npass, xs, ctx, acc);
-#pragma unroll
-    for (int rt = 0; rt < 2; ++rt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = 16 * (tile0 + rt) + acc_row(e), n = acc_vec(nt, e);
-          if (row >= R || n >= npass) continue;
-          const long long at = (long long)pairs[first + n] * R + row;
-          if (PARTS == 1)  // the down GEMM's output, rounded as a bf16 model does
-            static_cast<u16*>(y)[at] = (u16)bf16_rne_bits(acc[rt][0][nt][e]);
-          else
-            static_cast<float*>(y)[at] = acc[rt][0][nt][e];
-        }
+    each_acc<NT>(tile0, [&](int rt, int nt, int e, int row, int n) {
+      if (row >= R || n >= npass) return;
+      const long long at = (long long)pairs[first + n] * R + row;
+      if (PARTS == 1)  // the down GEMM's output, rounded as a bf16 model does
+        static_cast<u16*>(y)[at] = (u16)bf16_rne_bits(acc[rt][0][nt][e]);
+      else
+        static_cast<float*>(y)[at] = acc[rt][0][nt][e];
+    });
   }
 };
 

@@ -159,10 +159,19 @@ __device__ void mainloop(const Mat (&mats)[NM], int tile0, const Src& src, int f
   }
 }
 
-// Element e of n-tile nt in the MMA C layout: row (0..15) and vector (0..8 NT - 1) of the lane.
-__device__ __forceinline__ int acc_row(int e) { return ((threadIdx.x & 31) >> 2) + 8 * (e >> 1); }
-__device__ __forceinline__ int acc_vec(int nt, int e) {
-  return 8 * nt + 2 * (threadIdx.x & 3) + (e & 1);
+// f(rt, nt, e, row, n) for each accumulator of the lane (the MMA C layout): element e of n-tile
+// nt of tile tile0 + rt is matrix row `row` times the pass's vector n.
+template <int NT, class F>
+__device__ __forceinline__ void each_acc(int tile0, F&& f) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int rt = 0; rt < 2; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        f(rt, nt, e, 16 * (tile0 + rt) + (lane >> 2) + 8 * (e >> 1),
+          8 * nt + 2 * (lane & 3) + (e & 1));
 }
 
 // Run `body<NT>` for passes of up to 8 NTMAX vectors, choosing NT (1, 2, 4) per pass by its size,

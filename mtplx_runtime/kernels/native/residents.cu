@@ -27,16 +27,10 @@ struct ResidentPass {
     float acc[2][1][NT][4];
     mainloop<C, 1, NT, 1>(mats, tile0, src, first, npass, xs, ctx, acc, s0, s1);
     const int N = mats[0].rows;
-#pragma unroll
-    for (int rt = 0; rt < 2; ++rt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = 16 * (tile0 + rt) + acc_row(e), n = acc_vec(nt, e);
-          if (row < N && n < npass)
-            part[((long long)blockIdx.y * T + first + n) * N + row] = acc[rt][0][nt][e];
-        }
+    each_acc<NT>(tile0, [&](int rt, int nt, int e, int row, int n) {
+      if (row < N && n < npass)
+        part[((long long)blockIdx.y * T + first + n) * N + row] = acc[rt][0][nt][e];
+    });
   }
 };
 
