@@ -109,8 +109,9 @@ def gemv_runs() -> bool:
 
 
 def _gemv_takes(kind: str, device_type: str, shape: tuple[int, int], gemv: bool | None) -> bool:
-    runs = gemv_runs() if gemv is None else gemv
-    return device_type == "cuda" and runs and not cuda_residents.refusal(kind, shape)
+    if device_type != "cuda" or cuda_residents.refusal(kind, shape):
+        return False
+    return gemv_runs() if gemv is None else gemv
 
 
 def kernel_for(kind: str, device_type: str, capability: tuple[int, int] | None,
