@@ -220,9 +220,10 @@ __device__ void down(const u8* base, long long slot_bytes, const long long* ids,
 }
 
 // One codec's entry points: PREFIX_{gate_up,down}_{bf16x1,bf16x4,f32}: bf16 model with passes of
-// 8 (decode, T <= 8) or up to 32 tokens, fp32 model (passes of 8).
-#define MTPLX_EXPERT_VARIANT(PREFIX, CODEC, SUFFIX, NTMAX, PARTS)                              \
-  extern "C" __global__ void __launch_bounds__(MTPLX_THREADS) PREFIX##_gate_up_##SUFFIX(      \
+// 8 (decode, T <= 8) or up to 32 tokens, fp32 model (passes of 8); MINB: blocks per SM to
+// budget registers for.
+#define MTPLX_EXPERT_VARIANT(PREFIX, CODEC, SUFFIX, NTMAX, PARTS, MINB)                        \
+  extern "C" __global__ void __launch_bounds__(MTPLX_THREADS, MINB) PREFIX##_gate_up_##SUFFIX(\
       const u8* base, long long slot_bytes, const long long* ids, const int* slot_of, int T,  \
       int K, const int* route_pairs, const int* route_start, const void* x, void* h, int I,   \
       int R, long long gp, long long gs, long long upk, long long us, float beta,             \
@@ -230,7 +231,7 @@ __device__ void down(const u8* base, long long slot_bytes, const long long* ids,
     gate_up<CODEC, NTMAX, PARTS>(base, slot_bytes, ids, slot_of, T, K, route_pairs,           \
                                  route_start, x, h, I, R, gp, gs, upk, us, beta, beta_lin);   \
   }                                                                                           \
-  extern "C" __global__ void __launch_bounds__(MTPLX_THREADS) PREFIX##_down_##SUFFIX(         \
+  extern "C" __global__ void __launch_bounds__(MTPLX_THREADS, MINB) PREFIX##_down_##SUFFIX(   \
       const u8* base, long long slot_bytes, const long long* ids, const int* slot_of, int T,  \
       int K, const int* route_pairs, const int* route_start, const void* h, void* y,          \
       const float* weights, const float* acc0, float* out, int* counters, int I, int R,       \
@@ -239,7 +240,9 @@ __device__ void down(const u8* base, long long slot_bytes, const long long* ids,
                               h, y, weights, acc0, out, counters, I, R, dp, ds);              \
   }
 
+// MINB 4 (<= 128 registers) where passes are of 8 tokens: left to itself ptxas may squeeze a
+// kernel under 80 registers and spill (mxfp4_down_f32 on sm_80).
 #define MTPLX_EXPERT_KERNELS(PREFIX, CODEC)              \
-  MTPLX_EXPERT_VARIANT(PREFIX, CODEC, bf16x1, 1, 1)      \
-  MTPLX_EXPERT_VARIANT(PREFIX, CODEC, bf16x4, 4, 1)      \
-  MTPLX_EXPERT_VARIANT(PREFIX, CODEC, f32, 1, 3)
+  MTPLX_EXPERT_VARIANT(PREFIX, CODEC, bf16x1, 1, 1, 4)   \
+  MTPLX_EXPERT_VARIANT(PREFIX, CODEC, bf16x4, 4, 1, 1)   \
+  MTPLX_EXPERT_VARIANT(PREFIX, CODEC, f32, 1, 3, 4)

@@ -37,19 +37,20 @@ __device__ __forceinline__ float src_at(const Src& s, long long row, int col) {
   return bf16_bits_to_f32(static_cast<const u16*>(s.data)[row * s.cols + col]);
 }
 
-// Slice `slice` of the pass's vectors into xs [PARTS][8 NT][MTPLX_XS_STRIDE], uint2 = the B
-// registers of one lane for one MMA (k-slots 0,1 | 2,3 of slice_col). Vectors n >= npass and
-// columns past cols are zeros. All threads of the block.
+// Slice `slice` of the pass's vectors n < npass into xs [PARTS][8 NT][MTPLX_XS_STRIDE], uint2 =
+// the B registers of one lane for one MMA (k-slots 0,1 | 2,3 of slice_col); columns past cols
+// are zeros. Rows n >= npass are left as they are (mainloop zeroes them once per pass). All
+// threads of the block.
 template <class C, int NT, int PARTS>
 __device__ void stage_slice(uint2* xs, const Src& src, int first, int npass, int slice) {
-  for (int idx = threadIdx.x; idx < 8 * NT * 64; idx += blockDim.x) {
+  for (int idx = threadIdx.x; idx < npass * 64; idx += blockDim.x) {
     const int n = idx >> 6, mm = (idx >> 2) & 15, q = idx & 3;
-    const long long row = n < npass ? (src.list ? src.list[first + n] : first + n) / src.div : -1;
+    const long long row = (src.list ? src.list[first + n] : first + n) / src.div;
     u32 h[PARTS][4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int col = slice * MTPLX_SLICE + slice_col<C>(mm, q, i);
-      const float v = row >= 0 && col < src.cols ? src_at(src, row, col) : 0.0f;
+      const float v = col < src.cols ? src_at(src, row, col) : 0.0f;
       u32 sp[PARTS];
       split_bf16<PARTS>(v, sp);
 #pragma unroll
@@ -90,6 +91,13 @@ __device__ void mainloop(const Mat (&mats)[NM], int tile0, const Src& src, int f
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[rt][mx][nt][e] = 0.0f;
   const bool live[2] = {tile0 < tiles, tile0 + 1 < tiles};
+  // Vector rows past npass stay zero for the whole pass: zeroed once here, after every warp is
+  // done with the previous pass's vectors.
+  __syncthreads();
+  for (int i = threadIdx.x; i < PARTS * 8 * NT * MTPLX_XS_STRIDE; i += blockDim.x) {
+    const int n = (i / MTPLX_XS_STRIDE) % (8 * NT);
+    if (n >= npass) xs[i] = make_uint2(0u, 0u);
+  }
   const int slices = min(s1, (cols + MTPLX_SLICE - 1) / MTPLX_SLICE);
   for (int s = s0; s < slices; ++s) {
     __syncthreads();  // every warp is done with the previous slice

@@ -70,8 +70,10 @@ __device__ void resident_gemv(const u8* q, const void* scale, const u8* zero, in
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
+// x1: at least 4 blocks per SM (<= 128 registers): left to itself ptxas squeezes int4's into 64
+// and spills.
 #define MTPLX_RESIDENT(PREFIX, CODEC, KIND)                                                     \
-  extern "C" __global__ void __launch_bounds__(MTPLX_THREADS) PREFIX##_gemv_x1(                \
+  extern "C" __global__ void __launch_bounds__(MTPLX_THREADS, 4) PREFIX##_gemv_x1(             \
       const u8* q, const void* scale, const u8* zero, int N, int K, const u16* x, int T,      \
       u16* out, float* part, int* counters, int split) {                                      \
     resident_gemv<CODEC, KIND, 1>(q, scale, zero, N, K, x, T, out, part, counters, split);    \
