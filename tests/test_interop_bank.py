@@ -132,4 +132,5 @@ def test_kernels_that_address_components_in_place_refuse_unaligned_ones():
     assert "16-byte aligned" in cuda.unsupported(odd)
     even = layout_of("t158", 2, [(c, t, sh, n * 16) for c, t, sh, n in
                                  [(s.component, s.dtype, s.shape, s.length) for s in odd.segments]])
-    assert cpu.unsupported(even) is None and cuda.unsupported(even) is None
+    # aligned now; CUDA still refuses this toy's one-row projections (16-row MMA tiles)
+    assert cpu.unsupported(even) is None and "aligned" not in cuda.unsupported(even)
