@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
+from mtplx_runtime.files import check_inside
 from mtplx_runtime.offload.buffers import (
     PAGE_BYTES,
     aligned_buffer,
@@ -296,6 +297,11 @@ class RecordReader:
             found = f"{st.st_size} B" if stat.S_ISREG(st.st_mode) else "not a regular file"
             raise ReadError(errno.EINVAL, f"{path}: expected a regular file of {size} B, "
                             f"found {found}")
+        try:  # the file this fd holds, not the path checked at load: a directory swapped since
+            check_inside(fd, path, self.root, error=ReadError, what="bank part")
+        except ReadError:
+            os.close(fd)
+            raise
         return fd
 
     def _probe_direct(self, path: Path, flags: int) -> int | None:
