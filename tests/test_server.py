@@ -813,6 +813,25 @@ def test_a_request_without_max_tokens_gets_the_rest_of_the_context(server):
     assert e.value.status == 400
 
 
+def test_a_prompt_the_tokenizer_cannot_encode_is_a_400(server):
+    """The tokenizer refuses text its pattern cannot split (engine/tokenizer TokenizerError):
+    the request gets a 400 naming the prompt, not a 500."""
+    from mtplx_runtime.engine.tokenizer import TokenizerError
+    from mtplx_runtime.server.app import ServerConfig
+    from mtplx_runtime.server.params import ApiError, completion_params
+
+    class Refusing:
+        vocab_size = 10
+
+        def encode(self, text):
+            raise TokenizerError("tiktoken.model: pat_str cannot split this text")
+
+    with pytest.raises(ApiError, match="cannot encode the prompt: .*pat_str") as e:
+        completion_params({"model": MODEL, "prompt": PROMPT}, ServerConfig(model_id=MODEL),
+                          Refusing())
+    assert e.value.status == 400 and e.value.param == "prompt"
+
+
 # ---- OpenAI defaults, sampling fields, special tokens ------------------------------------------
 
 def test_refusals_name_the_limit(server):
