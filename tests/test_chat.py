@@ -20,7 +20,7 @@ from mtplx_runtime import load_model
 from mtplx_runtime.cli import main as cli_main
 from mtplx_runtime.cli import parse_args
 from mtplx_runtime.cli.chat import BANNER, HELP, Chat, chat_loop
-from mtplx_runtime.cli.generate import load_runtime
+from mtplx_runtime.cli.common import load_runtime
 from mtplx_runtime.engine.chat import (
     DEFAULT_THINKING_EFFORT,
     build_segments,

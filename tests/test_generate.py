@@ -465,7 +465,7 @@ def test_prefill_progress_lines_for_a_long_prompt(cli, tiny, model, tok, monkeyp
     end; the route trace still sees every forward; the text is unchanged."""
     import io
 
-    from mtplx_runtime.cli import generate as gen
+    from mtplx_runtime.cli import common as gen
 
     ticks = iter(range(0, 1000, 3))  # each forward "takes" 3 s on a fake clock
     err = io.StringIO()

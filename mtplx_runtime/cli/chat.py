@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
-from .generate import CliError, ReplyPrinter, add_model_args, load_runtime, stats_line
+from .common import CliError, ReplyPrinter, add_model_args, load_runtime, stats_line
 
 PROG = "mtplx chat"
 BANNER = (f"{PROG}: /help, /exit, /reset, /thinking on|off, /stats; "

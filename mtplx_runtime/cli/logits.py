@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .generate import add_resident_dtype
+from .common import add_resident_dtype
 from .model_dir import add_model_dir
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 
 from ..engine.presets import add_config_arg
-from .generate import add_resident_dtype
+from .common import add_resident_dtype
 from .model_dir import add_model_dir
 
 
