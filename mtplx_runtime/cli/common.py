@@ -12,9 +12,16 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
+from ..engine.options import CACHE_POLICIES, DTYPES, KERNELS, LoadOptions, OptionError
 from ..formats.resident_layouts import RESIDENT_DTYPES
 from .model_dir import add_model_dir
+
+DEFAULTS = LoadOptions()  # the defaults the load flags show and start from
+# A model without a chat format of its own never ends a chat reply (it was not trained to
+# write the end-of-message marker): chat and serve cap its replies at this many tokens.
+CHATLESS_MAX_TOKENS = 256
 
 
 class CliError(Exception):
@@ -32,51 +39,63 @@ def add_resident_dtype(p: argparse.ArgumentParser) -> None:
                         "--resident-dtype wrote)")
 
 
+def add_dtype(p: argparse.ArgumentParser, help: str = "compute dtype of the model") -> None:
+    """--dtype, shared by every command that loads or plans a model."""
+    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=DTYPES,
+                   help=f"{help} (default: {DEFAULTS.dtype})")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by `generate` and `chat`: model, sampling, memory, trace."""
+    """Flags shared by `generate`, `chat` and `serve`: model, sampling, memory, trace. The
+    load flags are LoadOptions' fields (`--memory-budget` = memory_budget), checked there."""
+    d = DEFAULTS
     add_model_dir(p, "checkpoint or streaming artifact directory")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                   help="compute dtype of the model")
+    add_dtype(p)
     add_resident_dtype(p)
-    p.add_argument("--no-thinking", action="store_true",
-                   help="chat: render with thinking off (answer in the response channel)")
-    p.add_argument("--max-tokens", type=int, default=64,
-                   help="most tokens to generate (chat and serve: default the rest of "
-                        "--context)")
+    thinking = p.add_mutually_exclusive_group()
+    thinking.add_argument("--no-thinking", action="store_true", default=None,
+                          help="chat: answer straight away, in the response channel (default: "
+                               "think first when the model has a chat format, see --thinking)")
+    thinking.add_argument("--thinking", action="store_false", dest="no_thinking", default=None,
+                          help="chat: think first, in the think channel (default for a model "
+                               "with a chat format of its own: a chat template or K3's "
+                               "encoding_k3.py beside its config; a model without one was not "
+                               "trained to think, so it answers straight away)")
+    p.add_argument("-n", "--max-tokens", type=int, default=64, metavar="N",
+                   help="most tokens to generate; none: the rest of --context (chat, serve), "
+                        f"at most {CHATLESS_MAX_TOKENS} for a model without a chat format, "
+                        "which never ends a reply itself")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1 = all)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely ids (0 = all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per forward")
-    p.add_argument("--memory-budget", default=None,
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="N",
+                   help="prompt tokens per forward")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="stream experts within this budget, e.g. 24GiB (default: resident, or "
                         "MemAvailable for a streaming artifact)")
-    p.add_argument("--host-budget", default="0", help="second-tier (host) cache budget")
+    p.add_argument("--host-budget", default="0", metavar="SIZE",
+                   help="second-tier (host) cache budget")
     p.add_argument("--device-slots", type=int, default=None, metavar="N",
                    help="stream experts through N compute-tier cache slots per MoE layer "
                         "instead of a memory budget (small models, cache experiments)")
     p.add_argument("--host-slots", type=int, default=0, metavar="N",
                    help="with --device-slots: N host-tier slots per MoE layer")
-    p.add_argument("--context", type=int, default=None,
+    p.add_argument("--context", type=int, default=None, metavar="N",
                    help="most tokens of prompt + reply: the memory plan reserves state for this "
-                        "many, so a longer prompt is refused (or cut, --truncate) (default: the "
-                        "longest the memory plan affords, 4,096 to 32,768, printed; 4,096 "
-                        "without a plan)")
-    p.add_argument("--cache-policy", default="lru", choices=("lru", "freq"),
+                        "many, and a longer prompt is refused (default: the longest the memory "
+                        "plan affords, 4,096 to 32,768, printed; 4,096 without a plan)")
+    p.add_argument("--cache-policy", default=d.cache_policy, choices=CACHE_POLICIES,
                    help="expert cache replacement policy (streaming)")
-    p.add_argument("--lookahead", type=int, default=1,
+    p.add_argument("--lookahead", type=int, default=d.lookahead, metavar="D",
                    help="prefetch experts this many layers ahead (streaming; 0 = off)")
-    from ..offload.bank_reader import DEFAULT_READ_DEPTH
-    from ..offload.provider import DEFAULT_DECODE_DEPTH
-
-    p.add_argument("--read-depth", type=int, default=DEFAULT_READ_DEPTH, metavar="N",
+    p.add_argument("--read-depth", type=int, default=d.read_depth, metavar="N",
                    help="expert reads in flight at once, a layer's misses and the lookahead's "
-                        "guesses together (streaming; default %(default)s)")
-    p.add_argument("--decode-depth", type=int, default=DEFAULT_DECODE_DEPTH, metavar="N",
+                        "guesses together (streaming)")
+    p.add_argument("--decode-depth", type=int, default=d.decode_depth, metavar="N",
                    help="expert reads in flight while one token decodes, at most --read-depth: "
-                        "few, so records land one by one and compute as they land (streaming; "
-                        "default %(default)s)")
-    p.add_argument("--kernels", default=None, choices=("auto", "reference", "cpu", "cuda"),
+                        "few, so records land one by one and compute as they land (streaming)")
+    p.add_argument("--kernels", default=None, choices=KERNELS,
                    help="routed-expert kernels for streamed experts (default: $MTPLX_KERNELS, "
                         "else auto: cuda with a GPU, else the native cpu kernels)")
     p.add_argument("--no-verify", action="store_true",
@@ -85,16 +104,96 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm", default="auto", metavar="auto|off|FILE",
                    help="warm start (streaming): fill the expert cache at load with the experts "
                         "earlier runs used most, and record this run's for the next; auto keeps "
-                        "the file in the user cache directory, FILE names one (default: auto)")
+                        "the file in the user cache directory, FILE names one in an existing "
+                        "directory (default: auto)")
     p.add_argument("--warm-wait", action="store_true",
                    help="finish the warm start before the first prompt: the first token comes "
                         "later, but decode runs from the full cache (by default the warm waits "
                         "for the prompt's prefill, then fills the cache during decode)")
     p.add_argument("--trace-routes", default=None, metavar="FILE",
-                   help="write the route of every token (mtplx-route-trace-v1 JSON lines)")
+                   help="write the route of every token (mtplx-route-trace-v1 JSON lines) to "
+                        "FILE, in an existing directory")
     from ..engine.presets import add_config_arg
 
     add_config_arg(p)
+
+
+def check_output_dir(flag: str, path: str | None) -> None:
+    """A file a command writes goes into an existing directory, never one made for it: a
+    missing (or non-directory) parent is a CliError naming it."""
+    if path is None:
+        return
+    parent = Path(path).expanduser().absolute().parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise CliError(f"{flag} {path}: its directory {parent} {what} (create it, or give "
+                       "another path)")
+
+
+def chat_defaults(args, prog: str, err=None) -> None:
+    """Fill a chat's (chat, generate --chat) unset thinking and reply length from whether the
+    model has a chat format (engine.chat.chat_format_source). With one: think first, replies
+    as long as the command allows. Without (a model trained on plain text, such as the tiny K3
+    of `mtplx demo`): it would never close a think channel nor end a reply, so thinking is off
+    and an unlimited reply stops at CHATLESS_MAX_TOKENS; said once on `err`."""
+    from ..engine.chat import chat_format_source
+
+    err = sys.stderr if err is None else err
+    if chat_format_source(args.model) is not None:
+        if args.no_thinking is None:
+            args.no_thinking = False
+        return
+    changed = []
+    if args.no_thinking is None:
+        args.no_thinking = True
+        changed.append("it answers without thinking (--thinking to think anyway)")
+    if args.max_tokens is None:
+        args.max_tokens = CHATLESS_MAX_TOKENS
+        changed.append(f"replies stop at {CHATLESS_MAX_TOKENS} tokens (--max-tokens N)")
+    what = "; ".join(changed) if changed else f"replies stop at --max-tokens {args.max_tokens}"
+    print(f"{prog}: note: {args.model} has no chat format (no chat template or encoding_k3.py): "
+          f"the model was trained on plain text, never to end a reply; {what}", file=err)
+
+
+def cut_note(n: int, limit: str, think_open: bool) -> str:
+    """What a reply cut at its token limit says: where, and which flag gives it more room."""
+    where = " inside the think channel, so no answer yet" if think_open else ""
+    more = ("raise --context" if limit == "the rest of --context" else "raise --max-tokens")
+    if think_open:
+        more += " or pass --no-thinking"
+    return f"reply cut at {n} tokens ({limit}){where}: {more} for a longer reply"
+
+
+# The flag of each LoadOptions field whose flag is not its name in kebab case.
+FLAGS = {"cache_slots": "--device-slots", "verify": "--no-verify"}
+
+
+def flag_of(field: str) -> str:
+    return FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def load_options(args) -> LoadOptions:
+    """The LoadOptions of parsed flags; a bad value is a CliError naming its flag. Output
+    files (--trace-routes; --warm FILE, checked there) go into existing directories only."""
+    slots = None
+    if args.device_slots is not None:
+        slots = (args.device_slots, args.host_slots)
+    elif args.host_slots:
+        raise CliError("--host-slots needs --device-slots")
+    for flag, path in (("--trace-routes", args.trace_routes),
+                       ("--warm", None if args.warm in ("auto", "off") else args.warm)):
+        check_output_dir(flag, path)
+    try:
+        return LoadOptions(
+            dtype=args.dtype, resident_dtype=args.resident_dtype,
+            memory_budget=args.memory_budget, host_budget=args.host_budget, cache_slots=slots,
+            context=args.context, prefill_chunk=args.prefill_chunk, kernels=args.kernels,
+            cache_policy=args.cache_policy, lookahead=args.lookahead,
+            read_depth=args.read_depth, decode_depth=args.decode_depth,
+            verify=not args.no_verify, warm=args.warm,
+            warm_progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except OptionError as e:
+        raise CliError(e.named(flag_of)) from None
 
 
 def fit_context(prompt: list[int], args, err=None) -> tuple[list[int], int]:
@@ -123,43 +222,19 @@ def fit_context(prompt: list[int], args, err=None) -> tuple[list[int], int]:
 
 def load_runtime(args):
     """`engine.runtime.load` from parsed flags, plus the route trace (--trace-routes)."""
-    from ..artifact.open import is_artifact
-    from ..engine.plan import PlanError, facts_from_dir
+    from ..engine.plan import PlanError
     from ..engine.runtime import load
     from ..kernels import ENV, cuda, name_of
 
-    for flag, v, low in (("--max-tokens", args.max_tokens, 0), ("--top-k", args.top_k, 0),
-                         ("--prefill-chunk", args.prefill_chunk, 1),
-                         ("--lookahead", args.lookahead, 0), ("--context", args.context, 1),
-                         ("--host-slots", args.host_slots, 0),
-                         ("--read-depth", args.read_depth, 1),
-                         ("--decode-depth", args.decode_depth, 1)):
-        if v is not None and v < low:  # chat's --max-tokens defaults to None (rest of context)
-            raise CliError(f"{flag} must be >= {low}, got {v}")
-    slots = None
-    if args.device_slots is not None:
-        if args.device_slots < 1:
-            raise CliError(f"--device-slots must be >= 1, got {args.device_slots}")
-        if args.memory_budget is not None:
-            raise CliError("give --memory-budget or --device-slots, not both")
-        slots = (args.device_slots, args.host_slots)
-    elif args.host_slots:
-        raise CliError("--host-slots needs --device-slots")
+    if args.max_tokens is not None and args.max_tokens < 0:  # None: the rest of --context
+        raise CliError(f"--max-tokens must be >= 0, got {args.max_tokens}")
+    if args.top_k < 0:
+        raise CliError(f"--top-k must be >= 0, got {args.top_k}")
     if not 0 <= args.temperature < math.inf or not 0 < args.top_p <= 1:  # NaN fails both
         raise CliError("--temperature must be >= 0 and --top-p in (0, 1]")
-    if (args.kernels not in (None, "auto", "reference") and args.memory_budget is None
-            and slots is None and not is_artifact(args.model)):
-        raise CliError(f"--kernels {args.kernels} runs on streamed experts: give a streaming "
-                       "artifact (mtplx build-manifest) or drop --kernels")
+    options = load_options(args)
     try:
-        rt = load(args.model, dtype=args.dtype, memory_budget=args.memory_budget,
-                  host_budget=args.host_budget, kernels=args.kernels, lookahead=args.lookahead,
-                  cache_policy=args.cache_policy, context=args.context,
-                  prefill_chunk=args.prefill_chunk, verify=not args.no_verify,
-                  cache_slots=slots, read_depth=args.read_depth,
-                  decode_depth=args.decode_depth, warm=args.warm,
-                  warm_progress=lambda line: print(line, file=sys.stderr, flush=True),
-                  resident_dtype=args.resident_dtype)
+        rt = load(args.model, options)
     except (PlanError, ValueError, RuntimeError) as e:  # budget, bank/kernel mismatch, kernels
         raise CliError(str(e)) from None
     if args.warm_wait and rt.streamed and rt.provider.warm is not None:
@@ -184,13 +259,8 @@ def load_runtime(args):
     if args.trace_routes:
         from ..engine.trace import RouteTrace
 
-        try:
-            record = (rt.plan.record_bytes if rt.plan is not None
-                      else facts_from_dir(args.model).record_bytes)
-        except PlanError:  # a checkpoint layout the plan cannot size: the header says null
-            record = None
         rt.trace = RouteTrace(args.trace_routes, rt.model, model_name=str(args.model),
-                              record_bytes=record)
+                              record_bytes=rt.record_bytes)
     return rt
 
 

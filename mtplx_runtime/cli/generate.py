@@ -20,6 +20,8 @@ from .common import (
     CliError,
     ReplyPrinter,
     add_model_args,
+    chat_defaults,
+    cut_note,
     fit_context,
     load_runtime,
     run_turn,
@@ -31,7 +33,7 @@ PROG = "mtplx generate"
 
 def add_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text ('-': read it from standard input)")
+    src.add_argument("-p", "--prompt", help="prompt text ('-': read it from standard input)")
     src.add_argument("--prompt-file", metavar="FILE", help="read the prompt text from FILE")
     p.add_argument("--chat", action="store_true",
                    help="render the prompt as a one-user-message chat and parse the reply")
@@ -62,6 +64,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     try:
+        if args.chat:
+            chat_defaults(args, PROG)
         thinking = not args.no_thinking
         if args.chat:
             prompt = render_chat(rt.tokenizer, [{"role": "user", "content": text}],
@@ -73,6 +77,7 @@ def main(args: argparse.Namespace) -> int:
         if not prompt:
             print(f"{PROG}: error: the prompt encodes to no tokens", file=sys.stderr)
             return 2
+        requested = args.max_tokens
         try:
             prompt, args.max_tokens = fit_context(prompt, args)
         except CliError as e:
@@ -88,6 +93,11 @@ def main(args: argparse.Namespace) -> int:
             print(f"[reply: {len(reply['reasoning'])} chars reasoning, "
                   f"{len(reply['content'])} chars content, {len(reply['tool_calls'])} tool calls]",
                   file=sys.stderr)
+            if stats.stop_reason == "length":
+                limit = ("--max-tokens" if args.max_tokens == requested
+                         else "the rest of --context")
+                print(f"{PROG}: {cut_note(args.max_tokens, limit, printer.in_think)}",
+                      file=sys.stderr)
         print(f"{PROG}: {stats_line(rt, stats)}", file=sys.stderr)
     finally:
         rt.close()
