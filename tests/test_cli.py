@@ -163,7 +163,8 @@ def test_the_model_directory_is_a_flag_or_a_positional_everywhere(tmp_path, caps
     assert "the model directory is required: --model DIR (or DIR)" in capsys.readouterr().err
     assert main(["verify", str(tiny), "--model", str(tmp_path / "other")]) == 2
     assert "two model directories given" in capsys.readouterr().err
-    for name in ("generate", "chat", "serve", "logits", "plan", "inspect", "verify"):
+    for name in ("generate", "chat", "serve", "logits", "plan", "inspect", "verify",
+                 "build-manifest"):
         with pytest.raises(SystemExit):
             main([name, "--help"])
         assert "--model DIR" in capsys.readouterr().out, name
@@ -171,7 +172,9 @@ def test_the_model_directory_is_a_flag_or_a_positional_everywhere(tmp_path, caps
 
 def test_help_gives_every_options_default():
     """Every option of every subcommand says its default in --help (the shared formatter adds
-    it unless the help text already does)."""
+    it unless the help text already does), and one with a value names that value (`generate
+    --max-tokens` said only "default the rest of --context", `logits --dtype` "as generate's
+    default")."""
     import argparse
 
     from mtplx_runtime.cli import DefaultsHelp, _build
@@ -183,8 +186,86 @@ def test_help_gives_every_options_default():
             if isinstance(a, argparse._HelpAction) or a.default is argparse.SUPPRESS \
                     or a.required or not a.option_strings:
                 continue
-            assert "default" in fmt._get_help_string(a), (name, a.option_strings)
+            text = fmt._get_help_string(a) % {"default": a.default}
+            assert "default" in text, (name, a.option_strings)
+            if a.default not in (None, False, True) and not isinstance(a.default, list):
+                assert str(a.default) in text.replace(",", ""), (name, a.option_strings, text)
         assert p.format_help()  # every default formats (lists, None, booleans)
+
+
+def test_chat_and_serve_help_do_not_offer_flags_they_refuse(capsys):
+    """chat and serve have no --truncate: their --help must not point to it."""
+    for name in ("chat", "serve"):
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        assert "truncate" not in capsys.readouterr().out, name
+
+
+def test_each_codec_flag_has_its_own_name_and_the_old_spelling_still_works():
+    """--codec meant three things: build-manifest's bank codec, make-tiny's expert layout,
+    profile's pricing codec. Each has its own name now; --codec stays as an alias."""
+    from mtplx_runtime.cli import parse_args
+
+    for argv, dest, value in (
+            (["build-manifest", "src", "out", "{}", "t158"], "bank_codec", "t158"),
+            (["make-tiny", "out", "{}", "w3"], "layout", "w3"),
+            (["profile", "synth:k3", "{}", "mxfp4"], "record_codec", "mxfp4")):
+        new = {"bank_codec": "--bank-codec", "layout": "--layout",
+               "record_codec": "--record-codec"}[dest]
+        for flag in (new, "--codec"):
+            args = parse_args([flag if a == "{}" else a for a in argv])
+            assert getattr(args, dest) == value and not hasattr(args, "codec"), (argv, flag)
+
+
+def test_build_manifest_takes_the_model_flag(tmp_path, capsys):
+    """The README says every command with a model directory takes --model: build-manifest's
+    source too (it was refused as an unknown flag)."""
+    assert main(["make-tiny", str(tmp_path / "t"), "--layout", "t158"]) == 0
+    assert main(["build-manifest", "--model", str(tmp_path / "t"), str(tmp_path / "a"),
+                 "--quiet"]) == 0
+    assert (tmp_path / "a" / "expert-manifest.json").is_file()
+    assert main(["build-manifest", "-m", str(tmp_path / "t"), str(tmp_path / "b"), "--quiet",
+                 "--bank-codec", "t158"]) == 0
+    assert "t158" in capsys.readouterr().out
+
+
+def test_short_flags_and_unknown_flags_name_the_subcommand(tmp_path, capsys):
+    """`generate -m DIR -p TEXT -n N` as llama.cpp users type it; an unknown flag is reported
+    by the subcommand, with its usage and the closest flag, not by the top-level parser."""
+    tiny = tmp_path / "t"
+    assert main(["make-tiny", str(tiny), "--layout", "t158"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "-m", str(tiny), "-p", "hi", "-n", "2", "--dtype", "float32"]) == 0
+    assert "generated 2 tok" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "-m", str(tiny), "-p", "hi", "--max-tokns=2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: mtplx generate ")
+    assert err.splitlines()[-1] == ("mtplx generate: error: unrecognized arguments: "
+                                    "--max-tokns=2; --max-tokns: did you mean --max-tokens?")
+    # mlx-lm's -m is --max-tokens: a number where a directory should be gets a hint
+    assert main(["generate", "-m", "100", "-p", "hi"]) == 2
+    assert capsys.readouterr().err == ("mtplx generate: error: the model directory 100 does not "
+                                       "exist (-m is --model here; the reply length is "
+                                       "-n/--max-tokens)\n")
+
+
+@pytest.mark.parametrize("flag", ["--trace-routes", "--warm"])
+def test_output_files_need_an_existing_directory(tmp_path, capsys, flag):
+    """--trace-routes and --warm FILE created missing parent directories silently (or failed
+    after the whole load): now a one-line error naming the directory, before loading."""
+    from mtplx_runtime.artifact.build import build_artifact
+    from mtplx_runtime.fixtures.tiny import make_tiny
+
+    make_tiny(tmp_path / "t", "t158")
+    build_artifact(tmp_path / "t", tmp_path / "a", progress=False)
+    target = tmp_path / "no" / "such" / "x.out"
+    assert main(["generate", str(tmp_path / "a"), "-p", "hi", "-n", "1", flag,
+                 str(target)]) == 2
+    assert capsys.readouterr().err == (f"mtplx generate: error: {flag} {target}: its directory "
+                                       f"{target.parent} does not exist (create it, or give "
+                                       "another path)\n")
+    assert not (tmp_path / "no").exists()
 
 
 def test_a_closed_output_pipe_ends_quietly(tmp_path):

@@ -12,7 +12,7 @@ import os
 import sys
 
 from ..engine.presets import add_config_arg
-from .common import add_resident_dtype
+from .common import add_dtype, add_resident_dtype
 from .model_dir import add_model_dir
 
 
@@ -26,7 +26,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="host RAM for a host-tier expert cache (default 0)")
     parser.add_argument("--context", type=int, default=4096, metavar="N",
                         help="tokens the MLA cache holds (default 4096)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    add_dtype(parser)
     add_resident_dtype(parser)
     parser.add_argument("--batch", type=int, default=1, metavar="N", help="sequences (default 1)")
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",

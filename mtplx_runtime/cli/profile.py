@@ -86,10 +86,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", type=_policies, default=["lru", "lfu", "freq"],
                    help="lru, lfu, freq[:DECAY], belady (Belady's MIN is always added)")
     p.add_argument("--disk-gbps", type=_positive, default=7.0, help="drive read rate, GB/s")
-    p.add_argument("--codec", choices=("t158", "w3", "mxfp4"),
-                   help="expert codec of the records read: prices SSD reads with K3 records "
-                        "of it (t158 7.74 MB, w3 13.4 MB, mxfp4 17.5 MB); default: the traces' "
-                        "record_bytes, else t158")
+    p.add_argument("--record-codec", "--codec", dest="record_codec",
+                   choices=("t158", "w3", "mxfp4"),
+                   help="price each miss as a K3 record of this codec (t158 7.74 MB, w3 13.4 "
+                        "MB, mxfp4 17.5 MB; --codec: the older spelling) (default: the traces' "
+                        "record_bytes, else t158)")
     p.add_argument("--prefill-chunk", type=int, default=64,
                    help="prefill chunk the trace was recorded with (prefill read counting)")
     p.add_argument("--workers", type=_workers, default=0,
@@ -112,8 +113,8 @@ def _record_bytes(traces, codec: str | None) -> tuple[int, str | None]:
     found = {tr.record_bytes for tr in traces}
     if len(found) > 1:
         names = ", ".join(f"{tr.name} {tr.record_bytes}" for tr in traces)
-        raise TraceError(f"the traces disagree on record_bytes ({names}); pass --codec to price "
-                         f"them all alike")
+        raise TraceError(f"the traces disagree on record_bytes ({names}); pass --record-codec "
+                         f"to price them all alike")
     (rec,) = found
     return (record_bytes("t158"), "t158") if rec is None else (rec, None)
 
@@ -135,7 +136,7 @@ def run(args) -> dict:
             raise TraceError(f"{tr.name}: layers/experts differ from {first.name}")
         if not tr.decode.any():
             raise TraceError(f"{tr.name}: no decode lines to replay")
-    rec, codec = _record_bytes(traces, args.codec)
+    rec, codec = _record_bytes(traces, args.record_codec)
     nl, k = len(first.layers), first.top_k
     if args.capacity_bytes:
         # The runtime gives each record a 4 KiB-aligned slot (engine/plan.py record_stride).
