@@ -282,3 +282,38 @@ def test_a_closed_output_pipe_ends_quietly(tmp_path):
     proc.stdout.close()  # no reader before the child writes a byte
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141 and err == b""
+
+
+def test_a_wrong_kind_of_directory_says_what_it_is_and_what_to_run(tmp_path, capsys):
+    """verify of a checkpoint, build-manifest of an artifact, recode-w4 of a t158 checkpoint or
+    of an artifact: one line that names what the directory is and the command that fits,
+    instead of a missing manifest, a Python API or a missing quantization_config alone."""
+    from mtplx_runtime.artifact.build import build_artifact
+    from mtplx_runtime.fixtures.tiny import make_tiny
+
+    ckpt, art = tmp_path / "t", tmp_path / "a"
+    make_tiny(ckpt, "t158")
+    build_artifact(ckpt, art, progress=False)
+    capsys.readouterr()
+    assert main(["verify", str(ckpt)]) == 2
+    assert capsys.readouterr().err == (
+        f"mtplx verify: error: {ckpt} is a checkpoint (config.json, no expert-manifest.json): "
+        f"verify checks a streaming artifact against its manifest; `mtplx build-manifest {ckpt} "
+        f"OUT` builds one, `mtplx inspect {ckpt}` summarises the checkpoint\n")
+    assert main(["build-manifest", str(art), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"mtplx build-manifest: error: {art} is a streaming artifact already "
+                   f"(expert-manifest.json), and build-manifest reads a checkpoint: run it with "
+                   f"`mtplx generate {art}`, check it with `mtplx verify {art}`\n")
+    assert not (tmp_path / "b").exists()
+    assert main(["recode-w4", str(ckpt), str(tmp_path / "w4")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtplx recode-w4: error: ") and err.count("\n") == 1
+    assert "its routed experts are t158, not W3: recode-w4 recodes a W3A16 g64" in err
+    assert main(["recode-w4", str(art), str(tmp_path / "w4")]) == 2
+    assert "it is a streaming artifact: recode-w4 reads the W3A16 checkpoint" in \
+        capsys.readouterr().err
+    make_tiny(tmp_path / "w3", "w3")
+    assert main(["recode-w4", str(tmp_path / "w3"), str(tmp_path / "w4"), "--quiet"]) == 0
+    assert main(["recode-w4", str(tmp_path / "w4"), str(tmp_path / "w4b")]) == 2
+    assert "its experts are already W4: nothing to recode" in capsys.readouterr().err

@@ -45,7 +45,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from ..artifact.build import build_artifact
     from ..artifact.journal import BuildError
+    from ..artifact.open import is_artifact
 
+    if is_artifact(args.src):
+        print(f"mtplx build-manifest: error: {args.src} is a streaming artifact already "
+              f"(expert-manifest.json), and build-manifest reads a checkpoint: run it with "
+              f"`mtplx generate {args.src}`, check it with `mtplx verify {args.src}`",
+              file=sys.stderr)
+        return 2
     try:
         r = build_artifact(args.src, args.out, codec=args.bank_codec, layers=args.layers,
                            jobs=args.jobs, progress=not args.no_progress,
