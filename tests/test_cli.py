@@ -317,3 +317,20 @@ def test_a_wrong_kind_of_directory_says_what_it_is_and_what_to_run(tmp_path, cap
     assert main(["recode-w4", str(tmp_path / "w3"), str(tmp_path / "w4"), "--quiet"]) == 0
     assert main(["recode-w4", str(tmp_path / "w4"), str(tmp_path / "w4b")]) == 2
     assert "its experts are already W4: nothing to recode" in capsys.readouterr().err
+
+
+def test_the_first_native_build_is_announced(tmp_path, monkeypatch):
+    """The native CPU library compiles on first use (10-20 s): a line says so, once; once it is
+    built nothing is said (the wheel test sees the line from a real first run)."""
+    import io
+
+    from mtplx_runtime.cli.common import note_native_build
+    from mtplx_runtime.kernels import cpu_build
+
+    monkeypatch.setenv("MTPLX_NATIVE_DIR", str(tmp_path))
+    err = io.StringIO()
+    note_native_build(err)
+    assert err.getvalue() == f"mtplx: compiling the native CPU kernels, once (kept in {tmp_path})\n"
+    cpu_build.library_path().touch()  # as if built
+    note_native_build(err := io.StringIO())
+    assert err.getvalue() == ""

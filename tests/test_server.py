@@ -110,7 +110,9 @@ def test_help_and_clear_error_without_server_extra(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, "serve", "--model", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "server` extra" in r.stderr
-    assert "pip install -e .[server]" in r.stderr and len(r.stderr.splitlines()) == 1
+    from mtplx_runtime.extras import install_hint
+
+    assert install_hint("server") in r.stderr and len(r.stderr.splitlines()) == 1
 
 
 def test_help_shows_every_default():
@@ -212,7 +214,9 @@ def test_kernels_cuda_without_cupy_names_the_gpu_extra(art, monkeypatch, capfd):
     err = capfd.readouterr().err
     assert code == 2 and [e[0] for e in events] == ["listen", "load"], err
     assert err.startswith("mtplx serve: error: ") and len(err.splitlines()) == 1, err
-    assert "cupy is not installed" in err and "pip install -e .[gpu]" in err
+    from mtplx_runtime.extras import install_hint
+
+    assert "cupy is not installed" in err and install_hint("gpu") in err
 
 
 def test_models_and_health(server, client):

@@ -35,8 +35,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="resident matrices (attention, shared experts, latent projections, "
                              "lm_head) as stored (bf16, default) or quantized into the artifact: "
                              "int8 per channel, int4 in groups of 32, fp8 (e4m3) per channel; "
-                             "loading it reads them as they are (FORMAT.md \"Quantized "
-                             "residents\")")
+                             "loading it reads them as they are, no quantization pass")
     parser.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
                         help="no progress on stderr (default: a bar on a terminal, else a line "
                              "every 5 s)")

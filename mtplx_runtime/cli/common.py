@@ -220,8 +220,23 @@ def fit_context(prompt: list[int], args, err=None) -> tuple[list[int], int]:
     return prompt, args.max_tokens
 
 
+def note_native_build(err=None) -> None:
+    """Say so when the native CPU library is about to be compiled (once per source and
+    compiler; 10-20 s), so that the first run is not silent that long."""
+    from ..kernels import cpu_build
+
+    try:
+        built = cpu_build.library_path().is_file()
+    except cpu_build.BuildError:  # no compiler: loading says what the kernels fall back to
+        return
+    if not built:
+        print(f"mtplx: compiling the native CPU kernels, once (kept in "
+              f"{cpu_build.cache_dir()})", file=sys.stderr if err is None else err, flush=True)
+
+
 def load_runtime(args):
     """`engine.runtime.load` from parsed flags, plus the route trace (--trace-routes)."""
+    from ..artifact.open import is_artifact
     from ..engine.plan import PlanError
     from ..engine.runtime import load
     from ..kernels import ENV, cuda, name_of
@@ -233,6 +248,9 @@ def load_runtime(args):
     if not 0 <= args.temperature < math.inf or not 0 < args.top_p <= 1:  # NaN fails both
         raise CliError("--temperature must be >= 0 and --top-p in (0, 1]")
     options = load_options(args)
+    if (options.memory_budget is not None or options.cache_slots is not None
+            or is_artifact(args.model)):
+        note_native_build()  # streamed records are computed (and checked) by native code
     try:
         rt = load(args.model, options)
     except (PlanError, ValueError, RuntimeError) as e:  # budget, bank/kernel mismatch, kernels

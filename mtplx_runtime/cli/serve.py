@@ -18,6 +18,8 @@ import os
 import socket
 import sys
 
+from ..extras import install_hint
+
 PROG = "mtplx serve"
 
 
@@ -59,7 +61,7 @@ def _uvicorn():
         import uvloop  # noqa: F401  (uvicorn's loop="uvloop" imports it)
     except ModuleNotFoundError as e:
         raise RuntimeError(f"serving needs the `server` extra ({e.name} is missing): "
-                           "pip install -e .[server]") from None
+                           f"{install_hint('server')}") from None
     return uvicorn
 
 
