@@ -98,7 +98,7 @@ def test_k3_presets_fit_the_memory_plan(name):
 
 def test_flags_win_over_the_preset_and_the_preset_over_defaults(art, capsys):
     plain = plan_json(capsys, "--model", art, "--memory-budget", "542MiB")
-    assert plain["context"] == 4096 and plain["host_budget"] == 0  # the parser's defaults
+    assert plain["context"] == 32768 and plain["host_budget"] == 0  # the built-in defaults
     got = plan_json(capsys, "--config", "tiny-demo", "--model", art)
     assert (got["memory_budget"], got["host_budget"]) == (461678 * 1024, 240 * 1024)
     assert (got["context"], got["prefill_chunk"]) == (512, 2)
