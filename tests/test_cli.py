@@ -334,3 +334,13 @@ def test_the_first_native_build_is_announced(tmp_path, monkeypatch):
     cpu_build.library_path().touch()  # as if built
     note_native_build(err := io.StringIO())
     assert err.getvalue() == ""
+
+
+def test_flags_parse_without_torch():
+    """Every command's flags (presets and load options included) parse without importing torch,
+    so `--help` and a plan answer quickly; importing torch alone took 1-3 s here."""
+    code = ("import sys; from mtplx_runtime.cli import parse_args; "
+            "parse_args(['plan', 'x', '--config', 'k3-t158-h200']); "
+            "parse_args(['generate', '-m', 'x', '-p', 'hi']); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -410,7 +410,8 @@ def test_readme_example_is_what_the_command_prints(tmp_path, capsys, monkeypatch
     argv, quoted = _readme_example()
     monkeypatch.chdir(tmp_path)
     rc, out, err = mtplx(["profile", *argv], capsys)
-    assert rc == 0 and err == ""
+    # stderr: nothing but the progress of a replay that ran past 2 s (a loaded machine)
+    assert rc == 0 and all(ln.startswith("mtplx profile: replaying ") for ln in err.splitlines())
     assert _steady(out.splitlines()) == _steady(quoted)
 
 
