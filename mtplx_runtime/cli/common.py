@@ -248,9 +248,10 @@ def load_runtime(args):
     if not 0 <= args.temperature < math.inf or not 0 < args.top_p <= 1:  # NaN fails both
         raise CliError("--temperature must be >= 0 and --top-p in (0, 1]")
     options = load_options(args)
-    if (options.memory_budget is not None or options.cache_slots is not None
-            or is_artifact(args.model)):
-        note_native_build()  # streamed records are computed (and checked) by native code
+    streamed = (options.memory_budget is not None or options.cache_slots is not None
+                or is_artifact(args.model))
+    if streamed and (options.kernels != "reference" or options.verify):
+        note_native_build()  # streamed records are computed, or checked (XXH3), natively
     try:
         rt = load(args.model, options)
     except (PlanError, ValueError, RuntimeError) as e:  # budget, bank/kernel mismatch, kernels
