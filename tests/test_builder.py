@@ -565,10 +565,8 @@ def test_second_build_into_the_same_directory_is_refused(sources, tmp_path, caps
         with pytest.raises(BuildError, match="another mtplx build-manifest is running") as ei:
             build_artifact(sources["bf16"], out, layers="1", progress=False)
         assert str(out) in str(ei.value)
-        parser = argparse.ArgumentParser()
-        builder_cli.add_args(parser)
-        args = parser.parse_args([str(sources["bf16"]), str(out), "--layers", "1"])
-        assert builder_cli.main(args) == 2
+        assert mtplx_cli.main(["build-manifest", str(sources["bf16"]), str(out), "--layers",
+                               "1"]) == 2
         assert "another mtplx build-manifest is running" in capsys.readouterr().err
         assert snapshot(out) == before
         first.stdin.write(b"go\n")

@@ -55,12 +55,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     thinking = p.add_mutually_exclusive_group()
     thinking.add_argument("--no-thinking", action="store_true", default=None,
                           help="chat: answer straight away, in the response channel (default: "
-                               "think first when the model has a chat format, see --thinking)")
+                               "think first, see --thinking)")
     thinking.add_argument("--thinking", action="store_false", dest="no_thinking", default=None,
-                          help="chat: think first, in the think channel (default for a model "
-                               "with a chat format of its own: a chat template or K3's "
-                               "encoding_k3.py beside its config; a model without one was not "
-                               "trained to think, so it answers straight away)")
+                          help="chat: think first, in the think channel (default; but chat and "
+                               "generate --chat answer straight away for a model without a chat "
+                               "format of its own, a chat template or K3's encoding_k3.py beside "
+                               "its config: such a model was not trained to think)")
     p.add_argument("-n", "--max-tokens", type=int, default=64, metavar="N",
                    help="most tokens to generate; none: the rest of --context (chat, serve), "
                         f"at most {CHATLESS_MAX_TOKENS} for a model without a chat format, "
