@@ -3,10 +3,11 @@
     LoadOptions(**choices) -> __post_init__ (every choice checked, here only) -> load(path, options)
     preset TOML keys / `mtplx` flags (--memory-budget = memory_budget) -> the same fields
 
-The choice tuples (dtypes, kernels, cache policies, resident dtypes) are defined here once; the
-command line takes them as `choices`, the presets check against them, and a bad value is an
-`OptionError` naming the field, which each front end turns into its own words (a flag, a preset
-key and file). Nothing here imports torch: presets and `--help` use it before any model loads.
+The choice tuples (dtypes, kernels, cache policies, resident dtypes) are gathered here, each from
+the one place that defines it; the command line takes them as `choices`, the presets check
+against them, and a bad value is an `OptionError` naming the field, which each front end turns
+into its own words (a flag, a preset key and file). Nothing here imports torch: presets and
+`--help` use it before any model loads.
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ from .plan import PlanError, parse_bytes
 
 DTYPES = ("bfloat16", "float32")  # compute dtype of the model
 KERNELS = ("auto", *BACKENDS)  # auto: cuda with a GPU, else cpu, else reference
-CACHE_POLICIES = ("lru", "freq")  # the runtime's expert-cache policies (offload/policy.py)
-
-assert set(CACHE_POLICIES) <= set(POLICIES)
+CACHE_POLICIES = tuple(POLICIES)  # the expert cache's policies: lru, freq
 
 
 class OptionError(ValueError):
