@@ -306,7 +306,7 @@ def test_trace_record_bytes_price_the_reads(tmp_path, capsys):
     tr.record_bytes = 4096
     write_route_trace(tr, other)
     rc, _, err = mtplx(["profile", str(path), str(other), "--workers", "1"], capsys)
-    assert rc == 2 and "disagree on record_bytes" in err and "--codec" in err
+    assert rc == 2 and "disagree on record_bytes" in err and "--record-codec" in err
 
 
 def test_reuse_histogram_bins_by_hand():
