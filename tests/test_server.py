@@ -125,7 +125,7 @@ def test_help_shows_every_default():
     options = [a for a in parser._actions if a.option_strings]
     assert len(blocks) == len(options)  # one help block per option
     for block in blocks:
-        if not block.startswith(("-h", "--model ")):  # --help; --model is required
+        if not block.startswith(("-h", "-m ")):  # --help; -m/--model is required
             assert "default" in block, block
     for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: none, open to all)",
                   "(default: bfloat16)", "affords, 4,096 to 32,768"):

@@ -82,9 +82,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-slots", type=int, default=0, metavar="N",
                    help="with --device-slots: N host-tier slots per MoE layer")
     p.add_argument("--context", type=int, default=None, metavar="N",
-                   help="most tokens of prompt + reply: the memory plan reserves state for this "
-                        "many, and a longer prompt is refused (default: the longest the memory "
-                        "plan affords, 4,096 to 32,768, printed; 4,096 without a plan)")
+                   help="tokens of prompt + reply the memory plan reserves state for; a longer "
+                        "prompt is refused (default: the longest the memory plan affords, 4,096 "
+                        "to 32,768, printed; 4,096 without a plan)")
     p.add_argument("--cache-policy", default=d.cache_policy, choices=CACHE_POLICIES,
                    help="expert cache replacement policy (streaming)")
     p.add_argument("--lookahead", type=int, default=d.lookahead, metavar="D",
