@@ -448,6 +448,22 @@ def test_wrong_size_symlink_and_missing_files_are_read_errors(bank):
             RecordReader(root, [(name, PAGE)])
 
 
+def test_a_part_whose_directory_was_swapped_for_a_link_out_is_refused(bank, tmp_path_factory):
+    """A part is checked where its fd really lies: a directory of the bank replaced by a symlink
+    to elsewhere after load (when artifact/open checked the paths) is refused at the open."""
+    root, parts, data = bank
+    (root / "sub").mkdir()
+    os.replace(root / parts[0][0], root / "sub" / parts[0][0])
+    with RecordReader(root, [(f"sub/{parts[0][0]}", parts[0][1])], direct=False) as r:
+        assert r.read_into(0, 0, PAGE, aligned_buffer(PAGE)).result() == PAGE
+    outside = tmp_path_factory.mktemp("outside")
+    os.replace(root / "sub", outside / "sub")
+    os.symlink(outside / "sub", root / "sub")
+    with RecordReader(root, [(f"sub/{parts[0][0]}", parts[0][1])], direct=False) as r:
+        with pytest.raises(ReadError, match="outside"):
+            r.read_into(0, 0, PAGE, aligned_buffer(PAGE)).result()
+
+
 def test_from_manifest_reads_records_with_data_start(tmp_path):
     parts, data = make_parts(tmp_path, n=2, pages=16)
     sidecar = Sidecar(alignment=PAGE, parts=[

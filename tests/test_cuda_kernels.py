@@ -1,10 +1,14 @@
-"""CUDA routed-expert kernels: the grouped GEMM's host-side grouping (CPU), tools/gpu_check.py's
-no-GPU exit (CPU) and, opt-in on a GPU (`-m cuda`, auto-skipped without cupy or a device),
-cuda.expert_mlp vs reference.expert_mlp for every codec, decode vs grouped path, the acc keyword.
+"""CUDA routed-expert kernels. On the CPU: `cuda.route` (the device-side grouping of a prefill's
+pairs, torch ops that run on CPU tensors too) and tools/gpu_check.py's no-GPU exit. Opt-in on a
+GPU (`-m cuda`, auto-skipped without cupy or a device): cuda vs reference.expert_mlp for every
+codec at T = 1, 5, 24, 40, 64 and 512 (the decode grouping up to 32 tokens, `route` above) in fp32
+and bf16, at an odd geometry and at K3's; the device interface `moe_layer` with a slot table and
+a workspace, captured in a CUDA graph; decode vs routed grouping; the acc keyword; windows of
+experts with empty picks. tests/test_cuda_host.py checks the kernels' per-lane code on the CPU.
 
-GPU geometry: R = 2112 (33 groups of 64, 66 of 32) so gate/up stage two or three 32-group chunks
-with a partial last one; I = 192 (a single partial chunk for down). E = 8 experts, K = 4, so at
-T = 40 each expert has about 20 pairs: full tiles of 4 and partial ones.
+GPU geometry: R = 2112 (8.25 slices of 256 columns: partial chunks in gate/up), I = 192 (a
+partial slice for down); E = 8 experts, K = 4, so at T = 40 each expert has about 20 tokens (a
+pass of up to 32) and at T = 512 about 256 (eight passes).
 Tolerances (relative to the reference's RMS / max): fp32 RMS 1e-5, max 1e-4; bf16 RMS 1e-2, max
 5e-2 (an fp32 reorder can flip a bf16 rounding of a gate/up/h/y element: 2^-8 each).
 """
@@ -16,69 +20,60 @@ import sys
 from pathlib import Path
 
 import expert_banks
+import numpy as np
 import pytest
 import torch
 
 from mtplx_runtime.kernels import cuda, reference
-from mtplx_runtime.kernels.cuda import group_pairs
 
 ROOT = Path(__file__).resolve().parent.parent
 R, I, E, K = 2112, 192, 8, 4  # latent, expert width, experts, top-k
 SHAPES = {"gate": (I, R), "up": (I, R), "down": (R, I)}
+K3 = {"gate": (3072, 3584), "up": (3072, 3584), "down": (3584, 3072)}
 CODECS = [("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4)]
+CODEC_IDS = ["t158", "mxfp4", "ctint3", "ctint4"]
 TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 5e-2)}  # (RMS, max) relative
 
 
-# ---- CPU: host-side grouping -------------------------------------------------------------
+# ---- CPU: the device-side grouping -----------------------------------------------------------
 
-def check_grouping(slot_t: torch.Tensor, tile: int) -> None:
-    pairs, tile_slot, tile_start, tile_count = group_pairs(slot_t, tile)
-    flat = slot_t.reshape(-1).long()
-    assert all(t.dtype == torch.int32 for t in (pairs, tile_slot, tile_start, tile_count))
-    picked = (flat >= 0).nonzero().flatten().tolist()  # slot -1: an empty pick, no tile
-    assert sorted(pairs.tolist()) == picked  # a permutation of the picked pair ids
-    assert torch.all(tile_count >= 1) and torch.all(tile_count <= tile)
-    # tiles are back to back and cover pairs exactly once, in order
-    assert tile_start.tolist() == (torch.cumsum(tile_count, 0) - tile_count).tolist()
-    assert int(tile_count.sum()) == len(picked)
-    for s, a, n in zip(tile_slot.tolist(), tile_start.tolist(), tile_count.tolist()):
-        assert torch.all(flat[pairs[a:a + n].long()] == s)  # every pair of a tile uses its slot
-    # per slot: ceil(count / tile) tiles, consecutive, pair ids ascending (stable sort)
-    for s in torch.unique(flat[flat >= 0]).tolist():
-        mine = (tile_slot == s).nonzero().flatten()
-        count = int((flat == s).sum())
-        assert len(mine) == -(-count // tile)
-        assert mine.tolist() == list(range(int(mine[0]), int(mine[0]) + len(mine)))
-        run = pairs[int(tile_start[mine[0]]):int(tile_start[mine[0]]) + count].tolist()
-        assert run == sorted(run) == (flat == s).nonzero().flatten().tolist()
+def check_route(ids: torch.Tensor, slot_of: torch.Tensor) -> None:
+    pairs, start, items = cuda.route(ids, slot_of)
+    T, k = ids.shape
+    assert pairs.dtype == start.dtype == torch.int32 and start.shape == (T * k + 2,)
+    flat = ids.reshape(-1)
+    slot = {p: int(slot_of[e]) for p, e in enumerate(flat.tolist()) if e >= 0 and slot_of[e] >= 0}
+    used = sorted(set(slot.values()))
+    assert items == min(T * k, len(slot_of)) and len(used) <= items
+    for j in range(items):
+        run = pairs[start[j]:start[j + 1]].tolist()
+        if j >= len(used):
+            assert run == []  # items past the experts used are empty
+            continue
+        # item j: every pair of the j-th slot in ascending order, tokens ascending
+        assert run == sorted(p for p, s in slot.items() if s == used[j]), j
+    assert sorted(pairs[:int(start[len(used)])].tolist()) == sorted(slot)
 
 
-def test_group_pairs_worked_example():
-    slot_t = torch.tensor([[7, 2], [2, 5], [7, 2], [2, 7], [2, 5]], dtype=torch.int32)  # [T, K]
-    pairs, tile_slot, tile_start, tile_count = group_pairs(slot_t, tile=4)
-    # slot 2: pairs 1 2 5 6 8 (two tiles: 4 + 1), slot 5: 3 9, slot 7: 0 4 7
-    assert pairs.tolist() == [1, 2, 5, 6, 8, 3, 9, 0, 4, 7]
-    assert tile_slot.tolist() == [2, 2, 5, 7]
-    assert tile_start.tolist() == [0, 4, 5, 7]
-    assert tile_count.tolist() == [4, 1, 2, 3]
+def test_route_worked_example():
+    ids = torch.tensor([[7, 2], [2, 5], [7, -1], [2, 6]])  # [T, K]; expert 6 has no slot
+    slot_of = torch.tensor([-1, -1, 1, -1, -1, 0, -1, 4], dtype=torch.int32)
+    pairs, start, items = cuda.route(ids, slot_of)
+    # slot 0 (expert 5): pair 3; slot 1 (expert 2): pairs 1, 2, 6; slot 4 (expert 7): 0, 4
+    assert pairs[:6].tolist() == [3, 1, 2, 6, 0, 4]
+    assert items == 8 and start[:items + 1].tolist() == [0, 1, 4, 6, 6, 6, 6, 6, 6]
+    check_route(ids, slot_of)
 
 
-def test_group_pairs_skips_empty_picks():
-    slot_t = torch.tensor([[-1, 2], [2, -1], [-1, -1], [5, 2]], dtype=torch.int32)  # [T, K]
-    pairs, tile_slot, tile_start, tile_count = group_pairs(slot_t, tile=2)
-    assert pairs.tolist() == [1, 2, 7, 6]
-    assert tile_slot.tolist() == [2, 2, 5] and tile_count.tolist() == [2, 1, 1]
-    check_grouping(slot_t, 2)
-    check_grouping(torch.full((3, 2), -1, dtype=torch.int32), 4)
-
-
-@pytest.mark.parametrize("T,k,slots,tile", [(1, 16, 896, 4), (40, 4, 8, 4), (64, 16, 64, 4),
-                                            (33, 3, 5, 2), (7, 2, 3, 1)])
-def test_group_pairs_invariants(T, k, slots, tile):
+@pytest.mark.parametrize("T,k,experts", [(1, 16, 896), (40, 4, 8), (64, 16, 64), (33, 3, 5),
+                                         (7, 2, 3)])
+def test_route_invariants(T, k, experts):
     g = torch.Generator().manual_seed(T * 1000 + k)
-    slot_t = torch.stack([torch.randperm(slots, generator=g)[:k].sort().values
-                          for _ in range(T)]).to(torch.int32)
-    check_grouping(slot_t, tile)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k].sort().values for _ in range(T)])
+    ids[torch.rand(T, k, generator=g) < 0.1] = -1  # empty picks
+    slot_of = torch.randperm(experts, generator=g).to(torch.int32)
+    slot_of[torch.rand(experts, generator=g) < 0.2] = -1  # absent experts
+    check_route(ids, slot_of)
 
 
 def test_gpu_check_without_gpu_exits_2_cleanly():
@@ -90,29 +85,29 @@ def test_gpu_check_without_gpu_exits_2_cleanly():
     assert p.stdout.startswith("gpu_check: no GPU: ") and "Traceback" not in p.stderr, p.stdout
 
 
-# ---- GPU: cuda vs reference ------------------------------------------------------------
-
-def make_bank(mode, bits, seed=0):
-    return expert_banks.make_bank(mode, bits, R, I, E, seed, scale=0.1)
-
+# ---- GPU: cuda vs reference ------------------------------------------------------------------
 
 def device_tier(layout, store):
+    """A device SlotTier holding `store`'s records (slot s = store[s]), each prepared."""
     import cupy
 
     from mtplx_runtime.offload.slots import SlotTier
 
     slot_bytes = -(-layout.logical_bytes // 4096) * 4096
-    tier = SlotTier("dev", layout.logical_bytes, E * slot_bytes, device="cuda")
-    for s in range(E):
+    tier = SlotTier("dev", layout.logical_bytes, len(store) * slot_bytes, device="cuda")
+    for s in range(len(store)):
         tier.view(s)[...] = cupy.asarray(store[s])
+    cupy.cuda.Device().synchronize()  # the bytes have landed: repack runs on its own stream
+    for s in range(len(store)):
+        cuda.repack(layout, tier.view(s))
     return tier
 
 
-def routing(T, seed=1):
-    """x [T, R] (fp32), ids [T, K] ascending distinct, weights [T, K] fp32."""
+def routing(T, seed=1, experts=E, k=K, cols=R):
+    """x [T, cols] (fp32), ids [T, k] ascending distinct, weights [T, k] fp32."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K].sort().values for _ in range(T)])
-    return torch.randn(T, R, generator=g), ids, torch.rand(T, K, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k].sort().values for _ in range(T)])
+    return torch.randn(T, cols, generator=g), ids, torch.rand(T, k, generator=g)
 
 
 def assert_near(got, want, dtype):
@@ -127,47 +122,104 @@ def assert_near(got, want, dtype):
 def banks():
     if cuda.unavailable_reason() is not None:
         pytest.skip(cuda.unavailable_reason())
-    return {(m, b): (lambda lay, st: (lay, st, device_tier(lay, st)))(*make_bank(m, b))
-            for m, b in CODECS}
+    out = {}
+    for m, b in CODECS:
+        layout, store = expert_banks.make_bank(m, b, R, I, E, seed=0, scale=0.1)
+        out[(m, b)] = (layout, store, device_tier(layout, store))
+    return out
+
+
+SLOTS = {e: E - 1 - e for e in range(E)}  # expert e in slot E-1-e (expert_banks)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("T", [1, 5, 40])
+@pytest.mark.parametrize("T", [1, 5, 24, 40, 64, 512])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode,bits", CODECS, ids=["t158", "mxfp4", "ctint3", "ctint4"])
+@pytest.mark.parametrize("mode,bits", CODECS, ids=CODEC_IDS)
 def test_cuda_matches_reference(banks, mode, bits, dtype, T):
     layout, store, tier = banks[(mode, bits)]
     x, ids, w = routing(T)
     x = x.to(dtype)
-    want = reference.expert_mlp(x, ids, w, {e: E - 1 - e for e in range(E)}, store, layout,
-                                SHAPES)
-    for slots in ((E - 1 - ids).cuda(), {e: E - 1 - e for e in range(E)}):
+    want = reference.expert_mlp(x, ids, w, SLOTS, store, layout, SHAPES)
+    for slots in ((E - 1 - ids).cuda(), SLOTS):  # a [T, K] slot tensor, a mapping
         got = cuda.expert_mlp(x.cuda(), ids.cuda(), w.cuda(), slots, tier, layout, SHAPES)
         assert got.dtype == dtype and got.shape == (T, R) and got.is_cuda
         assert_near(got, want, dtype)
-    for path in (cuda.decode_mlp, cuda.grouped_mlp):  # both paths at every T
-        got = path(x.cuda(), ids.cuda(), w.cuda(), (E - 1 - ids).cuda(), tier, layout, SHAPES)
-        assert_near(got, want, dtype)
+
+
+def random_record(layout, rng):
+    """One valid record of random codes: random packed bytes (every byte or nibble decodes),
+    scales drawn from a narrow positive range (no Inf or NaN): no encoder run at K3 size."""
+    from mtplx_runtime.formats.record import record_bytes
+
+    parts = {}
+    for seg in layout.segments:
+        if seg.proj is None:
+            continue
+        if seg.part in ("scales", "weight_scale"):
+            if layout.mode == "mxfp4":  # E8M0: 2^-9 .. 2^-5
+                a = rng.integers(118, 123, seg.shape, dtype=np.uint8)
+            else:  # bf16 bits of 0.004 .. 0.03
+                a = (np.float32(0.004) + rng.random(seg.shape, np.float32) * 0.026)
+                a = (a.view(np.uint32) >> 16).astype(np.uint16)
+        else:
+            a = rng.integers(0, 256, (seg.length,), dtype=np.uint8).view(
+                np.dtype(seg.dtype.replace("U8", "u1").replace("I32", "<i4"))).reshape(seg.shape)
+        parts.setdefault(seg.proj, {})[seg.part] = a
+    return np.frombuffer(record_bytes(layout, parts), np.uint8)
+
+
+@pytest.fixture(scope="module")
+def k3_banks():
+    """Per codec: 2 K3-shaped experts of random codes in device slots (expert e in slot 1 - e),
+    and their reference decode per dtype (made once: decoding K3 matrices is the slow part)."""
+    from types import SimpleNamespace
+
+    from mtplx_runtime.formats.record import record_layout
+
+    if cuda.unavailable_reason() is not None:
+        pytest.skip(cuda.unavailable_reason())
+    rng = np.random.default_rng(2)
+    out = {}
+    for m, b in CODECS:
+        layout = record_layout(SimpleNamespace(expert_shapes=K3), m, b)
+        store = np.stack([random_record(layout, rng) for _ in range(2)])
+        experts = {e: reference.decode_record(store[1 - e], layout, K3, torch.float32)
+                   for e in range(2)}
+        decoded = {torch.float32: experts, torch.bfloat16: {  # codec values are bf16-exact
+            e: reference.ExpertWeights(*(t.to(torch.bfloat16) for t in (w.gate, w.up, w.down)))
+            for e, w in experts.items()}}
+        out[(m, b)] = (layout, device_tier(layout, store), decoded)
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [1, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode,bits", CODECS, ids=CODEC_IDS)
+def test_k3_geometry(k3_banks, mode, bits, dtype, T):
+    """K3's expert shapes (whole chunks and slices everywhere: the 8- and 16-byte load paths),
+    2 experts, both picked by every token (T = 40: passes of 32 and 8 tokens)."""
+    layout, tier, decoded = k3_banks[(mode, bits)]
+    x, ids, w = routing(T, seed=3, experts=2, k=2, cols=3584)
+    x = x.to(dtype)
+    want = reference.routed_sum(x, ids, w, decoded[dtype])
+    got = cuda.expert_mlp(x.cuda(), ids.cuda(), w.cuda(), {0: 1, 1: 0}, tier, layout, K3)
+    assert_near(got, want, dtype)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode,bits", CODECS, ids=["t158", "mxfp4", "ctint3", "ctint4"])
-def test_decode_and_grouped_paths_agree(banks, mode, bits, dtype):
-    """Both paths run the same FMAs in the same order per lane (lane L: groups L, L+32, ...) and
-    the same combine, so they should agree to the last bit. fp32: 1e-6 leaves room for a
-    compiler contracting an expression differently in one of them; bf16: such a difference can
-    flip a bf16 rounding, so the reference tolerance."""
+@pytest.mark.parametrize("mode,bits", CODECS, ids=CODEC_IDS)
+def test_decode_and_routed_grouping_agree(banks, mode, bits, dtype, monkeypatch):
+    """The same experts, tokens and passes either way: bit-identical sums."""
     layout, _, tier = banks[(mode, bits)]
-    x, ids, w = routing(40, seed=2)
-    args = (x.to(dtype).cuda(), ids.cuda(), w.cuda(), (E - 1 - ids).cuda(), tier, layout, SHAPES)
-    zero = torch.zeros(40, R, device="cuda")
-    a = cuda.decode_mlp(*args, acc=zero.clone())
-    b = cuda.grouped_mlp(*args, acc=zero.clone())
-    if dtype == torch.float32:
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * a.abs().max().item())
-    else:
-        assert_near(b, a, dtype)
+    x, ids, w = routing(5, seed=2)
+    args = (x.to(dtype).cuda(), ids.cuda(), w.cuda(), SLOTS, tier, layout, SHAPES)
+    decode = cuda.expert_mlp(*args, acc=torch.zeros(5, R, device="cuda"))
+    monkeypatch.setattr(cuda, "DECODE_MAX_T", 0)  # route() and the routed kernels at T = 5
+    routed = cuda.expert_mlp(*args, acc=torch.zeros(5, R, device="cuda"))
+    assert torch.equal(decode, routed)
 
 
 @pytest.mark.cuda
@@ -198,15 +250,63 @@ def test_acc_keyword(banks, dtype, T):
 @pytest.mark.parametrize("T", [1, 40])
 def test_windows_of_experts_with_empty_picks(banks, T):
     """The streaming provider's windows: picks outside a window are -1 (skipped); two windows
-    summed through acc equal one call (decode and grouped paths alike)."""
-    layout, store, tier = banks[("t158", None)]
+    summed through acc equal one call (decode and routed grouping alike)."""
+    layout, _, tier = banks[("t158", None)]
     x, ids, w = routing(T, seed=5)
-    slots = {e: E - 1 - e for e in range(E)}
-    full = cuda.expert_mlp(x.cuda(), ids.cuda(), w.cuda(), slots, tier, layout, SHAPES,
+    full = cuda.expert_mlp(x.cuda(), ids.cuda(), w.cuda(), SLOTS, tier, layout, SHAPES,
                            acc=torch.zeros(T, R, device="cuda"))
-    for run in (cuda.decode_mlp, cuda.grouped_mlp):
-        acc = torch.zeros(T, R, device="cuda")
-        for lo, hi in ((0, E // 2), (E // 2, E)):
-            part = torch.where((ids >= lo) & (ids < hi), ids, -1)
-            run(x.cuda(), part.cuda(), w.cuda(), slots, tier, layout, SHAPES, acc=acc)
-        torch.testing.assert_close(acc, full, rtol=1e-6, atol=1e-6 * full.abs().max().item())
+    acc = torch.zeros(T, R, device="cuda")
+    for lo, hi in ((0, E // 2), (E // 2, E)):
+        part = torch.where((ids >= lo) & (ids < hi), ids, -1)
+        cuda.expert_mlp(x.cuda(), part.cuda(), w.cuda(), SLOTS, tier, layout, SHAPES, acc=acc)
+    torch.testing.assert_close(acc, full, rtol=1e-6, atol=1e-6 * full.abs().max().item())
+
+
+@pytest.mark.cuda
+def test_missing_slot_is_a_key_error(banks):
+    layout, _, tier = banks[("t158", None)]
+    x, ids, w = routing(2, seed=6)
+    with pytest.raises(KeyError, match="no slot given"):
+        cuda.expert_mlp(x.cuda(), ids.cuda(), w.cuda(), {0: 7}, tier, layout, SHAPES)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode,bits", CODECS, ids=CODEC_IDS)
+def test_moe_layer_in_a_cuda_graph(banks, mode, bits, dtype):
+    """The device interface: slot table, workspace, no host sync; a captured decode step replays
+    to the eager result for new inputs copied into the same buffers (the block counters reset
+    themselves between launches)."""
+    layout, store, tier = banks[(mode, bits)]
+    base, stride = cuda._slot_base(tier)
+    slot_of = torch.tensor([SLOTS[e] for e in range(E)], dtype=torch.int32, device="cuda")
+    T = 3
+    ws = cuda.workspace(T, K, SHAPES, dtype, "cuda")
+    x, ids, w = (torch.empty(T, R, dtype=dtype, device="cuda"),
+                 torch.empty(T, K, dtype=torch.int64, device="cuda"),
+                 torch.empty(T, K, device="cuda"))
+    out = torch.empty(T, R, device="cuda")
+
+    def step():
+        cuda.moe_layer(x, ids, w, slot_of, base, stride, layout, SHAPES, ws, out)
+
+    def load(seed):
+        xs, i, ws_ = routing(T, seed=seed)
+        x.copy_(xs.to(dtype)), ids.copy_(i), w.copy_(ws_)
+        return xs.to(dtype), i, ws_
+
+    load(7)
+    step()  # warm-up: compiles and loads the module outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in (8, 9):
+        xs, i, ws_ = load(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference.expert_mlp(xs, i, ws_, SLOTS, store, layout, SHAPES, acc=torch.zeros(T, R))
+        assert_near(out, want, dtype)
+        eager = out.clone()
+        step()
+        assert torch.equal(out, eager)

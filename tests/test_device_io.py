@@ -143,6 +143,39 @@ def test_reads_wait_in_the_prefetcher_for_a_free_staging_buffer(part, monkeypatc
         reader.close()
 
 
+def test_repack_runs_on_the_slot_after_the_copy(part):
+    """The kernel backend's repack sees the record in its device slot after the copy and before
+    the read resolves; a record that fails its check is never repacked."""
+    root, data = part
+    log: list = []
+    guard = SlotGuard()
+
+    def to_device(host, dev):
+        log.append("copy")
+        np.copyto(dev, host)
+
+    def repack(slot):
+        log.append(("repack", bytes(slot[:4])))
+
+    reader = RecordReader(root, [("part0.bin", data.nbytes)], direct=False, read_depth=1)
+    reader, stage = device_reads(reader, staging_bytes=PAGE, guard=guard, threads=1,
+                                 use_kvikio=False, to_device=to_device)
+    cache = ExpertCache(PAGE, 4 * PAGE, scope="global", device="cpu")
+    fill = Fill(reader, Bank(), cache, digests=Digests(data, log, bad={(1, 2)}), staging=stage,
+                repack=repack)
+    pf = Prefetcher(fill, max_inflight_bytes=64 * PAGE, read_depth=1)
+    try:
+        pf.wait(pf.demand([(1, 1)]), timeout=T_OUT)
+        assert log == [("check", data[PAGE:PAGE + 8].tobytes()), "copy",
+                       ("repack", data[PAGE:PAGE + 4].tobytes())]
+        with pytest.raises(PrefetchError, match="do not match"):
+            pf.wait(pf.demand([(1, 2)]), timeout=T_OUT)
+        assert [e for e in log if e[0] == "repack"] == [log[2]]
+    finally:
+        pf.shutdown()
+        reader.close()
+
+
 def test_guard_waits_once_per_mark():
     log = []
     guard = SlotGuard()

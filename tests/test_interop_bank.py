@@ -133,4 +133,5 @@ def test_kernels_that_address_components_in_place_refuse_unaligned_ones():
     # 1024 columns: 208 packed bytes and 16 scales (32 bytes) per row, all 16-byte aligned
     even = layout_of("t158", 2, [(s.component, s.dtype, (1, 16 * s.shape[1]), 16 * s.length)
                                  for s in odd.segments])
-    assert cpu.unsupported(even) is None and cuda.unsupported(even) is None
+    # aligned now; CUDA still refuses this toy's one-row projections (16-row MMA tiles)
+    assert cpu.unsupported(even) is None and "aligned" not in cuda.unsupported(even)

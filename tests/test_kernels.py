@@ -152,9 +152,9 @@ def test_parse_ptxas():
         sys.path.pop(0)
     text = ("ptxas info    : Compiling entry function 'k1' for 'sm_80'\n"
             "ptxas info    : Function properties for k1\n"
-            "    0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+            "    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
             "ptxas info    : Used 40 registers, used 1 barriers\n")
-    assert parse_ptxas(text) == {"k1": {"registers": 40, "spill_bytes": 12}}
+    assert parse_ptxas(text) == {"k1": {"registers": 40, "spill_bytes": 12, "stack_bytes": 16}}
 
 
 @pytest.mark.cuda
@@ -173,6 +173,9 @@ def test_cuda_matches_reference(mode, bits, dtype):
     tier = SlotTier("dev", layout.logical_bytes, E * slot_bytes, device="cuda")
     for s in range(E):
         tier.view(s)[...] = cupy.asarray(store[s])
+    cupy.cuda.Device().synchronize()  # landed; then what the device reader does with a record
+    for s in range(E):
+        cuda.repack(layout, tier.view(s))
     moe = moe_layer(bank_provider(layout, store, dtype), dtype)
     x = torch.randn(T, R, generator=torch.Generator().manual_seed(5)).to(dtype)
     moe.forward(x)

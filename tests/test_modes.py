@@ -90,13 +90,7 @@ def _cuda_runs(mode, bits, group):
                for k in MODES[mode].cuda)
 
 
-@pytest.mark.parametrize("mode,bits,group", [
-    p if _cuda_runs(*p) or not any(k.bits in (None, p[1]) for k in MODES[p[0]].cuda)
-    else pytest.param(
-        *p, marks=pytest.mark.xfail(strict=True, reason="kernels/cuda.py (gpukernels) keys its "
-                                    "kernels on (mode, bits): it takes ct-int group 32 records "
-                                    "for its group-64 kernels"))
-    for p in READABLE])
+@pytest.mark.parametrize("mode,bits,group", READABLE)
 def test_cuda_refuses_what_the_cuda_column_does_not_run(mode, bits, group):
     layout = record_layout(SimpleNamespace(expert_shapes=SHAPES), mode, bits, group)
     assert (cuda.unsupported(layout) is None) == _cuda_runs(mode, bits, group)

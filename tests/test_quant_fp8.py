@@ -23,6 +23,7 @@ from mtplx_runtime.formats.resident_layouts import FP8_MAX, quantized_bytes, sto
 from mtplx_runtime.formats.resident_quant import encode_fp8
 from mtplx_runtime.model import quant
 from mtplx_runtime.model.quant import (
+    GEMV,
     REFERENCE,
     Fp8Weight,
     kernel_for,
@@ -99,6 +100,27 @@ def _all(op, device_type):
 ])
 def test_the_kernel_table(kind, device, cap, shape, want):
     name, why = kernel_for(kind, device, cap, shape, registered=_all)
+    assert name == want and bool(why) == (want == REFERENCE)
+
+
+@pytest.mark.parametrize("kind,device,shape,tokens,gemv,want", [
+    ("int8", "cuda", (7168, 2048), 1, True, GEMV),
+    ("int8", "cuda", (7168, 2048), 32, True, GEMV),
+    ("int8", "cuda", (7168, 2048), 33, True, "int8pack_cuda"),  # more rows: torch's kernel
+    ("int8", "cuda", (7168, 2048), None, True, "int8pack_cuda"),  # any number of rows
+    ("int8", "cuda", (7168, 2048), 1, False, "int8pack_cuda"),  # no cupy: no GEMV
+    ("int8", "cuda", (100, 96), 1, True, "int8pack_cuda"),  # N % 16: the GEMV refuses
+    ("fp8", "cuda", (7168, 2048), 5, True, GEMV),
+    ("fp8", "cuda", (64, 24), 1, True, REFERENCE),  # K % 16: neither the GEMV nor _scaled_mm
+    ("int4", "cuda", (7168, 2048), 1, True, GEMV),
+    ("int4", "cuda", (7168, 2048), 40, True, REFERENCE),  # held for the GEMV: dequantize
+    ("int4", "cuda", (7168, 2048), 40, False, "int4pack_cuda"),
+    ("int4", "cuda", (7168, 48), 1, True, "int4pack_cuda"),  # K % 32: tinygemm keeps it
+    ("int8", "cpu", (64, 96), 1, True, "int8pack_cpu"),  # the GEMV is CUDA only
+])
+def test_the_gemv_takes_a_few_rows(kind, device, shape, tokens, gemv, want):
+    name, why = kernel_for(kind, device, (9, 0), shape, registered=_all, tokens=tokens,
+                           gemv=gemv)
     assert name == want and bool(why) == (want == REFERENCE)
 
 
@@ -190,19 +212,55 @@ def _cuda_fp8() -> str | None:
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 @pytest.mark.parametrize("dtype,kernel", [("int8", "int8pack_cuda"), ("int4", "int4pack_cuda")])
 def test_int8_int4_kernels_on_the_gpu(dtype, kernel, tokens):
-    """torch's CUDA weight-only matmuls (the int4 one after the nibble swap and tiling of
-    `Int4Weight.packed`) against the reference, within a bf16 dot product's bound."""
+    """The kernel a call gets (the project's GEMV up to 32 rows where cupy runs; torch's CUDA
+    weight-only matmuls, the int4 one after the nibble swap and tiling of `Int4Weight.packed`,
+    or int4's dequantization where the GEMV holds it) against the reference, within a bf16 dot
+    product's bound."""
     op = quant.KERNEL_OPS[kernel]
     if not quant._registered(op, "cuda"):
         pytest.skip(f"torch {torch.__version__} has no CUDA {op}: the reference runs instead")
     w = bf16(2048, 7168, seed=13).cuda()
     held = quantize(w, dtype)
-    assert held.kernel == kernel
+    cap = torch.cuda.get_device_capability()
+    got = kernel_for(dtype, "cuda", cap, (2048, 7168), tokens=tokens)[0]
+    if quant.gemv_runs():
+        assert got == (quant.GEMV if tokens <= 32 else kernel if dtype == "int8" else REFERENCE)
+    else:
+        assert held.kernel == kernel and got == kernel
     stated = quant.quantize_int8(w) if dtype == "int8" else quant.quantize_int4(w)
     x = bf16(tokens, 7168, seed=14).cuda()
     deq = stated.dequantize().double()
     y = linear(x, held).double()
     assert torch.all((y - x.double() @ deq.T).abs() <= (x.double().abs() @ deq.abs().T) * 2 ** -8)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [1, 5, 32])
+@pytest.mark.parametrize("shape", [(16384, 7168), (2048, 7168), (7168, 2048), (48, 160)])
+@pytest.mark.parametrize("dtype", ["int8", "fp8", "int4"])
+def test_the_gemv_on_the_gpu(dtype, shape, tokens):
+    """The residents' GEMV (kernels/cuda_residents.py) against the reference dequantization:
+    bf16 inputs, fp32 sums, so within a bf16 dot product's bound for every kind (fp8 too: the
+    GEMV does not round x to e4m3), at a wide lm_head (the column split), K3 widths and a small
+    odd shape; every output written (the output starts as NaN garbage)."""
+    from mtplx_runtime.kernels import cuda_residents
+
+    if cuda_residents.unavailable_reason() is not None:
+        pytest.skip(cuda_residents.unavailable_reason())
+    n, k = shape
+    if dtype == "int4" and k % 32:
+        pytest.skip("int4 needs whole groups of 32")
+    w = bf16(n, k, seed=15).cuda()
+    stated = {"int8": quant.quantize_int8, "fp8": quant.quantize_fp8,
+              "int4": quant.quantize_int4}[dtype](w)
+    args = (stated.q, stated.scale, getattr(stated, "zero", None))
+    x = bf16(tokens, k, seed=16).cuda()
+    y = cuda_residents.gemv(dtype, *args, x).double()
+    assert y.shape == (tokens, n) and not torch.isnan(y).any()
+    deq = stated.dequantize().double()
+    ref = x.double() @ deq.T
+    assert torch.all((y - ref).abs() <= (x.double().abs() @ deq.abs().T) * 2 ** -8)
+    assert torch.equal(cuda_residents.gemv(dtype, *args, x).double(), y)  # deterministic
 
 
 @pytest.mark.cuda

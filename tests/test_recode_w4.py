@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+pytest.importorskip("compressed_tensors")  # the oracle (a test extra), as tests/test_ctint.py
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from test_ctint import (
     EXAMPLE_Q,

@@ -46,8 +46,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class DefaultsHelp(argparse.HelpFormatter):
-    """Every option's default at the end of its help, unless its help already says it."""
+class DefaultsHelp(argparse.RawDescriptionHelpFormatter):
+    """Every option's default at the end of its help, unless its help already says it; an
+    epilog (a subcommand's examples) kept as written."""
 
     def _get_help_string(self, action):
         text = action.help or ""

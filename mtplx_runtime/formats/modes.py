@@ -28,7 +28,7 @@ class CudaKernel:
 
     bits: int | None  # the quantization.bits it runs; None: every bits of its mode
     source: str  # file under kernels/native/
-    prefix: str  # kernel name prefix (native/grouped.cuh)
+    prefix: str  # kernel name prefix (native/experts.cuh)
     group: int | None = None  # the group size it runs; None: the mode's first
 
 
@@ -67,8 +67,8 @@ class Mode:
 
 
 # the CUDA ct-int kernels read one scale per 64 columns
-_CTINT_CUDA = (CudaKernel(3, "ctint_gemv.cu", "ctint3", 64),
-               CudaKernel(4, "ctint_gemv.cu", "ctint4", 64))
+_CTINT_CUDA = (CudaKernel(3, "ctint.cu", "ctint3", 64),
+               CudaKernel(4, "ctint.cu", "ctint4", 64))
 # ct-int banks always hold the dense 3-bit layout; group 64 (K3) or 32 (Kimi K2 Thinking)
 _CTINT = dict(codec="ct-int", codec_class="ctint.CtIntCodec", bits=(3, 4), groups=(64, 32),
               bits_param="num_bits", group_param="group_size", cpu="ct-int", section="ct-int")
@@ -76,9 +76,9 @@ _CTINT = dict(codec="ct-int", codec_class="ctint.CtIntCodec", bits=(3, 4), group
 ROWS: tuple[Mode, ...] = (
     # FORMAT.md rule 2: t158's components are the published artifact's
     Mode("t158", "t158", "t158.T158Codec", (2,), (64,), ("packed", "scales"), cpu="t158",
-         cuda=(CudaKernel(None, "t158_gemv.cu", "t158"),), section="t158"),
+         cuda=(CudaKernel(None, "t158.cu", "t158"),), section="t158"),
     Mode("mxfp4", "mxfp4", "mxfp4.MXFP4Codec", (4,), (32,), ("weight_packed", "weight_scale"),
-         cpu="mxfp4", cuda=(CudaKernel(None, "mxfp4_gemv.cu", "mxfp4"),), section="mxfp4"),
+         cpu="mxfp4", cuda=(CudaKernel(None, "mxfp4.cu", "mxfp4"),), section="mxfp4"),
     Mode("ct-int", parts=("weight_packed", "weight_scale"),
          params=(("layout", "dense"), ("symmetric", True)), cuda=_CTINT_CUDA, label="w{bits}",
          **_CTINT),

@@ -11,14 +11,18 @@ output channel (FORMAT.md "Quantized residents").
 
 The encoders are formats/resident_quant.py, shared with `mtplx build-manifest`.
 
-The fast paths are torch's maintained kernels; `dequantize()` is the obvious reference each is
-tested against. `kernel_for` is the one place that says which kernel a matrix gets from its kind,
-device, compute capability and shape: int8 `_weight_int8pack_mm` (CPU: K % 16 == 0; CUDA: any
-shape), int4 `_weight_int4pack_mm_for_cpu` (N % 16 == 0) or, on CUDA >= 8.0, `_weight_int4pack_mm`
-(N % 8 == 0), fp8 `_scaled_mm` rowwise on CUDA >= 8.9 (N, K % 16 == 0). Anything else computes
-through the reference dequantization: same values, slower; a device without the kernel is said
-once in the log. A model holds one copy of each matrix: an int4 one a kernel takes is converted
-to that kernel's tiled layout when it is made on its device (at load).
+The fast paths are the project's CUDA GEMV for a decode step's few rows (kernels/cuda_residents:
+dequantized in registers, tensor-core sums) and torch's maintained kernels for the rest;
+`dequantize()` is the obvious reference each is tested against. `kernel_for` is the one place
+that says which kernel a matrix gets from its kind, device, compute capability, shape and the
+number of input rows: up to `cuda_residents.MAX_T` rows on a GPU cupy drives, the GEMV (N % 16;
+K % 16, int4 K % 32); otherwise int8 `_weight_int8pack_mm` (CPU: K % 16 == 0; CUDA: any shape),
+int4 `_weight_int4pack_mm_for_cpu` (N % 16 == 0) or, on CUDA >= 8.0 without cupy,
+`_weight_int4pack_mm` (N % 8 == 0), fp8 `_scaled_mm` rowwise on CUDA >= 8.9 (N, K % 16 == 0).
+Anything else computes through the reference dequantization: same values, slower; a device
+without the kernel is said once in the log. A model holds one copy of each matrix: an int4 one
+torch's kernel takes is converted to that kernel's tiled layout when it is made on its device
+(at load); where the GEMV runs, int4 stays in the stated layout, which the GEMV reads.
 
 Which tensors are quantized is one rule, `formats.resident_layouts.quantizable`: routing, norms, the
 AttnRes mixes and everything fp32 stay as stored, so the router sees what a bf16 model gives it.
@@ -36,10 +40,11 @@ import torch.nn.functional as F
 
 from ..formats.resident_layouts import GROUP, RESIDENT_DTYPES, quantized_kind
 from ..formats.resident_quant import encode_fp8, encode_int4, encode_int8
+from ..kernels import cuda_residents
 
-__all__ = ["KERNEL_OPS", "ONE_THREAD_BYTES", "REFERENCE", "Fp8Weight", "Int4Packed",
-           "Int4Weight", "Int8Weight", "device_kernel", "held", "kernel_for", "linear",
-           "one_thread", "quantize", "quantize_fp8", "quantize_int4", "quantize_int8",
+__all__ = ["GEMV", "KERNEL_OPS", "ONE_THREAD_BYTES", "REFERENCE", "Fp8Weight", "Int4Packed",
+           "Int4Weight", "Int8Weight", "device_kernel", "gemv_runs", "held", "kernel_for",
+           "linear", "one_thread", "quantize", "quantize_fp8", "quantize_int4", "quantize_int8",
            "scaled_mm_rowwise", "shape_refusal"]
 
 log = logging.getLogger(__name__)
@@ -49,6 +54,7 @@ KERNEL_OPS = {"int8pack_cpu": "_weight_int8pack_mm", "int8pack_cuda": "_weight_i
               "int4pack_cpu": "_weight_int4pack_mm_for_cpu",
               "int4pack_cuda": "_weight_int4pack_mm", "scaled_mm": "_scaled_mm"}
 REFERENCE = "reference"
+GEMV = "mtplx_gemv"  # kernels/cuda_residents, up to cuda_residents.MAX_T input rows
 
 
 def _registered(op: str, device_type: str) -> bool:
@@ -96,10 +102,33 @@ def shape_refusal(kernel: str, shape: tuple[int, int]) -> str:
     return ""
 
 
+@functools.cache
+def gemv_runs() -> bool:
+    """Whether cupy drives a GPU here, so the CUDA GEMV of kernels/cuda_residents can run."""
+    return cuda_residents.unavailable_reason() is None
+
+
+def _gemv_takes(kind: str, device_type: str, shape: tuple[int, int], gemv: bool | None) -> bool:
+    if device_type != "cuda" or cuda_residents.refusal(kind, shape):
+        return False
+    return gemv_runs() if gemv is None else gemv
+
+
 def kernel_for(kind: str, device_type: str, capability: tuple[int, int] | None,
-               shape: tuple[int, int], registered=_registered) -> tuple[str, str]:
+               shape: tuple[int, int], registered=_registered, tokens: int | None = None,
+               gemv: bool | None = None) -> tuple[str, str]:
     """The one selection: (kernel, "") or (REFERENCE, why) for a quantized [N, K] matrix of
-    `kind` on that device (`device_kernel`, then `shape_refusal`)."""
+    `kind` on that device, multiplying `tokens` input rows (None: any number, the kernel of a
+    prefill chunk). Up to cuda_residents.MAX_T rows on CUDA, the GEMV where it runs and takes
+    the shape (`gemv`: whether cupy drives a GPU, None: ask); otherwise torch's kernels
+    (`device_kernel`, then `shape_refusal`). int4 where the GEMV takes it is held in the stated
+    layout, which torch's int4 kernel cannot read: more rows dequantize (the reference)."""
+    takes = _gemv_takes(kind, device_type, shape, gemv)
+    if takes and tokens is not None and tokens <= cuda_residents.MAX_T:
+        return GEMV, ""
+    if takes and kind == "int4":
+        return REFERENCE, f"int4 is held for the CUDA GEMV; over {cuda_residents.MAX_T} rows " \
+                          "dequantize"
     name, why = device_kernel(kind, device_type, capability, registered)
     if name != REFERENCE:
         why = shape_refusal(name, shape)
@@ -129,6 +158,7 @@ class Int8Weight:
         self.q, self.scale = q, scale  # int8 [N, K]; bf16 [N]
         self.shape, self.device, self.dtype = q.shape, q.device, scale.dtype
         self.kernel = _kernel("int8", self.device, self.shape)
+        self.gemv = _gemv_takes("int8", self.device.type, tuple(self.shape), None)
 
     @property
     def nbytes(self) -> int:
@@ -143,12 +173,15 @@ class Int8Weight:
         return self.kernel != REFERENCE
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] bf16 -> [T, N] bf16 through torch's weight-only int8 matmul (fp32 inside);
-        the reference dequantization and a bf16 matmul where it does not take the matrix."""
-        if not self.fast():
+        """x [T, K] bf16 -> [T, N] bf16: the CUDA GEMV for a few rows, else torch's weight-only
+        int8 matmul (fp32 inside), else the reference dequantization and a bf16 matmul."""
+        lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
+        if self.gemv and x2.shape[0] <= cuda_residents.MAX_T:
+            y = cuda_residents.gemv("int8", self.q, self.scale, None, x2)
+        elif self.fast():
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)
+        else:
             return F.linear(x, self.dequantize())
-        lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.q, self.scale)
         return y.reshape(*lead, self.shape[0])
 
 
@@ -164,6 +197,7 @@ class Int4Weight:
         n, half = q.shape
         self.shape, self.device, self.dtype = torch.Size((n, 2 * half)), q.device, scale.dtype
         self.kernel = _kernel("int4", self.device, self.shape)
+        self.gemv = _gemv_takes("int4", self.device.type, tuple(self.shape), None)
 
     @property
     def nbytes(self) -> int:
@@ -207,7 +241,12 @@ class Int4Weight:
         return Int4Packed(out, scale_zero, self.shape, self.kernel)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] bf16 -> [T, N] bf16: the reference dequantization and a bf16 matmul."""
+        """x [T, K] bf16 -> [T, N] bf16: the CUDA GEMV for a few rows (where it takes the
+        matrix), else the reference dequantization and a bf16 matmul."""
+        lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
+        if self.gemv and x2.shape[0] <= cuda_residents.MAX_T:
+            y = cuda_residents.gemv("int4", self.q, self.scale, self.zero, x2)
+            return y.reshape(*lead, self.shape[0])
         return F.linear(x, self.dequantize())
 
 
@@ -242,6 +281,7 @@ class Fp8Weight:
         self.q, self.scale = q, scale  # float8_e4m3fn [N, K]; fp32 [N]
         self.shape, self.device, self.dtype = q.shape, q.device, torch.bfloat16
         self.kernel = _kernel("fp8", self.device, self.shape)
+        self.gemv = _gemv_takes("fp8", self.device.type, tuple(self.shape), None)
 
     @property
     def nbytes(self) -> int:
@@ -256,12 +296,15 @@ class Fp8Weight:
         return self.kernel != REFERENCE
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] bf16 -> [T, N] bf16. Fast: `scaled_mm_rowwise`, which also rounds x to e4m3
+        """x [T, K] bf16 -> [T, N] bf16. A few rows: the CUDA GEMV (bf16 x, e4m3 weights, fp32
+        sums times the row scale). Fast: `scaled_mm_rowwise`, which also rounds x to e4m3
         (FORMAT.md "Quantized residents" bounds the difference). Reference: bf16 matmuls with the
         matrix dequantized a block of rows at a time, so no whole bf16 lm_head is ever made."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if self.fast():
+        if self.gemv and x2.shape[0] <= cuda_residents.MAX_T:
+            y = cuda_residents.gemv("fp8", self.q, self.scale, None, x2)
+        elif self.fast():
             y = scaled_mm_rowwise(x2, self.q, self.scale)
         else:
             step = max(1, _BLOCK // self.shape[1])

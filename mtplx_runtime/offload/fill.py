@@ -5,15 +5,18 @@
             kvikio), or a pinned staging buffer (device slots without kvikio)
     read    reader.read_into: O_DIRECT/preadv (offload/bank_reader), kvikio (offload/device_io)
     check   the record's digest on host bytes: SHA-256 first, a learned XXH3 after
-    repack  the kernel backend's own layout of the record, for a backend that has one
-    commit   staged: the bytes into the device slot; then the cache entry becomes a hit
+    transfer  staged: the checked bytes into the device slot (once no kernel reads it)
+    repack  the kernel backend's own layout of the record, in its slot, for a backend that has
+            one (the CUDA kernels' t158 and ct-int3: kernels/cuda.py `repack`)
+    commit  the cache entry becomes a hit
 
 The prefetcher (offload/prefetch.py) runs these steps in this order for every read, whatever
 the reader and the tier: `land` and `read` when the drive has room for the read, the last three
 on the reader's thread once the bytes are in, after it has handed the drive its next read. Only
 `commit` makes a slot a hit, and only after its bytes passed `check`: no kernel ever reads bytes
 that were not checked (with verification on). A device-side slot table, or a copy stream with
-an event the kernels wait on, belongs in `commit`; a layout of the kernels' own in `repack`.
+an event the kernels wait on, belongs in `transfer` and `commit`; a layout of the kernels' own
+in `repack`.
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ class Fill:
     (artifact.open.BankExpertLayout). cache: the ExpertCache whose slots are filled.
     digests: offload.digests.RecordDigests, or None to read unchecked. staging: a
     device_io.Staging when the slots are device memory read through host staging. repack:
-    `repack(buf)` lays a checked record's bytes out in place the way the kernels read them (None:
-    as stored); `buf` is the landing buffer (numpy, or cupy for a kvikio read).
+    `repack(buf)` lays a checked record's bytes out in place, in its slot, the way the kernels
+    read them (None: as stored); `buf` is the slot's view (numpy, or cupy for device slots).
     A step is called for one job (the prefetcher's read: key, part, offset, length, digest,
     slot, landing) at a time; `room`, `land` and `release` under the prefetcher's lock.
     """
@@ -100,16 +103,20 @@ class Fill:
             raise RecordHashError(f"{self.reader.parts[job.part][0]}: part {job.part} bytes at "
                                   f"offset {job.offset} length {job.length} {why}")
 
-    def repack(self, job) -> None:
-        """The backend's layout of the checked bytes, in place (nothing without a repack)."""
-        if self._repack is not None:
-            self._repack(job.landing[:job.length])
-
-    def commit(self, job) -> None:
-        """Staged: the bytes into the device slot. Then the slot is a hit for every lookup."""
+    def transfer(self, job) -> None:
+        """Staged: the checked bytes into the device slot (nothing else: the read landed there)."""
         if self.staging is not None:
             self.staging.place(job.landing[:job.length],
                                self.cache.buffer(job.slot)[:job.length])
+
+    def repack(self, job) -> None:
+        """The backend's layout of the checked bytes, in place in the slot (nothing without a
+        repack)."""
+        if self._repack is not None:
+            self._repack(self.cache.buffer(job.slot)[:job.length])
+
+    def commit(self, job) -> None:
+        """The slot is a hit for every lookup from now on."""
         self.cache.commit(job.key)
 
     def release(self, job) -> None:

@@ -6,7 +6,8 @@ start, the warm only while no prompt holds it (`_next_class_locked`, the one rul
                                                    a warm read's when its turn comes)
         -> pump: the rule picks, within the read depth and byte budget -> fill.land, fill.read
         -> bytes in (reader thread): off the drive -> pump (the drive's next read)
-           -> fill.check -> fill.repack -> fill.commit (offload/fill.py) -> settle: resolve
+           -> fill.check -> fill.transfer -> fill.repack -> fill.commit (offload/fill.py)
+           -> settle: resolve
 
 The ExpertCache owns slots and replacement, the fill pipeline the steps of one read; this
 module owns the reads in flight and their order (ARCHITECTURE.md "Data path"). A read is queued
@@ -621,7 +622,8 @@ class Prefetcher:
                    ) -> None:
         """The read step is over (its reader thread; the pumping one when the hand-over failed):
         the rest of the record's way, top to bottom. Its place at the drive goes to the next
-        read first, then the bytes are checked, repacked and committed, then the read settles."""
+        read first, then the bytes are checked, transferred (staged), repacked and committed,
+        then the read settles."""
         if error is None:
             try:
                 n = fut.result()
@@ -638,6 +640,7 @@ class Prefetcher:
         if error is None:
             try:
                 self.fill.check(job)
+                self.fill.transfer(job)
                 self.fill.repack(job)
                 self.fill.commit(job)
             except BaseException as e:  # the slot stays loading: settle aborts it

@@ -254,12 +254,17 @@ def chat_params(body, cfg, tok) -> dict:
 
 
 def completion_params(body, cfg, tok) -> dict:
+    from ..engine.tokenizer import TokenizerError
+
     p = _common(body, cfg)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        ids = tok.encode(prompt)
+        try:
+            ids = tok.encode(prompt)
+        except TokenizerError as e:  # the model's pre-tokenizer cannot split this text
+            raise _bad("prompt", f"cannot encode the prompt: {e}") from None
     elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tok.vocab_size
             for t in prompt):

@@ -1,41 +1,140 @@
-// Shared device code of the routed-expert kernels (t158_gemv.cu, ctint_gemv.cu, mxfp4_gemv.cu):
-// helpers, the codec contract and the decode GEMV templates. The grouped (prefill) templates and
-// the MTPLX_KERNELS entry-point macro are in grouped.cuh. Header-only, no system includes, so
-// NVRTC (cupy RawModule) and nvcc both compile it with just `-I native`.
+// Shared device code of the CUDA kernels (experts: t158.cu, mxfp4.cu, ctint.cu; residents.cu):
+// types, bf16 helpers, the few PTX instructions the dequant paths use, the warp MMA, SiTU-GLU.
+//
+// Header-only with no system includes, so NVRTC (cupy RawModule) and nvcc both compile it with
+// just `-I native`. Everything a codec computes per lane is MTPLX_HD: a plain C++ compiler
+// builds it too, with exact host emulations of the PTX below (`prmt`, the bf16x2 fma, the MMA),
+// so tests/cuda_host/ checks the layouts and the dequant bit for bit without a GPU.
 //
 // Shape legend: T tokens, K experts per token (top-16), R latent (3584), I expert width (3072).
-// A record is one expert in a cache slot: gate, up, down components at 4 KiB-aligned offsets
-// (FORMAT.md "Streaming artifact"); slot s starts at base + s * slot_bytes.
-//
-// Pipeline per token:  x [R] --(gate, up rows of each of K slots)--> h [K, I] (SiTU-GLU)
-//                      --(down rows)--> y [K, R] --(fp32, ascending k)--> out [R]
-// Codec contract (a struct with static members):
-//   GROUP                                   columns per scale group (64 or 32)
-//   packed_row_bytes(cols), scale_row_bytes(cols)   bytes of one row of each component
-//   group(packed_row, scale_row, g, f)      calls f(j, w) for j = 0..GROUP-1 (compile-time
-//                                           unrolled), w = Ŵ[64g + j] exactly as the codec's
-//                                           reference decodes it (fp32, bf16-representable)
-//
-// Shared-memory layout of activations (both paths): column c of a staged vector lives at
-// c + c / GROUP, i.e. one pad word after every group. Lane L reads group L, so lane addresses
-// are (GROUP + 1) * L + j: with GROUP + 1 odd, the 32 lanes hit 32 different banks (unpadded,
-// GROUP * L + j puts all 32 lanes in one bank: a 32-way conflict on every load).
 #pragma once
 
-#define MTPLX_WARPS 8  // warps per block: one output row per warp
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define MTPLX_CUDA 1
+#define MTPLX_HD __host__ __device__ __forceinline__
+#else
+// Host build (tests/cuda_host): the CUDA qualifiers vanish, the PTX has emulations below.
+#include <cmath>
+#include <cstring>
+#define MTPLX_HD inline
+#define __device__
+#define __global__
+#define __shared__
+#define __restrict__
+#define __forceinline__ inline
+struct uint2 { unsigned x, y; };
+struct uint4 { unsigned x, y, z, w; };
+#endif
 
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-__device__ __forceinline__ float bf16_bits_to_f32(u32 bits) { return __uint_as_float(bits << 16); }
-
-// fp32 -> nearest bf16 (ties to even) kept in fp32: FORMAT.md's rule, no NaN special case.
-__device__ __forceinline__ float round_bf16(float f) {
-  u32 u = __float_as_uint(f);
-  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+MTPLX_HD float bits_f32(u32 u) {
+#ifdef __CUDA_ARCH__
   return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+MTPLX_HD u32 f32_bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  u32 u;
+  memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+MTPLX_HD float bf16_bits_to_f32(u32 bits) { return bits_f32(bits << 16); }
+
+// fp32 -> nearest bf16 (ties to even) bits: FORMAT.md's rule, no NaN special case.
+MTPLX_HD u32 bf16_rne_bits(float f) {
+  const u32 u = f32_bits(f);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+// fp32 rounded to bf16, kept in fp32 (where a bf16 model rounds a GEMM output).
+MTPLX_HD float round_bf16(float f) { return bits_f32(bf16_rne_bits(f) << 16); }
+
+// PRMT (byte permute): output byte i = byte s_i of the 8-byte value {b:a}, s_i = selector nibble
+// i (bits 0-2; bit 3, sign replication, is never used here).
+MTPLX_HD u32 prmt(u32 a, u32 b, u32 s) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(a, b, s);
+#else
+  const u64 v = ((u64)b << 32) | a;
+  u32 r = 0;
+  for (int i = 0; i < 4; ++i) r |= (u32)((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+  return r;
+#endif
+}
+
+#ifndef __CUDA_ARCH__
+// Host emulation of one bf16 lane: the exact value rounded once to bf16 (nearest, ties to even,
+// subnormals kept, overflow to infinity), as fma.rn.bf16x2 does.
+static inline double bf16_lane(u32 bits) { return (double)bf16_bits_to_f32(bits & 0xFFFFu); }
+static inline u32 bf16_round_exact(double v) {
+  if (v != v) return 0x7FC0u;
+  const u32 sign = std::signbit(v) ? 0x8000u : 0u;
+  double a = std::fabs(v);
+  if (a == 0.0) return sign;
+  int ex;
+  std::frexp(a, &ex);  // a = f * 2^ex, f in [0.5, 1): the leading bit has weight 2^(ex - 1)
+  const int lead = ex - 1 < -126 ? -126 : ex - 1;  // below the normal range: a fixed quantum
+  const double quantum = std::ldexp(1.0, lead - 7);
+  const double r = std::nearbyint(a / quantum) * quantum;  // ties to even (default mode)
+  if (r >= std::ldexp(1.0, 128)) return sign | 0x7F80u;
+  return sign | (f32_bits((float)r) >> 16);  // r is a bf16 value: exact in fp32
+}
+#endif
+
+// d = a * b + c per bf16 lane, rounded once (fma.rn.bf16x2; bf16 subnormals are supported).
+MTPLX_HD u32 bf16x2_fma(u32 a, u32 b, u32 c) {
+#ifdef __CUDA_ARCH__
+  u32 d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+#else
+  u32 d = 0;
+  for (int h = 0; h < 2; ++h) {
+    const double v = bf16_lane(a >> 16 * h) * bf16_lane(b >> 16 * h) + bf16_lane(c >> 16 * h);
+    d |= bf16_round_exact(v) << 16 * h;
+  }
+  return d;
+#endif
+}
+
+#define MTPLX_BF16X2_ONE 0x3F803F80u      // (1.0, 1.0)
+#define MTPLX_BF16X2_NEG_ZERO 0x80008000u  // (-0.0, -0.0): a * b + (-0) is the rounded product
+
+// a * b per lane, rounded once.
+MTPLX_HD u32 bf16x2_mul(u32 a, u32 b) { return bf16x2_fma(a, b, MTPLX_BF16X2_NEG_ZERO); }
+// a + c per lane, rounded once (exact whenever the sum is a bf16 value).
+MTPLX_HD u32 bf16x2_add(u32 a, u32 c) { return bf16x2_fma(a, MTPLX_BF16X2_ONE, c); }
+// (v, v): a bf16 pattern in both lanes.
+MTPLX_HD u32 bf16x2_splat(u32 bits) { return (bits & 0xFFFFu) * 0x10001u; }
+
+// One warp MMA m16n8k16, bf16 inputs, fp32 accumulators: d = a . b + c. Fragment layout (PTX
+// ISA, with g = lane / 4 and q = lane % 4; low half of each register = the lower index):
+//   a[0] A[g][2q..2q+1]  a[1] A[g+8][2q..2q+1]  a[2] A[g][2q+8..2q+9]  a[3] A[g+8][2q+8..2q+9]
+//   b[0] B[2q..2q+1][g]  b[1] B[2q+8..2q+9][g]
+//   c[0..1] C[g][2q..2q+1]  c[2..3] C[g+8][2q..2q+1]
+// The host emulation (mma_emulate in tests/cuda_host) works on all 32 lanes at once.
+#ifdef MTPLX_CUDA
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1,
+                                         const float (&c)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%11,%12,%13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]),
+        "f"(c[2]), "f"(c[3]));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -44,91 +143,24 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // SiTU(g) * beta_lin * tanh(u / beta_lin), SiTU(g) = beta * tanh(g / beta) * sigmoid(g)
-// (model/layers.py situ_glu; an fp32 island in the reference too). A beta of +inf is the limit
+// (FORMAT.md "SiTU-GLU"; an fp32 island in the reference too). A beta of +inf is the limit
 // beta * tanh(v / beta) -> v: SiLU-GLU at both (FORMAT.md "SiLU-GLU").
 __device__ __forceinline__ float situ_glu(float g, float u, float beta, float beta_lin) {
-  float sig = 1.0f / (1.0f + expf(-g));
-  float a = isinf(beta) ? g : beta * tanhf(g / beta);
+  const float sig = 1.0f / (1.0f + expf(-g));
+  const float a = isinf(beta) ? g : beta * tanhf(g / beta);
   return a * sig * (isinf(beta_lin) ? u : beta_lin * tanhf(u / beta_lin));
 }
+#endif
 
-// Padded shared-memory index of column c (see the layout note above).
-template <class C>
-__device__ __forceinline__ int padded(int c) { return c + c / C::GROUP; }
-
-// This lane's share of row . xs (xs padded): lane L sums groups L, L + 32, ...
-template <class C>
-__device__ float lane_dot(const u8* packed, const u8* scale, int cols, const float* xs, int lane) {
-  float acc = 0.0f;
-  for (int g = lane; g < cols / C::GROUP; g += 32) {
-    const float* xg = xs + (C::GROUP + 1) * g;  // = padded(GROUP * g)
-    C::group(packed, scale, g, [&](int j, float w) { acc += w * xg[j]; });
+// fp32 -> (hi, mid, lo) bf16 with hi + mid + lo = v to within 2^-24 |v| (each remainder is
+// exact in fp32): an fp32 operand as three bf16 MMA operands. `parts` 1 keeps hi only (a bf16
+// model's operands are bf16 already, so hi == v).
+template <int PARTS>
+MTPLX_HD void split_bf16(float v, u32 (&out)[PARTS]) {
+#pragma unroll
+  for (int p = 0; p < PARTS; ++p) {
+    const u32 b = bf16_rne_bits(v);
+    out[p] = b;
+    v -= bf16_bits_to_f32(b);
   }
-  return acc;
-}
-
-// Decode GEMV, kernel 1: h[t, k, i] = situ_glu(gate_i . x_t, up_i . x_t) for the expert in
-// slots[t, k]. grid (ceil(I / WARPS), K, T), block 32 * WARPS, dynamic shared
-// padded(R) = R + R / GROUP floats.
-// round_model: 1 rounds gate/up outputs and h to bf16 as a bf16 model does.
-template <class C>
-__device__ void gate_up(const u8* __restrict__ base, long long slot_bytes,
-                        const int* __restrict__ slots, const float* __restrict__ x,
-                        float* __restrict__ h, int K, int I, int R,
-                        long long gate_packed, long long gate_scale,
-                        long long up_packed, long long up_scale,
-                        float beta, float beta_lin, int round_model) {
-  extern __shared__ float xs[];  // [padded(R)]
-  const int t = blockIdx.z, k = blockIdx.y;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int c = threadIdx.x; c < R; c += blockDim.x) xs[padded<C>(c)] = x[(long long)t * R + c];
-  __syncthreads();
-  const int row = blockIdx.x * MTPLX_WARPS + warp;
-  const int slot = slots[t * K + k];
-  if (row >= I || slot < 0) return;  // after the only barrier; slot -1: an empty pick
-  const u8* rec = base + (long long)slot * slot_bytes;
-  const long long pr = (long long)row * C::packed_row_bytes(R);
-  const long long sr = (long long)row * C::scale_row_bytes(R);
-  float g = warp_sum(lane_dot<C>(rec + gate_packed + pr, rec + gate_scale + sr, R, xs, lane));
-  float u = warp_sum(lane_dot<C>(rec + up_packed + pr, rec + up_scale + sr, R, xs, lane));
-  if (lane == 0) {
-    if (round_model) { g = round_bf16(g); u = round_bf16(u); }
-    float v = situ_glu(g, u, beta, beta_lin);
-    h[((long long)t * K + k) * I + row] = round_model ? round_bf16(v) : v;
-  }
-}
-
-// Decode GEMV, kernel 2: out[t, r] = acc0[t, r] (0 when acc0 is null) plus, over k ascending,
-// weights[t, k] * (down_r . h[t, k]) in fp32. Multiply then add, never fused, in ascending k
-// (= ascending expert id): the combine order of model/moe.py LatentMoE. out may alias acc0 (each
-// element is read and written by the same warp). grid (ceil(R / WARPS), T), block 32 * WARPS,
-// dynamic shared padded(I) floats.
-template <class C>
-__device__ void down_combine(const u8* __restrict__ base, long long slot_bytes,
-                             const int* __restrict__ slots, const float* __restrict__ h,
-                             const float* __restrict__ weights, const float* acc0, float* out,
-                             int K, int I, int R, long long down_packed, long long down_scale,
-                             int round_model) {
-  extern __shared__ float hs[];  // [padded(I)]
-  const int t = blockIdx.y;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row = blockIdx.x * MTPLX_WARPS + warp;
-  const long long pr = (long long)row * C::packed_row_bytes(I);
-  const long long sr = (long long)row * C::scale_row_bytes(I);
-  float acc = (acc0 != nullptr && row < R) ? acc0[(long long)t * R + row] : 0.0f;
-  for (int k = 0; k < K; ++k) {
-    const int slot = slots[t * K + k];
-    if (slot < 0) continue;  // an empty pick adds nothing; uniform over the block (same t, k)
-    __syncthreads();  // previous k's hs fully consumed
-    for (int c = threadIdx.x; c < I; c += blockDim.x)
-      hs[padded<C>(c)] = h[((long long)t * K + k) * I + c];
-    __syncthreads();
-    if (row < R) {  // no early return: every warp must reach the barriers
-      const u8* rec = base + (long long)slot * slot_bytes;
-      float y = warp_sum(lane_dot<C>(rec + down_packed + pr, rec + down_scale + sr, I, hs, lane));
-      if (round_model) y = round_bf16(y);
-      acc = __fadd_rn(acc, __fmul_rn(y, weights[t * K + k]));
-    }
-  }
-  if (row < R && lane == 0) out[(long long)t * R + row] = acc;
 }
