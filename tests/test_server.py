@@ -983,6 +983,21 @@ def test_request_head_over_16_kib_is_400_even_in_one_read(server, size, status):
     assert got.startswith(f"HTTP/1.1 {status} ".encode()), got[:200]
 
 
+def test_a_refused_head_followed_by_more_bytes_still_gets_its_400(server):
+    """The server drains what the client keeps sending after a 400 instead of closing on
+    unread bytes, which would reset the connection and could destroy the 400 unread."""
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (60 * 1024) + b"\r\n"
+    with socket.create_connection(("127.0.0.1", server["port"]), timeout=TIMEOUT) as s:
+        s.sendall(head + b"X-More: " + b"b" * (4 << 20))  # more than any socket buffer holds
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head, got[:300]
+    assert json.loads(body)["error"]["code"] == "invalid_request"
+
+
 def test_stopping_answers_a_half_sent_request_with_503(server):
     """A client still sending its body when the server stops gets 503 at once: the shutdown
     does not wait out its body deadline."""

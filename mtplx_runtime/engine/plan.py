@@ -371,12 +371,12 @@ def facts_from_dir(model_dir: str | Path, manifest=None,
             if not root.is_dir():
                 raise PlanError(f"{root}: no such directory")
             return _facts_from_source(root, bank_codec)  # a GGUF source: its config is inside
-        cfg = load_config(root / "config.json")
+        cfg = load_config(root / "config.json", root=root)
         mode, bits, group, told = ("t158", None, None, "config") if bank_codec == "t158" else \
             bank_mode(root, cfg)
         return replace(facts_from_config(cfg, mode, bits, group), source=told,
                        source_bytes=source_bytes(root))
-    cfg = load_config(root / "config.json")
+    cfg = load_config(root / "config.json", root=root)
     m = manifest if manifest is not None else load_manifest(root / MANIFEST_NAME)
     sizes = {r.logical_bytes for r in m.records}
     if len(sizes) != 1:
