@@ -174,3 +174,36 @@ def test_template_file_is_read_as_a_regular_file(fixtures, tmp_path):
     os.mkfifo(d / "chat_template.jinja")  # would block a plain open
     with pytest.raises(ValueError, match="chat_template.jinja: not a regular file"):
         read_chat_template(d)
+
+
+def test_tokenizer_files_are_regular_bounded_and_inside_the_model(fixtures, tmp_path,
+                                                                  monkeypatch):
+    """tokenizer.json and chat_template.jinja are read through files.read_regular: a FIFO, a
+    symlink out of the model directory and an oversize file are one-line TokenizerErrors naming
+    the file, before the tokenizers library sees a byte."""
+    import os
+
+    from mtplx_runtime.engine import hf_tokenizer
+    from mtplx_runtime.engine.tokenizer import TokenizerError
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "tokenizer.json").write_bytes((fixtures["v3"] / "tokenizer.json").read_bytes())
+    (outside / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "tokenizer.json").symlink_to(outside / "tokenizer.json")
+    with pytest.raises(TokenizerError, match=r"m/tokenizer.json: .*outside"):
+        load_tokenizer(d)
+    (d / "chat_template.jinja").symlink_to(outside / "chat_template.jinja")
+    with pytest.raises(TokenizerError, match=r"m/chat_template.jinja: .*outside"):
+        read_chat_template(d)
+    (d / "tokenizer.json").unlink()
+    os.mkfifo(d / "tokenizer.json")  # would block a plain open
+    with pytest.raises(TokenizerError, match=r"tokenizer.json: not a regular file \(a FIFO\)"):
+        load_tokenizer(d)
+    (d / "tokenizer.json").unlink()
+    (d / "tokenizer.json").write_bytes((fixtures["v3"] / "tokenizer.json").read_bytes())
+    monkeypatch.setattr(hf_tokenizer, "MAX_TOKENIZER_BYTES", 1024)
+    with pytest.raises(TokenizerError, match=r"tokenizer.json: .*1,?024"):
+        load_tokenizer(d)

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..checkpoint.config import MAX_JSON_BYTES, load_json
 from ..files import read_regular
+from .tokenizer import TokenizerError
 
 # Private-use markers around control-token text found in caller strings (stripped first, so a
 # caller cannot forge them).
@@ -38,23 +39,23 @@ def read_chat_template(model_dir: str | Path) -> str | None:
     root = Path(model_dir)
     cfg_path = root / "tokenizer_config.json"
     if cfg_path.exists():
-        cfg = load_json(cfg_path, root=root, error=ValueError)
+        cfg = load_json(cfg_path, root=root, error=TokenizerError)
         tpl = cfg.get("chat_template") if isinstance(cfg, dict) else None
         if isinstance(tpl, list):
             named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
             tpl = named.get("default")
         if tpl is not None:
             if not isinstance(tpl, str):
-                raise ValueError(f"{cfg_path}: chat_template is not a string")
+                raise TokenizerError(f"{cfg_path}: chat_template is not a string")
             return tpl
     path = root / TEMPLATE_FILE
     if path.exists():
-        raw = read_regular(path, limit=MAX_JSON_BYTES, root=root, error=ValueError,
+        raw = read_regular(path, limit=MAX_JSON_BYTES, root=root, error=TokenizerError,
                            what="chat template")
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text: {e}") from None
+            raise TokenizerError(f"{path}: not UTF-8 text: {e}") from None
     return None
 
 

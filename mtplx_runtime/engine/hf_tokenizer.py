@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..checkpoint.config import load_json
 from ..files import read_regular
-from .tokenizer import SpecialToken, StreamDecoder, Tokenizer, load_tokenizer
+from .tokenizer import SpecialToken, StreamDecoder, Tokenizer, TokenizerError, load_tokenizer
 
 MAX_TOKENIZER_BYTES = 256 * 2**20  # DeepSeek-V3's tokenizer.json is about 7.8 MB
 FILE = "tokenizer.json"
@@ -49,15 +49,17 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer as RustTokenizer
         except ImportError:
-            raise ValueError(f"{path}: reading a tokenizer.json needs the `tokenizers` package "
-                             f"(pip install tokenizers)") from None
-        raw = read_regular(path, limit=MAX_TOKENIZER_BYTES, what="tokenizer file")
+            raise TokenizerError(f"{path}: reading a tokenizer.json needs the `tokenizers` "
+                                 f"package (pip install tokenizers)") from None
+        # a regular file inside the model directory, bounded (files.py): a FIFO cannot block it
+        raw = read_regular(path, limit=MAX_TOKENIZER_BYTES, root=path.parent,
+                           error=TokenizerError, what="tokenizer file")
         try:
             text = raw.decode("utf-8")
             self._special = RustTokenizer.from_str(text)  # added tokens recognised in text
             self._plain = RustTokenizer.from_str(text)
         except Exception as e:  # the library raises its own exception type for a bad file
-            raise ValueError(f"{path}: not a valid tokenizer.json: {e}") from None
+            raise TokenizerError(f"{path}: not a valid tokenizer.json: {e}") from None
         self._plain.encode_special_tokens = True  # special-token text is ordinary text here
         added = self._special.get_added_tokens_decoder()  # {id: tokenizers.AddedToken}
         self.specials = [SpecialToken(i, t.content, t.special) for i, t in sorted(added.items())]
@@ -97,8 +99,8 @@ class HFTokenizer:
             return None
         i = self._special.token_to_id(str(value))
         if i is None:
-            raise ValueError(f"{path.parent / 'tokenizer_config.json'}: {key} {value!r} is not a "
-                             f"token of {path.name}")
+            raise TokenizerError(f"{path.parent / 'tokenizer_config.json'}: {key} {value!r} is "
+                                 f"not a token of {path.name}")
         return i
 
     def special(self, name: str) -> int:
@@ -144,11 +146,12 @@ def generation_stop_ids(model_dir: Path) -> list[int]:
     path = model_dir / "generation_config.json"
     if not path.exists():
         return []
-    data = load_json(path, root=model_dir, error=ValueError)
+    data = load_json(path, root=model_dir, error=TokenizerError)
     eos = data.get("eos_token_id") if isinstance(data, dict) else None
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ValueError(f"{path}: eos_token_id {eos!r} is not a token id or a list of them")
+        raise TokenizerError(f"{path}: eos_token_id {eos!r} is not a token id or a list of "
+                             f"them")
     return ids
 
 
@@ -157,9 +160,9 @@ def load_hf_tokenizer(model_dir: str | Path) -> HFTokenizer:
     generation_config.json)."""
     root = Path(model_dir)
     cfg_path = root / "tokenizer_config.json"
-    config = load_json(cfg_path, root=root, error=ValueError) if cfg_path.exists() else {}
+    config = load_json(cfg_path, root=root, error=TokenizerError) if cfg_path.exists() else {}
     if not isinstance(config, dict):
-        raise ValueError(f"{cfg_path}: not a JSON object")
+        raise TokenizerError(f"{cfg_path}: not a JSON object")
     return HFTokenizer(root / FILE, config, generation_stop_ids(root))
 
 
