@@ -2,7 +2,11 @@
 the tiny fixtures (bf16 in both variants, Kimi K2 Thinking's INT4, DeepSeek's FP8) into a
 streaming artifact, and `mtplx generate --memory-budget` streams text from it (plain and
 `--chat`), the same ids as the resident model; `mtplx inspect`, `mtplx plan`, route traces and
-`mtplx profile` read the family too."""
+`mtplx profile` read the family too; `mtplx plan` sizes the full models from their published
+configs, as the README prints it."""
+
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ from mtplx_runtime import load_model
 from mtplx_runtime.cli import main
 from mtplx_runtime.engine.generate import generate
 from mtplx_runtime.engine.hf_tokenizer import model_tokenizer as load_tokenizer
+from mtplx_runtime.engine.plan import facts_from_dir
 from mtplx_runtime.fixtures.tiny_deepseek import make_tiny_deepseek
 
 CASES = [("bf16", "v3"), ("bf16", "k2"), ("int4", "k2"), ("fp8", "v3")]
@@ -102,3 +107,47 @@ def test_route_trace_and_profiler(built, tmp_path, capsys):
     capsys.readouterr()
     assert main(["profile", str(trace), "--capacity", "4,8"]) == 0
     assert "2 layers x 8 experts top-2" in capsys.readouterr().out
+
+
+ROOT = Path(__file__).parents[1]
+PUBLISHED = ROOT / "tests" / "data" / "published"
+
+
+@pytest.mark.parametrize("name, mode, bits, record, layers, experts", [
+    # K2 Thinking: INT4 group 32, per projection 2048 x 7168 nibbles + one BF16 scale per 32
+    ("kimi-k2-thinking", "ct-int", 4, 3 * (2048 * 7168 // 2 + 2048 * 7168 // 32 * 2), 60, 384),
+    # FP8: per projection 2048 x 7168 bytes + 16 x 56 fp32 block scales, each 4 KiB-padded
+    ("kimi-k2-instruct", "fp8-block", None, 3 * (2048 * 7168 + 4096), 60, 384),
+    ("deepseek-v3", "fp8-block", None, 3 * (2048 * 7168 + 4096), 58, 256),
+])
+def test_full_models_plan_from_their_published_configs(name, mode, bits, record, layers,
+                                                       experts):
+    """`mtplx plan` of a published config.json alone: the bank build-manifest would write
+    (K2 Thinking's INT4 as ct-int 4-bit in groups of 32, the FP8 checkpoints as fp8-block), its
+    record size, and the DeepSeek-V3 geometry's routed layers (from first_k_dense_replace),
+    experts and top-k."""
+    facts = facts_from_dir(PUBLISHED / name)
+    assert (facts.mode, facts.bits, facts.source) == (mode, bits, "config")
+    assert facts.record_bytes == record  # K3's group of 64 would give fewer scale bytes
+    assert len(facts.routed_layers) == layers and facts.routed_layers[-1] == 60
+    assert (facts.geometry.experts, facts.geometry.top_k) == (experts, 8)
+    assert facts.geometry.state_bytes("bfloat16", 1) == 0  # MLA only: no recurrent state
+
+
+def _readme_plans() -> list[tuple[list[str], list[str]]]:
+    """The README's `mtplx plan` outputs of the published configs: (argv, the lines quoted)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    out = []
+    for block in text.split("```\n$ mtplx plan --model tests/data/published/")[1:]:
+        command, *lines = block.split("```", 1)[0].splitlines()
+        argv = shlex.split("--model tests/data/published/" + command)
+        out.append(([str(ROOT / a) if a.startswith("tests/") else a for a in argv], lines))
+    return out
+
+
+def test_readme_plans_are_what_the_command_prints(capsys):
+    plans = _readme_plans()
+    assert len(plans) == 4  # K2 Thinking and V3, on a 64 GiB host and on one H200
+    for argv, quoted in plans:
+        assert main(["plan", *argv]) == 0
+        assert capsys.readouterr().out.splitlines() == quoted, argv
