@@ -164,6 +164,7 @@ class ModelFacts:
     resident_dtype: str = "bf16"  # what the model stores (an artifact's --resident-dtype)
     source_bytes: int | None = None  # the checkpoint's tensor bytes (its index's total_size)
     bits: int | None = None  # a ct-int bank's bit width
+    group_size: int | None = None  # a ct-int bank's scale group (None: the mode's default)
 
     @property
     def geometry(self) -> Geometry:
@@ -283,8 +284,10 @@ def facts_from_config(cfg: ModelConfig, mode: str = "t158", bits: int | None = N
     g = geometry_of(cfg)
     residents = tuple((name, s.dtype, math.prod(s.shape) * DTYPE_BYTES[s.dtype])
                       for name, s in g.resident_specs().items())
+    ct_int = mode.startswith("ct-int")
     return ModelFacts(cfg, mode, g.record_bytes(mode, bits, group_size), g.routed_layers,
-                      residents, "config", bits=bits if mode.startswith("ct-int") else None)
+                      residents, "config", bits=bits if ct_int else None,
+                      group_size=group_size if ct_int else None)
 
 
 def bank_mode(root: Path, cfg: ModelConfig) -> tuple[str, int | None, int | None, str]:
@@ -392,9 +395,11 @@ def facts_from_dir(model_dir: str | Path, manifest=None,
         or (quantized and quantizable(name, s.shape, s.dtype))
         else (name, *stored[name]) for name, s in wanted.items())
     mode = m.quantization["mode"]
+    ct_int = mode.startswith("ct-int")
     return ModelFacts(cfg, mode, sizes.pop(), tuple(sorted({r.layer for r in m.records})),
                       residents, "manifest", m.resident_dtype,
-                      bits=m.quantization.get("bits") if mode.startswith("ct-int") else None)
+                      bits=m.quantization.get("bits") if ct_int else None,
+                      group_size=m.quantization.get("group_size") if ct_int else None)
 
 
 def _facts_from_source(root: Path, bank_codec: str | None) -> ModelFacts:
