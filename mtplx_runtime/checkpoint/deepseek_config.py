@@ -15,11 +15,9 @@ plan, the bank layout and the streaming provider read either family's config ali
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, fields
-from pathlib import Path
 
-from .config import ConfigError, MoELayers, _short, load_json
+from .config import ConfigError, MoELayers, _short
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -226,16 +224,6 @@ class DeepseekV3Config(MoELayers):
                 v[key] = float(v[key])
         return cls(model_type=mt, rope=_rope(d), eos_token_ids=_eos_ids(d.get("eos_token_id")),
                    quantization_config=_quantization_config(d), **v)
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike, *,
-                  root: str | os.PathLike | None = None) -> DeepseekV3Config:
-        """`config.json` at `path`; `root`: the model directory it must not leave."""
-        path = Path(path)
-        try:
-            return cls.from_dict(load_json(path, root=root))
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
 
 
 def _number(src: dict, key: str, where: str, default=None, *, positive=True) -> float | None:
