@@ -207,3 +207,21 @@ def test_tokenizer_files_are_regular_bounded_and_inside_the_model(fixtures, tmp_
     monkeypatch.setattr(hf_tokenizer, "MAX_TOKENIZER_BYTES", 1024)
     with pytest.raises(TokenizerError, match=r"tokenizer.json: .*1,?024"):
         load_tokenizer(d)
+
+
+def test_template_errors_are_one_line_errors(fixtures):
+    """A template that refuses a chat (`raise_exception`, as DeepSeek's and K2's do for roles
+    they do not know) is a ValueError with its message, which the server answers with a 400;
+    a template that does not parse is a TokenizerError naming the line. Both were jinja2's own
+    exceptions, which nothing above the renderer catches."""
+    from mtplx_runtime.engine.tokenizer import TokenizerError
+
+    tok = load_tokenizer(fixtures["v3"])
+    tok.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation "
+                         "must start with the user') }}{% endif %}{{ messages[0]['content'] }}")
+    assert render_chat(tok, [{"role": "user", "content": "hi"}]) == tok.encode("hi")
+    with pytest.raises(ValueError, match="cannot render this chat: Conversation must start"):
+        render_chat(tok, [{"role": "assistant", "content": "hi"}])
+    tok.chat_template = "{{ messages[0]['content'] }}\n{% if %}"
+    with pytest.raises(TokenizerError, match="chat template, line 2: "):
+        render_chat(tok, CHAT)

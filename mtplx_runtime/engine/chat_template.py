@@ -71,7 +71,7 @@ def _compile(template: str):
         raise ValueError("rendering this model's chat template needs jinja2 "
                          "(pip install jinja2)") from None
 
-    def raise_exception(message):
+    def raise_exception(message):  # a template refusing the chat it was given
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -83,7 +83,10 @@ def _compile(template: str):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    ast = env.parse(template)
+    try:
+        ast = env.parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"the model's chat template, line {e.lineno}: {e.message}") from None
     literal = {n.data for n in ast.find_all(jinja2.nodes.TemplateData)}
     literal |= {n.value for n in ast.find_all(jinja2.nodes.Const) if isinstance(n.value, str)}
     return env.from_string(template), "\0".join(literal)
@@ -114,16 +117,23 @@ def render_template(tok, messages: list[dict], *, thinking: bool = True,
                     **options: Any) -> list[int]:
     """Prompt ids of a chat through `tok.chat_template`. `thinking` is passed to the template as
     `thinking` (templates without thinking switches ignore it); other `options` (K3's
-    `thinking_effort`) mean nothing to these templates and are dropped."""
+    `thinking_effort`) mean nothing to these templates and are dropped. A template that refuses
+    the chat (its `raise_exception`) is a ValueError with its message; one that does not parse,
+    a TokenizerError naming the line."""
     template = tok.chat_template
     compiled, _ = _compile(template)
     tokens = sorted(control_tokens(tok, template), key=len, reverse=True)
     pattern = re.compile("|".join(map(re.escape, tokens)) or "(?!)")
     specials = {f"{k}_token": tok.decode([i]) for k, i in (("bos", tok.bos_id), ("eos", tok.eos_id))
                 if i is not None}
-    text = compiled.render(messages=_mark(messages, pattern), tools=_mark(tools, pattern),
-                           add_generation_prompt=add_generation_prompt,
-                           thinking=thinking, **specials)
+    from jinja2 import TemplateError  # jinja2 is there: _compile imported it
+
+    try:
+        text = compiled.render(messages=_mark(messages, pattern), tools=_mark(tools, pattern),
+                               add_generation_prompt=add_generation_prompt,
+                               thinking=thinking, **specials)
+    except TemplateError as e:  # raise_exception, or an undefined name the chat lacks
+        raise ValueError(f"the model's chat template cannot render this chat: {e}") from None
     # [template text, marked token, template text, ...]; a lone marker (a template split one)
     # is dropped but still separates what is around it.
     pieces = re.split(f"{_START}({pattern.pattern}){_END}|[{_START}{_END}]", text)
