@@ -145,26 +145,51 @@ def _xxh3_lengths() -> list[int]:
     return sorted({*range(0, 301), *edges, 3 << 20, (7 << 20) + 4096, (7 << 20) + 4097})
 
 
+# Seeds for the seeded XXH3: 0 (plain XXH3), small, each half all ones or only the top bit (the
+# 4..8-byte path mixes the seed's low half into its high one), all ones, and two arbitrary ones.
+XXH3_SEEDS = [0, 1, 0xFFFFFFFF, 1 << 32, 1 << 63, (1 << 64) - 1, 0x9E3779B97F4A7C15,
+              0x243F6A8885A308D3]
+
+
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 def test_native_xxh3_matches_the_xxhash_package_on_every_path(isa):
+    """Every length class (0, 1-3, 4-8, 9-16, 17-128, 129-240, over 240 with its stripe and
+    block edges) with every seed, from an aligned start and two unaligned ones, equals xxHash's
+    XXH3_64bits_withSeed on this ISA path."""
     xxhash = pytest.importorskip("xxhash")
     from mtplx_runtime.kernels import cpu_native
     if cpu_native.unavailable_reason() is not None:
         pytest.skip(cpu_native.unavailable_reason())
     if cpu_native.ISAS.index(isa) > cpu_native.ISAS.index(cpu_native.best_isa()):
         pytest.skip(f"this CPU has no {isa}")
-    data = np.random.default_rng(7).integers(0, 256, (7 << 20) + 4097, dtype=np.uint8).tobytes()
+    buf = np.random.default_rng(7).integers(0, 256, (7 << 20) + 4097 + 72, dtype=np.uint8)
+    data = memoryview(buf[-buf.ctypes.data % 64:])  # data[0] on a 64-byte boundary
     before = cpu_native.isa()
     try:
         assert cpu_native.set_isa(isa) == isa
-        bad = [n for n in _xxh3_lengths()
-               if cpu_native.xxh3(memoryview(data)[:n]) != xxhash.xxh3_64_intdigest(data[:n])]
+        bad = [(off, n, hex(seed)) for seed in XXH3_SEEDS for off in (0, 1, 7)
+               for n in _xxh3_lengths()
+               if cpu_native.xxh3(data[off:off + n], seed)
+               != xxhash.xxh3_64_intdigest(data[off:off + n], seed=seed)]
+        # seed 0 is the default: plain XXH3-64, as the learned values of earlier versions were
+        assert all(cpu_native.xxh3(data[:n]) == xxhash.xxh3_64_intdigest(data[:n])
+                   for n in (0, 3, 8, 16, 128, 240, 241, 4096))
         # a typed, multi-byte view hashes its bytes
         view = memoryview(np.arange(300, dtype=np.uint32))
-        assert cpu_native.xxh3(view) == xxhash.xxh3_64_intdigest(view.tobytes())
+        assert cpu_native.xxh3(view, 5) == xxhash.xxh3_64_intdigest(view.tobytes(), seed=5)
     finally:
         cpu_native.set_isa(before)
     assert bad == []
+
+
+def test_xxh3_refuses_a_seed_outside_64_bits():
+    """ctypes would wrap -1 and 2^64 into other seeds without a word."""
+    from mtplx_runtime.kernels import cpu_native
+    if cpu_native.unavailable_reason() is not None:
+        pytest.skip(cpu_native.unavailable_reason())
+    for seed in (-1, 1 << 64):
+        with pytest.raises(ValueError, match="unsigned 64-bit"):
+            cpu_native.xxh3(b"record", seed)
 
 
 def test_first_read_hashes_sha256_then_xxh3_is_learned_and_kept(built, tmp_path):
