@@ -1,9 +1,10 @@
 """mtplx_runtime: run Kimi K3 with routed experts streamed from disk.
 
 Public surface:
-- `load(path, dtype=..., memory_budget=..., kernels=..., ...)` -> `Runtime` (model, tokenizer,
-  expert provider, memory plan): the one door every entry point loads through; experts stream
-  from a streaming artifact's bank through the expert cache, or stay resident for a checkpoint;
+- `load(path, LoadOptions(...))` or `load(path, dtype=..., memory_budget=..., kernels=...)` ->
+  `Runtime` (model, tokenizer, expert provider, memory plan): the one door every entry point
+  loads through; experts stream from a streaming artifact's bank through the expert cache, or
+  stay resident for a checkpoint; `LoadOptions` holds and checks every choice;
 - `load_model(path, device="cpu", dtype="float32")` -> the reference model with every expert
   resident (`model.logits(token_ids)`, `prefill`/`decode` with an explicit per-sequence state).
 torch is imported only when a model is loaded, so `import mtplx_runtime` stays light.
@@ -11,15 +12,15 @@ torch is imported only when a model is loaded, so `import mtplx_runtime` stays l
 
 from __future__ import annotations
 
-__all__ = ["Runtime", "load", "load_model"]
+__all__ = ["LoadOptions", "Runtime", "load", "load_model"]
 __version__ = "0.1.0"
 
 
-def load(path, **kwargs):
-    """`engine.runtime.load`: see its docstring for the arguments."""
+def load(path, options=None, /, **choices):
+    """`engine.runtime.load`: see its docstring, and `LoadOptions` for the choices."""
     from .engine.runtime import load as _load
 
-    return _load(path, **kwargs)
+    return _load(path, options, **choices)
 
 
 def load_model(path, device: str = "cpu", dtype: str = "float32", resident_dtype=None):
@@ -35,4 +36,8 @@ def __getattr__(name: str):
         from .engine.runtime import Runtime
 
         return Runtime
+    if name == "LoadOptions":
+        from .engine.options import LoadOptions
+
+        return LoadOptions
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,7 +29,7 @@ CRASH_POINTS = 5 * 8 * 2 + 5 * 2 + 2
 # (adopting a finished part has no crash point: it only reads).
 EXTEND_CRASH_POINTS = 2 * 8 * 2 + 2 * 2 + 2
 BUILD = ("from mtplx_runtime.cli.build_manifest import main; import argparse, sys; "
-         "sys.exit(main(argparse.Namespace(src=sys.argv[1], out=sys.argv[2], codec='keep', "
+         "sys.exit(main(argparse.Namespace(src=sys.argv[1], out=sys.argv[2], bank_codec='keep', "
          "layers=sys.argv[3] or None, jobs=1, no_progress=True, resident_dtype='bf16')))")
 
 

@@ -20,7 +20,7 @@ from mtplx_runtime import load_model
 from mtplx_runtime.cli import main as cli_main
 from mtplx_runtime.cli import parse_args
 from mtplx_runtime.cli.chat import BANNER, HELP, Chat, chat_loop
-from mtplx_runtime.cli.generate import load_runtime
+from mtplx_runtime.cli.common import load_runtime
 from mtplx_runtime.engine.chat import (
     DEFAULT_THINKING_EFFORT,
     build_segments,
@@ -474,16 +474,20 @@ def test_reply_cut_in_the_think_channel_is_closed_and_said(tiny_model_dir):
         assert chat_loop(chat, Lines("hello"), False) == 0
         assert chat.out.getvalue().endswith("\n</think>\n")
         assert chat.err.getvalue().splitlines() == [
-            "mtplx chat: reply cut at 3 tokens (--max-tokens) inside the think channel"]
-    # Without --max-tokens a reply may use the rest of --context.
+            "mtplx chat: reply cut at 3 tokens (--max-tokens) inside the think channel, so no "
+            "answer yet: raise --max-tokens or pass --no-thinking for a longer reply"]
+    # Without --max-tokens a reply may use the rest of --context, and with it no more either.
     n = len(render_chat(load_tokenizer(tiny_model_dir), [{"role": "user", "content": "hello"}]))
-    with chat_on(tiny_model_dir, "--context", str(n + 5)) as chat:
-        assert chat_loop(chat, Lines("hello", "more please"), False) == 0
-        assert chat.last_stats.generated_tokens == 5 and len(chat.messages) == 2
-        err = chat.err.getvalue().splitlines()
-        assert err[0] == ("mtplx chat: reply cut at 5 tokens (the rest of --context) inside "
-                          "the think channel")
-        assert err[1].startswith("mtplx chat: the conversation (") and "fills --context" in err[1]
+    for flags in ((), ("--max-tokens", "50")):
+        with chat_on(tiny_model_dir, "--context", str(n + 5), *flags) as chat:
+            assert chat_loop(chat, Lines("hello", "more please"), False) == 0
+            assert chat.last_stats.generated_tokens == 5 and len(chat.messages) == 2
+            err = chat.err.getvalue().splitlines()
+            assert err[0] == ("mtplx chat: reply cut at 5 tokens (the rest of --context) inside "
+                              "the think channel, so no answer yet: raise --context or pass "
+                              "--no-thinking for a longer reply")
+            assert err[1].startswith("mtplx chat: the conversation (") and \
+                "fills --context" in err[1]
 
 
 def test_stats_show_the_cache_when_streaming(tiny_model_dir, tmp_path):
@@ -503,7 +507,8 @@ def test_stats_show_the_cache_when_streaming(tiny_model_dir, tmp_path):
 
 def test_cli_chat_reads_stdin_until_eof(tiny_model_dir, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello there\n\nhow are you\n"))
-    args = ["chat", "--model", str(tiny_model_dir), "--max-tokens", "4", "--dtype", "float32"]
+    args = ["chat", "--model", str(tiny_model_dir), "--max-tokens", "4", "--dtype", "float32",
+            "--thinking"]
     assert cli_main(args) == 0
     out, err = capsys.readouterr()
     assert out.count("<think>\n") == 2 and BANNER not in err  # not a terminal: no banner
@@ -588,3 +593,64 @@ def test_chat_turn_prefills_only_the_new_part(tiny_model_dir):
         assert chat_loop(chat, Lines("/thinking off", "again"), False) == 0
         p3 = render_chat(tok, chat.messages[:5], thinking=False)
         assert chat.last_stats.prompt_tokens == len(p3) and chat.session.reused == 0
+
+
+# ---- a model without a chat format (issue: the shipped demo model never ended a turn) ----------
+
+
+def test_chat_format_source_names_what_says_the_model_chats(tmp_path):
+    from mtplx_runtime.cli.demo import TRAINED
+    from mtplx_runtime.engine.chat import chat_format_source
+
+    assert chat_format_source(TRAINED) is None  # trained on the KJV text, no chat markup
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "[BOS]"}))
+    assert chat_format_source(d) is None
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert chat_format_source(d) == "tokenizer_config.json"
+    (d / "encoding_k3.py").write_text("# K3's chat encoder\n")
+    assert chat_format_source(d) == "encoding_k3.py"
+    (d / "tokenizer_config.json").write_text("{not json")  # unreadable: the tokenizer says so
+    (d / "encoding_k3.py").unlink()
+    assert chat_format_source(d) is None
+
+
+def test_chat_on_the_shipped_model_answers_and_ends_its_reply(monkeypatch, capsys):
+    """`mtplx chat` on the trained tiny K3 (plain text, no chat format): said once; the reply is
+    text in the response channel (thinking off), and it ends at the cap (256 tokens; 24 here, to
+    keep the test short) instead of running to the 32,768-token context inside a think channel
+    that never closes."""
+    from mtplx_runtime.cli import common
+    from mtplx_runtime.cli.demo import TRAINED
+
+    assert common.CHATLESS_MAX_TOKENS == 256
+    monkeypatch.setattr(common, "CHATLESS_MAX_TOKENS", 24)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who made the heaven and the earth?\n/stats\n"))
+    assert cli_main(["chat", str(TRAINED)]) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert lines[0] == (f"mtplx chat: note: {TRAINED} has no chat format (no chat template or "
+                        "encoding_k3.py): the model was trained on plain text, never to end a "
+                        "reply; it answers without thinking (--thinking to think anyway); "
+                        "replies stop at 24 tokens (--max-tokens N)")
+    assert "<think>" not in out and "LORD" in out  # its answer, in the KJV's words
+    assert "reply cut at 24 tokens (--max-tokens): raise --max-tokens" in err
+    assert "generated 24 tok" in lines[-1]  # /stats
+
+
+def test_generate_chat_on_the_shipped_model_says_what_to_raise(capsys):
+    from mtplx_runtime.cli.demo import TRAINED
+
+    assert cli_main(["generate", str(TRAINED), "-p", "Who is the LORD?", "--chat", "-n", "12"]) == 0
+    out, err = capsys.readouterr()
+    reply = next(ln for ln in err.splitlines() if ln.startswith("[reply:"))
+    content = int(reply.split("reasoning, ")[1].split(" chars content")[0])
+    assert content > 0 and "<think>" not in out  # an answer, not an unclosed think channel
+    assert ("mtplx generate: reply cut at 12 tokens (--max-tokens): raise --max-tokens for a "
+            "longer reply") in err
+    # Asked to think, it thinks until the limit: 0 characters of content, and the note says so.
+    assert cli_main(["generate", str(TRAINED), "-p", "Who is the LORD?", "--chat", "--thinking",
+                     "-n", "6"]) == 0
+    err = capsys.readouterr().err
+    assert "0 chars content" in err and "pass --no-thinking" in err

@@ -163,7 +163,8 @@ def test_the_model_directory_is_a_flag_or_a_positional_everywhere(tmp_path, caps
     assert "the model directory is required: --model DIR (or DIR)" in capsys.readouterr().err
     assert main(["verify", str(tiny), "--model", str(tmp_path / "other")]) == 2
     assert "two model directories given" in capsys.readouterr().err
-    for name in ("generate", "chat", "serve", "logits", "plan", "inspect", "verify"):
+    for name in ("generate", "chat", "serve", "logits", "plan", "inspect", "verify",
+                 "build-manifest"):
         with pytest.raises(SystemExit):
             main([name, "--help"])
         assert "--model DIR" in capsys.readouterr().out, name
@@ -171,7 +172,9 @@ def test_the_model_directory_is_a_flag_or_a_positional_everywhere(tmp_path, caps
 
 def test_help_gives_every_options_default():
     """Every option of every subcommand says its default in --help (the shared formatter adds
-    it unless the help text already does)."""
+    it unless the help text already does), and one with a value names that value (`generate
+    --max-tokens` said only "default the rest of --context", `logits --dtype` "as generate's
+    default")."""
     import argparse
 
     from mtplx_runtime.cli import DefaultsHelp, _build
@@ -183,8 +186,86 @@ def test_help_gives_every_options_default():
             if isinstance(a, argparse._HelpAction) or a.default is argparse.SUPPRESS \
                     or a.required or not a.option_strings:
                 continue
-            assert "default" in fmt._get_help_string(a), (name, a.option_strings)
+            text = fmt._get_help_string(a) % {"default": a.default}
+            assert "default" in text, (name, a.option_strings)
+            if a.default not in (None, False, True) and not isinstance(a.default, list):
+                assert str(a.default) in text.replace(",", ""), (name, a.option_strings, text)
         assert p.format_help()  # every default formats (lists, None, booleans)
+
+
+def test_chat_and_serve_help_do_not_offer_flags_they_refuse(capsys):
+    """chat and serve have no --truncate: their --help must not point to it."""
+    for name in ("chat", "serve"):
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        assert "truncate" not in capsys.readouterr().out, name
+
+
+def test_each_codec_flag_has_its_own_name_and_the_old_spelling_still_works():
+    """--codec meant three things: build-manifest's bank codec, make-tiny's expert layout,
+    profile's pricing codec. Each has its own name now; --codec stays as an alias."""
+    from mtplx_runtime.cli import parse_args
+
+    for argv, dest, value in (
+            (["build-manifest", "src", "out", "{}", "t158"], "bank_codec", "t158"),
+            (["make-tiny", "out", "{}", "w3"], "layout", "w3"),
+            (["profile", "synth:k3", "{}", "mxfp4"], "record_codec", "mxfp4")):
+        new = {"bank_codec": "--bank-codec", "layout": "--layout",
+               "record_codec": "--record-codec"}[dest]
+        for flag in (new, "--codec"):
+            args = parse_args([flag if a == "{}" else a for a in argv])
+            assert getattr(args, dest) == value and not hasattr(args, "codec"), (argv, flag)
+
+
+def test_build_manifest_takes_the_model_flag(tmp_path, capsys):
+    """The README says every command with a model directory takes --model: build-manifest's
+    source too (it was refused as an unknown flag)."""
+    assert main(["make-tiny", str(tmp_path / "t"), "--layout", "t158"]) == 0
+    assert main(["build-manifest", "--model", str(tmp_path / "t"), str(tmp_path / "a"),
+                 "--quiet"]) == 0
+    assert (tmp_path / "a" / "expert-manifest.json").is_file()
+    assert main(["build-manifest", "-m", str(tmp_path / "t"), str(tmp_path / "b"), "--quiet",
+                 "--bank-codec", "t158"]) == 0
+    assert "t158" in capsys.readouterr().out
+
+
+def test_short_flags_and_unknown_flags_name_the_subcommand(tmp_path, capsys):
+    """`generate -m DIR -p TEXT -n N` as llama.cpp users type it; an unknown flag is reported
+    by the subcommand, with its usage and the closest flag, not by the top-level parser."""
+    tiny = tmp_path / "t"
+    assert main(["make-tiny", str(tiny), "--layout", "t158"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "-m", str(tiny), "-p", "hi", "-n", "2", "--dtype", "float32"]) == 0
+    assert "generated 2 tok" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "-m", str(tiny), "-p", "hi", "--max-tokns=2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: mtplx generate ")
+    assert err.splitlines()[-1] == ("mtplx generate: error: unrecognized arguments: "
+                                    "--max-tokns=2; --max-tokns: did you mean --max-tokens?")
+    # mlx-lm's -m is --max-tokens: a number where a directory should be gets a hint
+    assert main(["generate", "-m", "100", "-p", "hi"]) == 2
+    assert capsys.readouterr().err == ("mtplx generate: error: the model directory 100 does not "
+                                       "exist (-m is --model here; the reply length is "
+                                       "-n/--max-tokens)\n")
+
+
+@pytest.mark.parametrize("flag", ["--trace-routes", "--warm"])
+def test_output_files_need_an_existing_directory(tmp_path, capsys, flag):
+    """--trace-routes and --warm FILE created missing parent directories silently (or failed
+    after the whole load): now a one-line error naming the directory, before loading."""
+    from mtplx_runtime.artifact.build import build_artifact
+    from mtplx_runtime.fixtures.tiny import make_tiny
+
+    make_tiny(tmp_path / "t", "t158")
+    build_artifact(tmp_path / "t", tmp_path / "a", progress=False)
+    target = tmp_path / "no" / "such" / "x.out"
+    assert main(["generate", str(tmp_path / "a"), "-p", "hi", "-n", "1", flag,
+                 str(target)]) == 2
+    assert capsys.readouterr().err == (f"mtplx generate: error: {flag} {target}: its directory "
+                                       f"{target.parent} does not exist (create it, or give "
+                                       "another path)\n")
+    assert not (tmp_path / "no").exists()
 
 
 def test_a_closed_output_pipe_ends_quietly(tmp_path):
@@ -201,3 +282,65 @@ def test_a_closed_output_pipe_ends_quietly(tmp_path):
     proc.stdout.close()  # no reader before the child writes a byte
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141 and err == b""
+
+
+def test_a_wrong_kind_of_directory_says_what_it_is_and_what_to_run(tmp_path, capsys):
+    """verify of a checkpoint, build-manifest of an artifact, recode-w4 of a t158 checkpoint or
+    of an artifact: one line that names what the directory is and the command that fits,
+    instead of a missing manifest, a Python API or a missing quantization_config alone."""
+    from mtplx_runtime.artifact.build import build_artifact
+    from mtplx_runtime.fixtures.tiny import make_tiny
+
+    ckpt, art = tmp_path / "t", tmp_path / "a"
+    make_tiny(ckpt, "t158")
+    build_artifact(ckpt, art, progress=False)
+    capsys.readouterr()
+    assert main(["verify", str(ckpt)]) == 2
+    assert capsys.readouterr().err == (
+        f"mtplx verify: error: {ckpt} is a checkpoint (config.json, no expert-manifest.json): "
+        f"verify checks a streaming artifact against its manifest; `mtplx build-manifest {ckpt} "
+        f"OUT` builds one, `mtplx inspect {ckpt}` summarises the checkpoint\n")
+    assert main(["build-manifest", str(art), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"mtplx build-manifest: error: {art} is a streaming artifact already "
+                   f"(expert-manifest.json), and build-manifest reads a checkpoint: run it with "
+                   f"`mtplx generate {art}`, check it with `mtplx verify {art}`\n")
+    assert not (tmp_path / "b").exists()
+    assert main(["recode-w4", str(ckpt), str(tmp_path / "w4")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtplx recode-w4: error: ") and err.count("\n") == 1
+    assert "its routed experts are t158, not W3: recode-w4 recodes a W3A16 g64" in err
+    assert main(["recode-w4", str(art), str(tmp_path / "w4")]) == 2
+    assert "it is a streaming artifact: recode-w4 reads the W3A16 checkpoint" in \
+        capsys.readouterr().err
+    make_tiny(tmp_path / "w3", "w3")
+    assert main(["recode-w4", str(tmp_path / "w3"), str(tmp_path / "w4"), "--quiet"]) == 0
+    assert main(["recode-w4", str(tmp_path / "w4"), str(tmp_path / "w4b")]) == 2
+    assert "its experts are already W4: nothing to recode" in capsys.readouterr().err
+
+
+def test_the_first_native_build_is_announced(tmp_path, monkeypatch):
+    """The native CPU library compiles on first use (10-20 s): a line says so, once; once it is
+    built nothing is said (the wheel test sees the line from a real first run)."""
+    import io
+
+    from mtplx_runtime.cli.common import note_native_build
+    from mtplx_runtime.kernels import cpu_build
+
+    monkeypatch.setenv("MTPLX_NATIVE_DIR", str(tmp_path))
+    err = io.StringIO()
+    note_native_build(err)
+    assert err.getvalue() == f"mtplx: compiling the native CPU kernels, once (kept in {tmp_path})\n"
+    cpu_build.library_path().touch()  # as if built
+    note_native_build(err := io.StringIO())
+    assert err.getvalue() == ""
+
+
+def test_flags_parse_without_torch():
+    """Every command's flags (presets and load options included) parse without importing torch,
+    so `--help` and a plan answer quickly; importing torch alone took 1-3 s here."""
+    code = ("import sys; from mtplx_runtime.cli import parse_args; "
+            "parse_args(['plan', 'x', '--config', 'k3-t158-h200']); "
+            "parse_args(['generate', '-m', 'x', '-p', 'hi']); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -369,9 +369,12 @@ def test_cli_prompt_from_file_and_stdin_equals_inline(cli, tiny, tmp_path, monke
 
 def test_cli_generate_chat_mode(cli, tiny, capsys):
     assert cli(["generate", "--model", str(tiny), "--prompt", "hello", "--chat",
-                "--max-tokens", "5"]) == 0
+                "--max-tokens", "5", "--thinking"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("<think>\n") and "[reply:" in err and "tok/s" in err
+    # The reply hit its token limit inside the think channel: said, with what to raise.
+    assert ("mtplx generate: reply cut at 5 tokens (--max-tokens) inside the think channel, so "
+            "no answer yet: raise --max-tokens or pass --no-thinking for a longer reply") in err
     assert cli(["generate", "--model", str(tiny), "--prompt", "hello", "--chat",
                 "--no-thinking", "--max-tokens", "3"]) == 0
     assert not capsys.readouterr().out.startswith("<think>")
@@ -391,7 +394,7 @@ def test_cli_bad_streaming_requests_are_one_line_errors(cli, tiny, capsys):
     assert cli(["generate", "--model", str(tiny), "--prompt", "x", "--decode-depth", "0"]) == 2
     assert "--decode-depth must be >= 1, got 0" in capsys.readouterr().err
     rc = cli(["generate", "--model", str(tiny), "--prompt", "x", "--kernels", "cpu"])
-    assert rc == 2 and "--kernels cpu runs on streamed experts" in capsys.readouterr().err
+    assert rc == 2 and "kernels 'cpu' run on streamed experts" in capsys.readouterr().err
 
 
 def _poison(checkpoint, name: str) -> None:
@@ -514,7 +517,7 @@ def test_prefill_progress_lines_for_a_long_prompt(cli, tiny, model, tok, monkeyp
     end; the route trace still sees every forward; the text is unchanged."""
     import io
 
-    from mtplx_runtime.cli import generate as gen
+    from mtplx_runtime.cli import common as gen
 
     ticks = iter(range(0, 1000, 3))  # each forward "takes" 3 s on a fake clock
     err = io.StringIO()

@@ -384,3 +384,141 @@ def test_an_afforded_context_gives_up_no_record_of_a_whole_bank():
     ctx = plan_mod.afforded_context(facts, memory_budget=near)
     assert 896 - plan_for(facts, memory_budget=near, context=ctx).compute_slots <= 8 / 0.9
     assert ctx < plan_mod.CONTEXT_CEILING
+
+
+# ---- sizing a machine before the download (config.json alone) --------------------------------
+
+def _config_only(src, dst, *, index: bool = True):
+    """A directory with `src`'s config.json (and its index), none of its shards."""
+    import shutil
+
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    if index:
+        shutil.copy(src / "model.safetensors.index.json", dst / "model.safetensors.index.json")
+    return dst
+
+
+def test_a_plan_needs_no_shard(tiny, tmp_path):
+    """config.json + the index plan exactly as the whole checkpoint and its artifact do, and the
+    artifact's NVMe bytes are the built artifact's: every bank part, every resident tensor."""
+    from mtplx_runtime.engine.plan import artifact_size
+
+    src, art = tiny
+    bare = _config_only(src, tmp_path / "bare")
+    kw = dict(memory_budget="1GiB", context=64)
+    full, built, planned = (make_plan(d, **kw) for d in (src, art, bare))
+    assert (planned.items, planned.compute_slots) == (full.items, full.compute_slots) == \
+        (built.items, built.compute_slots)
+    m = load_manifest(art / "expert-manifest.json")
+    size = artifact_size(facts_from_dir(bare))
+    assert size.bank_bytes == sum(p.size for p in m.sidecar.parts)
+    assert size.bank_bytes == sum((art / p.file).stat().st_size for p in m.sidecar.parts)
+    assert size.resident_bytes == m.artifact["resident_tensor_bytes"]
+    # Without the index the config cannot tell t158 from bf16 (no quantization_config): said,
+    # with the two ways out; --bank-codec t158 plans a t158 build from the config alone.
+    alone = _config_only(src, tmp_path / "alone", index=False)
+    with pytest.raises(PlanError, match="put model.safetensors.index.json beside it, or pass "
+                                        "--bank-codec t158"):
+        facts_from_dir(alone)
+    assert facts_from_dir(alone, bank_codec="t158").record_bytes == planned.record_bytes
+
+
+def test_k3_sizes_from_its_config_alone(tmp_path, capsys):
+    """The published K3 config.json alone (MXFP4 by its quantization_config): the plan, the
+    artifact's 1.56 TB (82,432 records of 17,547,264 B + 113.5 GB of residents), 0.75 TB as a
+    t158 build; the estimate states its inputs."""
+    from mtplx_runtime.cli import main as cli_main
+
+    (tmp_path / "k3").mkdir()
+    (tmp_path / "k3" / "config.json").write_text(json.dumps(k3_official()))
+    argv = ["plan", str(tmp_path / "k3"), "--memory-budget", "256GiB", "--kernels", "cpu"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "memory plan: mxfp4 records of 17,547,264 B from config, 92 routed layers" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("artifact on NVMe: "))
+    assert line == ("artifact on NVMe: 1,560.0 GB = bank parts 1,446.5 GB (82,432 records in "
+                    "17,547,264-B slots) + resident shards 113.5 GB (bf16)")
+    est = out[out.index("decode estimate (not a measurement): "):]
+    for needle in ("1,472 records/token x 17,547,264 B at 7 GB/s (default: a PCIe 4.0 NVMe",
+                   "routes like synth:k3's through LRU", "(uniform routes)",
+                   "ms per expert (bench_kernels, cpu kernels, 2 threads)",
+                   "read per token at 11.5-19.1 GB/s (bench_model, torch bf16, 2 threads)"):
+        assert needle in est, needle
+    assert cli_main([*argv, "--bank-codec", "t158", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["mode"] == "t158" and d["artifact"]["bank_bytes"] == 82_432 * 7_741_440
+    assert d["artifact"]["total_bytes"] == 82_432 * 7_741_440 + 113_509_540_864
+    low, high = d["estimate"]["tok_s"]
+    assert 0 < low <= high < 100
+
+
+def test_the_estimate_follows_its_inputs(k3):
+    """More drive rate never gives fewer tok/s; a cache of every expert reads nothing; the
+    cuda kernels, not measured yet, give the I/O bound alone; K3-like routes miss less than
+    uniform ones at a partial cache."""
+    from mtplx_runtime.profile.estimate import estimate_decode
+
+    p = plan_for(k3, memory_budget="160GiB", context=4096, prefill_chunk=1)
+    slow, fast = (estimate_decode(p, k3, g) for g in (2.0, 14.0))
+    assert slow.tok_s[0] <= fast.tok_s[0] and slow.tok_s[1] <= fast.tok_s[1]
+    assert 0 < fast.miss_k3like < fast.miss_uniform < 1
+    assert fast.io_s[1] == pytest.approx(
+        fast.miss_uniform * 1472 * 7_741_440 / 14e9)
+    gpu = estimate_decode(plan_for(k3, memory_budget="160GiB", kernels="cuda"), k3, 7.0)
+    assert gpu.compute_s is None and gpu.tok_s == pytest.approx(
+        (1 / gpu.io_s[1], 1 / gpu.io_s[0]))
+    whole = plan_for(k3, memory_budget="1TiB", resident_dtype="int4")
+    e = estimate_decode(whole, k3, 7.0)
+    assert whole.cacheable_share == 1 and e.io_s == (0.0, 0.0) and e.miss_k3like == 0
+    assert e.tok_s[1] == pytest.approx(1 / e.compute_s[0])
+
+
+def test_plan_defaults_its_context_as_generate_does_and_plans_without_a_compile(tiny, capsys,
+                                                                            monkeypatch):
+    """No --context: the context generate and serve would pick at this budget, said; kernels
+    auto: the backend generate would pick, found without compiling it."""
+    from mtplx_runtime.cli import main as cli_main
+    from mtplx_runtime.engine import plan as plan_mod
+    from mtplx_runtime.kernels import cpu_build
+
+    def no_compile(*a, **kw):
+        raise AssertionError("mtplx plan compiled the kernels")
+
+    monkeypatch.setattr(cpu_build, "build", no_compile)
+    monkeypatch.delenv("MTPLX_KERNELS", raising=False)
+    _, art = tiny
+    assert cli_main(["plan", str(art), "--memory-budget", "8GiB"]) == 0
+    out = capsys.readouterr().out
+    from mtplx_runtime.cli.plan import planned_backend
+
+    kernels = planned_backend()  # cpu where a C compiler is, as select_backend("auto") picks
+    want = plan_mod.afforded_context(facts_from_dir(art), memory_budget="8GiB", kernels=kernels)
+    assert out.startswith(f"context {want:,} tokens: the longest this plan affords")
+    assert f"{want} tokens x batch 1" in out and f"{kernels} kernels" in out.splitlines()[1]
+
+
+def test_measure_disk_reads_a_scratch_file_and_leaves_nothing(tiny, tmp_path, capsys):
+    from mtplx_runtime.cli import main as cli_main
+    from mtplx_runtime.profile.estimate import measure_disk
+
+    nbytes, secs = measure_disk(tmp_path, 24_576, total_bytes=2 << 20, depth=4)
+    assert nbytes == (2 << 20) // 24_576 * 24_576 and secs > 0
+    assert list(tmp_path.iterdir()) == []
+    _, art = tiny
+    assert cli_main(["plan", str(art), "--memory-budget", "1GiB", "--measure-disk",
+                     str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert f"measuring the drive under {tmp_path}" in err
+    assert f"(measured under {tmp_path}: " in out and list(tmp_path.iterdir()) == []
+    assert cli_main(["plan", str(art), "--measure-disk", str(tmp_path / "no")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
+
+def test_plan_help_has_examples(capsys):
+    from mtplx_runtime.cli import main as cli_main
+
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "examples:\n  mtplx plan " in out and "--memory-budget 256GiB    config.json" in out

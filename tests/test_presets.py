@@ -49,11 +49,11 @@ def plan_json(capsys, *argv) -> dict:
 # ---- the shipped presets -----------------------------------------------------------------------
 
 def test_every_shipped_preset_loads_and_says_what_it_is_for():
-    assert presets.CONFIG_DIR == ROOT / "configs"
+    assert presets.CONFIG_DIR == ROOT / "mtplx_runtime" / "configs"
     assert SHIPPED <= set(presets.available())
     for name in presets.available():
         p = presets.load(name)
-        assert p.name == name and p.path == ROOT / "configs" / f"{name}.toml"
+        assert p.name == name and p.path == presets.CONFIG_DIR / f"{name}.toml"
         assert {"memory_budget", "context", "prefill_chunk", "kernels"} <= set(p.values())
         head = p.path.read_text().splitlines()
         assert head[0].startswith("# ") and sum(ln.startswith("#") for ln in head) >= 5
@@ -98,7 +98,7 @@ def test_k3_presets_fit_the_memory_plan(name):
 
 def test_flags_win_over_the_preset_and_the_preset_over_defaults(art, capsys):
     plain = plan_json(capsys, "--model", art, "--memory-budget", "542MiB")
-    assert plain["context"] == 4096 and plain["host_budget"] == 0  # the parser's defaults
+    assert plain["context"] == 32768 and plain["host_budget"] == 0  # the built-in defaults
     got = plan_json(capsys, "--config", "tiny-demo", "--model", art)
     assert (got["memory_budget"], got["host_budget"]) == (461678 * 1024, 240 * 1024)
     assert (got["context"], got["prefill_chunk"]) == (512, 2)
@@ -109,7 +109,7 @@ def test_flags_win_over_the_preset_and_the_preset_over_defaults(art, capsys):
                     "--context", "4096")
     assert (got["memory_budget"], got["context"]) == (GiB, 4096)
     assert (got["host_budget"], got["prefill_chunk"]) == (240 * 1024, 2)
-    by_path = plan_json(capsys, "--config", ROOT / "configs/tiny-demo.toml", "--model", art)
+    by_path = plan_json(capsys, "--config", presets.CONFIG_DIR / "tiny-demo.toml", "--model", art)
     assert by_path["memory_budget"] == 461678 * 1024
 
 

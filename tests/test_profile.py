@@ -228,7 +228,10 @@ def test_plot_without_matplotlib_prints_the_table_then_one_line(tmp_path, capsys
                            str(out)], capsys)
     assert rc == 1
     assert "capacity policy" in text and "belady" in text and "plots:" not in text
-    assert err == "mtplx profile: error: --plot needs matplotlib: pip install -e .[profile]\n"
+    from mtplx_runtime.extras import install_hint
+
+    assert install_hint("profile").startswith("pip install -e ")  # a checkout: from its tree
+    assert err == f"mtplx profile: error: --plot needs matplotlib: {install_hint('profile')}\n"
     assert not list(tmp_path.iterdir())
 
 
@@ -303,7 +306,7 @@ def test_trace_record_bytes_price_the_reads(tmp_path, capsys):
     tr.record_bytes = 4096
     write_route_trace(tr, other)
     rc, _, err = mtplx(["profile", str(path), str(other), "--workers", "1"], capsys)
-    assert rc == 2 and "disagree on record_bytes" in err and "--codec" in err
+    assert rc == 2 and "disagree on record_bytes" in err and "--record-codec" in err
 
 
 def test_reuse_histogram_bins_by_hand():
@@ -407,5 +410,29 @@ def test_readme_example_is_what_the_command_prints(tmp_path, capsys, monkeypatch
     argv, quoted = _readme_example()
     monkeypatch.chdir(tmp_path)
     rc, out, err = mtplx(["profile", *argv], capsys)
-    assert rc == 0 and err == ""
+    # stderr: nothing but the progress of a replay that ran past 2 s (a loaded machine)
+    assert rc == 0 and all(ln.startswith("mtplx profile: replaying ") for ln in err.splitlines())
     assert _steady(out.splitlines()) == _steady(quoted)
+
+
+def test_a_long_replay_says_how_far_it_is(monkeypatch, capsys):
+    """`mtplx profile synth:k3` replayed for half a minute in silence: a replay that runs past
+    2 s now says what it replays and how many layers are done, every few seconds, on stderr
+    (a fake clock: each call 1.5 s later); the table on stdout is unchanged."""
+    import functools
+    import itertools
+
+    ticks = itertools.count(0, 1.5)
+    monkeypatch.setattr(cli, "Progress",
+                        functools.partial(cli.Progress, clock=lambda: next(ticks)))
+    rc, text, err = mtplx(["profile", "synth:k3,tokens=40,layers=6", "--capacity", "96",
+                           "--policy", "lru", "--workers", "1"], capsys)
+    assert rc == 0 and "capacity policy" in text
+    lines = err.splitlines()
+    # clock: start 0; layer 1 done at 1.5 (< 2 s: quiet), 2 at 3.0 (a line), 3 at 4.5, 4 at 6,
+    # 5 at 7.5, 6 at 9.0 (5 s after the first line: a line) -> the last (done) says nothing.
+    assert lines == ["mtplx profile: replaying synth:k3,tokens=40,layers=6 (40 decode tokens x "
+                     "6 layers) through 2 policies x 1 capacities: 2/6 layers (3 s)"]
+    quiet = cli.Progress("x {done}/{total}", sys.stderr, clock=lambda: 0.0)
+    quiet(1, 6)
+    assert capsys.readouterr().err == ""  # a replay that ends quickly says nothing

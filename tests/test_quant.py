@@ -175,7 +175,7 @@ def test_routing_does_not_move_router_weights_are_the_stored_ones():
 def test_quantized_residents_need_a_bfloat16_model():
     with pytest.raises(ValueError, match="bfloat16"):
         load_model(TRAINED, dtype="float32", resident_dtype="int8")
-    with pytest.raises(ValueError, match="resident dtype"):
+    with pytest.raises(ValueError, match="resident_dtype must be one of"):
         load(TRAINED, resident_dtype="fp3")
 
 

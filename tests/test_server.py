@@ -112,7 +112,9 @@ def test_help_and_clear_error_without_server_extra(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, "serve", "--model", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "server` extra" in r.stderr
-    assert "pip install -e .[server]" in r.stderr and len(r.stderr.splitlines()) == 1
+    from mtplx_runtime.extras import install_hint
+
+    assert install_hint("server") in r.stderr and len(r.stderr.splitlines()) == 1
 
 
 def test_help_shows_every_default():
@@ -125,7 +127,7 @@ def test_help_shows_every_default():
     options = [a for a in parser._actions if a.option_strings]
     assert len(blocks) == len(options)  # one help block per option
     for block in blocks:
-        if not block.startswith(("-h", "--model ")):  # --help; --model is required
+        if not block.startswith(("-h", "-m ")):  # --help; -m/--model is required
             assert "default" in block, block
     flat = " ".join(text.split())
     for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: bfloat16)",
@@ -139,11 +141,11 @@ def _serve_main(argv, monkeypatch):
     """`mtplx serve ARGV` in-process with the uvicorn server faked: (exit status, what happened
     in order). The real listen_socket and load_runtime run; the fake server checks that its
     socket accepts connections and records the app type it was given."""
-    from mtplx_runtime.cli import generate as gen_cli
+    from mtplx_runtime.cli import common as common_cli
     from mtplx_runtime.cli import serve as serve_cli
 
     events = []
-    real_load, real_listen = gen_cli.load_runtime, serve_cli.listen_socket
+    real_load, real_listen = common_cli.load_runtime, serve_cli.listen_socket
 
     def listen(host, port):
         sock = real_listen(host, port)
@@ -167,7 +169,7 @@ def _serve_main(argv, monkeypatch):
             events.append(("run", port, type(self.app).__name__))
 
     monkeypatch.setattr(serve_cli, "listen_socket", listen)
-    monkeypatch.setattr(gen_cli, "load_runtime", load)
+    monkeypatch.setattr(common_cli, "load_runtime", load)
     monkeypatch.setattr(serve_cli, "make_server", FakeServer)
     return cli_main(["serve", *argv]), events
 
@@ -218,7 +220,9 @@ def test_kernels_cuda_without_cupy_names_the_gpu_extra(art, monkeypatch, capfd):
     err = capfd.readouterr().err
     assert code == 2 and [e[0] for e in events] == ["listen", "load"], err
     assert err.startswith("mtplx serve: error: ") and len(err.splitlines()) == 1, err
-    assert "cupy is not installed" in err and "pip install -e .[gpu]" in err
+    from mtplx_runtime.extras import install_hint
+
+    assert "cupy is not installed" in err and install_hint("gpu") in err
 
 
 def test_models_and_health(server, client):
@@ -719,7 +723,7 @@ def test_slow_heads_and_bodies_get_408(server):
 @pytest.mark.parametrize("flag", ["--header-timeout", "--body-timeout"])
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
 def test_timeout_flags_are_checked(art, flag, value):
-    from mtplx_runtime.cli.generate import CliError
+    from mtplx_runtime.cli.common import CliError
 
     parser = argparse.ArgumentParser()
     add_args(parser)
@@ -921,7 +925,7 @@ def test_completions_skip_special_tokens_unless_asked(server, client):
 # ---- API key, head size, stopping -------------------------------------------------------------
 
 def test_api_key_from_env_or_file_never_the_command_line(art, tmp_path, monkeypatch):
-    from mtplx_runtime.cli.generate import CliError
+    from mtplx_runtime.cli.common import CliError
     from mtplx_runtime.cli.serve import api_key
 
     parser = argparse.ArgumentParser()
@@ -977,6 +981,21 @@ def test_request_head_over_16_kib_is_400_even_in_one_read(server, size, status):
         while chunk := s.recv(65536):
             got += chunk
     assert got.startswith(f"HTTP/1.1 {status} ".encode()), got[:200]
+
+
+def test_a_refused_head_followed_by_more_bytes_still_gets_its_400(server):
+    """The server drains what the client keeps sending after a 400 instead of closing on
+    unread bytes, which would reset the connection and could destroy the 400 unread."""
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (60 * 1024) + b"\r\n"
+    with socket.create_connection(("127.0.0.1", server["port"]), timeout=TIMEOUT) as s:
+        s.sendall(head + b"X-More: " + b"b" * (4 << 20))  # more than any socket buffer holds
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head, got[:300]
+    assert json.loads(body)["error"]["code"] == "invalid_request"
 
 
 def test_stopping_answers_a_half_sent_request_with_503(server):

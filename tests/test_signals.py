@@ -117,6 +117,7 @@ sys.exit(main(sys.argv[2:]))
 
 
 @pytest.mark.parametrize("module,argv", [
+    ("numpy", ["generate", "--prompt", "hi"]),  # the first import `mtplx` makes past the stdlib
     ("torch", ["generate", "--prompt", "hi"]),
     ("torch", ["serve", "--port", "0"]),
     ("torch", ["chat"]),

@@ -21,10 +21,11 @@ IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", 
                                 ".pytest_cache", ".ruff_cache", ".hypothesis", ".mtplx-cache")
 
 
-def _run(cmd, **kw):
+def _run(cmd, *, both: bool = False, **kw):
+    """stdout of a command that must succeed; (stdout, stderr) with `both`."""
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
     assert p.returncode == 0, f"{' '.join(map(str, cmd))}\n{p.stdout}\n{p.stderr}"
-    return p.stdout
+    return (p.stdout, p.stderr) if both else p.stdout
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +68,31 @@ def test_installed_demo_runs_with_cpu_kernels(installed, tmp_path):
     assert Path(module).is_relative_to(site), module
     assert Path(src_dir) == site / "mtplx_runtime" / "kernels" / "native" / "cpu"
 
-    out = _run([sys.executable, "-m", "mtplx_runtime", "demo", "--kernels", "cpu",
-                "--cache-dir", str(tmp_path / "demo"), "--max-tokens", "4"],
-               cwd=run_dir, env=env)
+    out, err = _run([sys.executable, "-m", "mtplx_runtime", "demo", "--kernels", "cpu",
+                     "--cache-dir", str(tmp_path / "demo"), "--max-tokens", "4"],
+                    cwd=run_dir, env=env, both=True)
     assert "kernels cpu" in out, out
+    # The first run says what takes its time (the build, the kernel compile), once; the text
+    # points to nothing a wheel lacks (the repository's .md files).
+    assert "mtplx: compiling the native CPU kernels, once" in err, err
+    assert "mtplx demo: building " in err and ".md" not in out, (out, err)
     # The library was built from the installed sources into the user cache, not the install.
     assert len(list((cache / "mtplx" / "native").glob("mtplx_cpu-*.so"))) == 1
     assert not list(site.rglob("*.so"))
     assert {p for p in ROOT.rglob("*") if ".git" not in p.parts} == before
+
+
+def test_installed_wheel_finds_its_presets_and_names_its_extras(installed, tmp_path):
+    """A wheel ships the presets (`--config NAME` works outside a checkout) and its hints name
+    `pip install 'mtplx_runtime[extra]'`, not a checkout's `pip install -e .[extra]`."""
+    site, _ = installed
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=str(site), PYTHONNOUSERSITE="1")
+    probe = ("from mtplx_runtime.engine import presets; from mtplx_runtime.extras import "
+             "install_hint; print(presets.load('k3-t158-h200').kernels); "
+             "print(install_hint('server'))")
+    out = _run([sys.executable, "-c", probe], cwd=tmp_path, env=env).splitlines()
+    assert out == ["cuda", "pip install 'mtplx_runtime[server]'"]
+    names = set(zipfile.ZipFile(installed[1]).namelist())
+    for f in (ROOT / "mtplx_runtime" / "configs").glob("*.toml"):
+        assert f.relative_to(ROOT).as_posix() in names, f

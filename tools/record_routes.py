@@ -4,7 +4,7 @@
 Teacher-forced: the text's tokens are fed one at a time as decode steps, so every token's line
 has each MoE layer's route and the lookahead guesses of depths 1..`--lookahead` (prefill would
 record routes without guesses). The trace in tests/data comes from the trained model reading
-held-out text (README "Profiling the expert cache"; BENCHMARKS.md "Routes of a trained model").
+held-out text (README "Profiling the expert cache"; BENCHMARKS.md "Routes of the trained tiny K3").
 
     MODEL (checkpoint: its streaming artifact is built in a temporary directory) -> load with
     lookahead D -> decode token by token -> RouteTrace -> OUT.jsonl

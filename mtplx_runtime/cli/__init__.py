@@ -3,7 +3,9 @@
 Each subcommand lives in its own module exposing `add_args(parser)` and `main(args) -> int`; one
 that adds `--config` (engine/presets.py) gets a preset's values as its defaults, here.
 Subcommand modules keep torch and every GPU library out of their top-level imports, so `--help`
-works (and is fast) on any machine.
+works (and is fast) on any machine. This module imports nothing heavier at its top than the
+standard library: numpy and the rest load inside `main`, where a Ctrl-C is one line, not an
+import traceback.
 """
 
 from __future__ import annotations
@@ -14,9 +16,6 @@ import os
 import sys
 
 from .. import __version__
-from ..checkpoint.safetensors_io import CheckpointError
-from ..engine import presets
-from ..formats.base import FormatError
 from . import model_dir
 
 # name -> (module, one-line help)
@@ -46,8 +45,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class DefaultsHelp(argparse.HelpFormatter):
-    """Every option's default at the end of its help, unless its help already says it."""
+class DefaultsHelp(argparse.RawDescriptionHelpFormatter):
+    """Every option's default at the end of its help, unless its help already says it; an
+    epilog (a subcommand's examples) kept as written."""
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse `mtplx` argv; a subcommand with `--config` gets its preset's values as defaults
     (flags given on the command line win). Raises presets.PresetError."""
+    from ..engine import presets
+
     argv = sys.argv[1:] if argv is None else list(argv)
     parser, subs = _build()
     cmd = _command(argv)
@@ -112,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    from ..checkpoint.safetensors_io import CheckpointError
+    from ..engine.presets import PresetError
+    from ..formats.base import FormatError
+
     # torch's OpenMP workers spin after every op by libgomp's default and crowd the native expert
     # kernels' threads off the cores: all-cached decode took 40.3 ms per token with them sleeping
     # against 50.1 (medians of 3, BENCHMARKS.md "bench_peers"). A default only, set before any
@@ -119,7 +125,7 @@ def _main(argv: list[str]) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         args = parse_args(argv)
-    except presets.PresetError as e:
+    except PresetError as e:
         print(f"mtplx {_command(argv)}: error: {e}", file=sys.stderr)
         return 2
     why = model_dir.resolve(args)

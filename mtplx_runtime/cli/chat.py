@@ -18,7 +18,16 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
-from .generate import CliError, CtrlC, ReplyPrinter, add_model_args, load_runtime, stats_line
+from .common import (
+    CliError,
+    CtrlC,
+    ReplyPrinter,
+    add_model_args,
+    chat_defaults,
+    cut_note,
+    load_runtime,
+    stats_line,
+)
 
 PROG = "mtplx chat"
 BANNER = (f"{PROG}: /help, /exit, /reset, /thinking on|off, /stats; "
@@ -31,7 +40,8 @@ HELP = """\
   /stats             the last turn: prompt tokens, TTFT, tok/s; expert cache use when streaming
   //text             send "/text" to the model
 Ctrl-C during a reply stops it; the part already printed stays in the conversation.
-Replies may use the rest of --context unless --max-tokens is given."""
+Replies may use the rest of --context unless --max-tokens is given (a model without a chat
+format stops at 256 tokens: it never ends a reply itself)."""
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -120,11 +130,12 @@ class Chat:
         messages = [*self.messages, {"role": "user", "content": text}]
         prompt = render_chat(tok, messages, thinking=self.thinking)
         room = args.context - len(prompt)
-        if args.max_tokens is None and room < 1:
+        if room < 1:
             self.note(f"the conversation ({len(prompt)} tokens) fills --context {args.context}; "
                       "/reset starts over")
             return
-        max_tokens = room if args.max_tokens is None else args.max_tokens
+        # A reply never runs past the context the state holds.
+        max_tokens = room if args.max_tokens is None else min(args.max_tokens, room)
         printer, stats, ids = ReplyPrinter(tok, self.thinking), GenerationStats(), []
         before = _cache_counters(self.rt)
         with CtrlC() as ctrl_c:
@@ -146,9 +157,8 @@ class Chat:
         self.out.write(tail + ("\n</think>" if think_open else "") + "\n")
         self.out.flush()
         if stats.stop_reason == "length":
-            where = " inside the think channel" if think_open else ""
-            limit = "--max-tokens" if args.max_tokens is not None else "the rest of --context"
-            self.note(f"reply cut at {max_tokens} tokens ({limit}){where}")
+            self.note(cut_note(max_tokens, "--max-tokens" if max_tokens == args.max_tokens
+                               else "the rest of --context", think_open))
         reply = parse_assistant(ids, tok, thinking=self.thinking)
         self.messages = [*messages, {"role": "assistant", "content": reply["content"],
                                      "reasoning_content": reply["reasoning"]}]
@@ -203,6 +213,7 @@ def main(args: argparse.Namespace) -> int:
     except CliError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    chat_defaults(args, PROG)
     interactive = sys.stdin.isatty()
     if interactive:
         try:

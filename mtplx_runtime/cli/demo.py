@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from .common import note_native_build
+
 PROMPT = "The LORD is my shepherd;"
 # The small K3 trained on the King James Bible by tools/train_tiny.py (README "The trained tiny
 # K3"): package data, so a wheel install runs the demo too.
@@ -46,10 +48,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also build one tiny fixture per expert codec and show what each holds")
 
 
-def ensure_artifact(root: Path, rebuild: bool, seed: int | None = None) -> tuple[Path, bool]:
+def ensure_artifact(root: Path, rebuild: bool, seed: int | None = None,
+                    on_build=None) -> tuple[Path, bool]:
     """(artifact dir, built now?): the streaming artifact of the trained checkpoint (`seed`
     None) or of the random tiny t158 fixture of `seed` (written under `root` first), under
-    `root`. A present manifest marks a finished build; the bank part sizes are checked too."""
+    `root`. A present manifest marks a finished build; the bank part sizes are checked too.
+    `on_build(out)` is called before a build starts."""
     from ..artifact.build import build_artifact
     from ..artifact.manifest import ManifestError, load_manifest
     from ..fixtures.codec_table import fixture
@@ -64,6 +68,8 @@ def ensure_artifact(root: Path, rebuild: bool, seed: int | None = None) -> tuple
                 return out, False
         except (OSError, ManifestError):
             pass
+    if on_build is not None:
+        on_build(out)
     shutil.rmtree(out, ignore_errors=True)
     if seed is None:
         if not (TRAINED / "config.json").is_file():
@@ -198,14 +204,16 @@ slots the kernels read from; host: the second tier that compute-tier victims fal
 the prompt's experts, read once for all its tokens (prefill) so they never evict decode experts.
 A cache miss waits for a read (stall); lookahead guesses the next layer's experts from this
 layer's hidden state and reads them early. The I/O bound is the fastest decode this disk
-allows at this miss rate (ARCHITECTURE.md "I/O bound"). The tiny model decodes far below it
-(Python overhead, not reads); full K3 reads 1,472 records of 7.7 MB per token, and there the
-bound is what limits decode.
+allows at this miss rate: the disk rate over the bytes a token's misses read (its formula is
+the last line above). The tiny model decodes far below it (Python overhead, not reads); full
+K3 reads 1,472 records of 7.7 MB per token, and there the bound is what limits decode
+(`mtplx plan` estimates it for a model and a machine before you download one).
 {weights} `mtplx demo --codecs`: the expert codecs."""
-TRAINED_NOTE = """The model was trained on the King James Bible (tools/train_tiny.py): it writes in
-its style (greedy, so it repeats itself). Its routers are balanced as K3's are, so experts are
-used about evenly, and a later layer's router guesses most of its experts a layer early
-(BENCHMARKS.md "Routes of the trained tiny K3")."""
+TRAINED_NOTE = """The model was trained on the King James Bible: it writes in its style (greedy,
+so it repeats itself). Its routers are balanced as K3's are, so experts are used about evenly,
+and a later layer's router guesses most of its experts a layer early (the lookahead recall
+above). `mtplx generate --trace-routes FILE` records a run's routes; `mtplx profile FILE`
+replays them through every cache policy."""
 RANDOM_NOTE = "The weights are random, so the text is noise."
 
 
@@ -246,7 +254,10 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         artifact, built = ensure_artifact(root, args.rebuild,
-                                          args.seed if args.random_weights else None)
+                                          args.seed if args.random_weights else None,
+                                          on_build=lambda out: print(
+                                              f"mtplx demo: building {out}/ (once)",
+                                              file=sys.stderr, flush=True))
     except FileNotFoundError as e:
         print(f"mtplx demo: error: {e}; --random-weights runs the random fixture",
               file=sys.stderr)
@@ -260,6 +271,8 @@ def _run(args: argparse.Namespace) -> int:
     quarter = max(ModelConfig.from_file(artifact / "config.json").num_experts // 4, 1)
     slots = (args.slots_per_layer or quarter,
              quarter if args.host_slots_per_layer is None else args.host_slots_per_layer)
+    if args.kernels != "reference":
+        note_native_build()
     try:
         rt = load(artifact, dtype="float32", kernels=args.kernels, lookahead=args.lookahead,
                   cache_slots=slots)

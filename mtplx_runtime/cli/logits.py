@@ -7,7 +7,7 @@ import io
 import sys
 
 from ..files import atomic_write
-from .generate import add_resident_dtype
+from .common import add_dtype, add_resident_dtype
 from .model_dir import add_model_dir
 
 
@@ -24,9 +24,8 @@ def _token_list(text: str) -> list[int]:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_model_dir(p, "checkpoint directory")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                   help="model dtype, as generate's default (float32 for exact comparisons); "
-                        "the saved logits are float32 either way")
+    add_dtype(p, "model dtype (float32 for exact comparisons); the saved logits are float32 "
+                 "either way")
     add_resident_dtype(p)
     p.add_argument("--tokens", required=True, type=_token_list, help="comma-separated token ids")
     p.add_argument("--out", required=True, help="output .npy file")

@@ -10,8 +10,9 @@ import math
 import sys
 import time
 
+from ..extras import install_hint
+
 PROG = "mtplx profile"
-PLOT_HINT = "--plot needs matplotlib: pip install -e .[profile]"
 
 
 def _csv(text: str) -> list[str]:
@@ -86,18 +87,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", type=_policies, default=["lru", "lfu", "freq"],
                    help="lru, lfu, freq[:DECAY], belady (Belady's MIN is always added)")
     p.add_argument("--disk-gbps", type=_positive, default=7.0, help="drive read rate, GB/s")
-    p.add_argument("--codec", choices=("t158", "w3", "mxfp4"),
-                   help="expert codec of the records read: prices SSD reads with K3 records "
-                        "of it (t158 7.74 MB, w3 13.4 MB, mxfp4 17.5 MB); default: the traces' "
-                        "record_bytes, else t158")
+    p.add_argument("--record-codec", "--codec", dest="record_codec",
+                   choices=("t158", "w3", "mxfp4"),
+                   help="price each miss as a K3 record of this codec (t158 7.74 MB, w3 13.4 "
+                        "MB, mxfp4 17.5 MB; --codec: the older spelling) (default: the traces' "
+                        "record_bytes, else t158)")
     p.add_argument("--prefill-chunk", type=int, default=64,
                    help="prefill chunk the trace was recorded with (prefill read counting)")
     p.add_argument("--workers", type=_workers, default=0,
                    help="replay processes (0: CPU count)")
     p.add_argument("--plot", metavar="OUT.png",
                    help="write OUT.png (hit rate), OUT-io.png (tok/s), OUT-layers.png and "
-                        "OUT-reuse.png; needs matplotlib (pip install -e .[profile]): without it "
-                        "the table is still printed and the command exits 1")
+                        "OUT-reuse.png; needs matplotlib (the `profile` extra): without it the "
+                        "table is still printed and the command exits 1")
     p.add_argument("--json", metavar="OUT.json", help="write the full report as JSON")
     p.add_argument("--csv", metavar="OUT.csv", help="write one row per (capacity, policy)")
 
@@ -112,21 +114,41 @@ def _record_bytes(traces, codec: str | None) -> tuple[int, str | None]:
     found = {tr.record_bytes for tr in traces}
     if len(found) > 1:
         names = ", ".join(f"{tr.name} {tr.record_bytes}" for tr in traces)
-        raise TraceError(f"the traces disagree on record_bytes ({names}); pass --codec to price "
-                         f"them all alike")
+        raise TraceError(f"the traces disagree on record_bytes ({names}); pass --record-codec "
+                         f"to price them all alike")
     (rec,) = found
     return (record_bytes("t158"), "t158") if rec is None else (rec, None)
 
 
-def run(args) -> dict:
+class Progress:
+    """`progress(done, total)` for a long replay: one line on `err` (`text` formatted with done
+    and total) once `after_s` have passed, then every `every_s` seconds, so a replay that ends
+    quickly says nothing and a long one is never silent."""
+
+    def __init__(self, text: str, err, after_s: float = 2.0, every_s: float = 5.0, clock=None):
+        self.text, self.err, self.every_s = text, err, every_s
+        self.clock = clock or time.monotonic
+        self.start = self.clock()
+        self.next = self.start + after_s
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if now >= self.next and done < total:
+            print(f"{PROG}: {self.text.format(done=done, total=total)} "
+                  f"({now - self.start:.0f} s)", file=self.err, flush=True)
+            self.next = now + self.every_s
+
+
+def run(args, err=None) -> dict:
     """Everything but printing and plotting: the report as a dict (also written to --json and
-    --csv). Bad traces raise TraceError."""
+    --csv), progress of a long replay on `err` (default stderr). Bad traces raise TraceError."""
     from ..engine.trace import TraceError
     from ..formats.record import align_up
     from ..profile import report, stats
     from ..profile.replay import merge, profile
     from ..profile.traces import load
 
+    err = sys.stderr if err is None else err
     t0 = time.perf_counter()
     traces = [load(s) for s in args.traces]
     first = traces[0]
@@ -135,7 +157,7 @@ def run(args) -> dict:
             raise TraceError(f"{tr.name}: layers/experts differ from {first.name}")
         if not tr.decode.any():
             raise TraceError(f"{tr.name}: no decode lines to replay")
-    rec, codec = _record_bytes(traces, args.codec)
+    rec, codec = _record_bytes(traces, args.record_codec)
     nl, k = len(first.layers), first.top_k
     if args.capacity_bytes:
         # The runtime gives each record a 4 KiB-aligned slot (engine/plan.py record_stride).
@@ -146,7 +168,12 @@ def run(args) -> dict:
         caps = sorted({nl * min(k * m, first.experts) for m in (1, 2, 4, 8)})
     runs, missed = [], None
     for i, tr in enumerate(traces):
-        res, m = profile(tr, args.policy, caps, args.scope, workers=args.workers or None)
+        unit = "layers" if args.scope == "layer" else "configurations"
+        hook = Progress(f"replaying {tr.name} ({int(tr.decode.sum()):,} decode tokens x "
+                        f"{len(tr.layers)} layers) through {len(args.policy) + 1} policies x "
+                        f"{len(caps)} capacities: {{done}}/{{total}} {unit}", err)
+        res, m = profile(tr, args.policy, caps, args.scope, workers=args.workers or None,
+                         progress=hook)
         runs.append(res)
         if i == 0:
             missed = m
@@ -187,7 +214,8 @@ def main(args) -> int:
     print(f"({s['elapsed_s']:.1f} s)")
     if args.plot:
         if not report.can_plot():
-            print(f"{PROG}: error: {PLOT_HINT}", file=sys.stderr)
+            print(f"{PROG}: error: --plot needs matplotlib: {install_hint('profile')}",
+                  file=sys.stderr)
             return 1
         print("plots: " + " ".join(str(p) for p in report.plot(s, args.plot)))
     return 0

@@ -1,7 +1,7 @@
 """`mtplx serve`: an OpenAI-compatible HTTP server for one model (uvicorn on uvloop).
 
     flags -> bind + listen on --host:--port (a taken port fails here, before any loading)
-        -> --model DIR -> cli.generate.load_runtime -> Engine (one worker thread) -> App (ASGI)
+        -> --model DIR -> cli.common.load_runtime -> Engine (one worker thread) -> App (ASGI)
         [-> server/access's AccessLog with --access-log]
         -> uvicorn (uvloop, loopback by default) on that socket, over server/conn's h11 protocol
            (request read deadlines, bounded connections that keep room for complete requests)
@@ -33,6 +33,8 @@ import sys
 import threading
 import time
 
+from ..extras import install_hint
+
 PROG = "mtplx serve"
 SHUTDOWN_S = 5.0  # from the first signal to exit: connections dropped, the worker joined
 API_KEY_ENV = "MTPLX_API_KEY"
@@ -40,7 +42,7 @@ MAX_KEY_FILE_BYTES = 4096
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from .generate import add_model_args
+    from .common import add_model_args
 
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (loopback; 0.0.0.0 exposes it)")
@@ -83,7 +85,7 @@ def _uvicorn():
         import uvloop  # noqa: F401  (uvicorn's loop="uvloop" imports it)
     except ModuleNotFoundError as e:
         raise RuntimeError(f"serving needs the `server` extra ({e.name} is missing): "
-                           "pip install -e .[server]") from None
+                           f"{install_hint('server')}") from None
     return uvicorn
 
 
@@ -167,8 +169,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
     It listens at once: with SO_REUSEADDR (set, as uvicorn does, so a restart is not refused
     while old connections linger in TIME_WAIT) a socket that is only bound does not keep a second
     server off the port. Connections made before the server runs wait in the backlog. Raises
-    cli.generate.CliError naming host:port when the port is taken or the address is not ours."""
-    from .generate import CliError
+    cli.common.CliError naming host:port when the port is taken or the address is not ours."""
+    from .common import CliError
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -186,8 +188,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def api_key(args: argparse.Namespace) -> str | None:
     """The API key: --api-key, the first line of --api-key-file, else $MTPLX_API_KEY; None
-    when none is set. Raises cli.generate.CliError for an unreadable file or an empty key."""
-    from .generate import CliError
+    when none is set. Raises cli.common.CliError for an unreadable file or an empty key."""
+    from .common import CliError
 
     if args.api_key_file is not None:
         try:  # plain open: a pipe such as <(pass show k3) is fine
@@ -212,8 +214,8 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """The serve flags that need no model; raises cli.generate.CliError naming the flag."""
-    from .generate import CliError
+    """The serve flags that need no model; raises cli.common.CliError naming the flag."""
+    from .common import CliError
 
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535], got {args.port}")
@@ -236,10 +238,10 @@ def model_id(args: argparse.Namespace) -> str:
 
 
 def build(args: argparse.Namespace):
-    """(app, engine, runtime) from parsed flags; raises cli.generate.CliError on bad flags."""
+    """(app, engine, runtime) from parsed flags; raises cli.common.CliError on bad flags."""
     from ..server.app import App, ServerConfig
     from ..server.worker import Engine
-    from .generate import load_runtime
+    from .common import load_runtime
 
     check_args(args)
     rt = load_runtime(args)
@@ -257,7 +259,7 @@ def _stderr_line(line: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .generate import CliError
+    from .common import CliError
 
     try:
         _uvicorn()

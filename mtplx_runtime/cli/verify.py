@@ -6,6 +6,8 @@ checks (offload.digests), so later loads skip SHA-256 on those records."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from ..artifact.verify import verify_artifact
 from ..offload.digests import RecordDigests, fast_hash
@@ -22,6 +24,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ..artifact.manifest import MANIFEST_NAME
+
+    root = Path(args.artifact)
+    if not (root / MANIFEST_NAME).exists():
+        # Not an artifact: say what it is and what to run instead of listing a missing file.
+        if (root / "config.json").is_file():
+            why = (f"a checkpoint (config.json, no {MANIFEST_NAME}): verify checks a streaming "
+                   f"artifact against its manifest; `mtplx build-manifest {root} OUT` builds "
+                   f"one, `mtplx inspect {root}` summarises the checkpoint")
+        else:
+            why = (f"not a streaming artifact (no {MANIFEST_NAME}): give the directory "
+                   "`mtplx build-manifest` wrote")
+        print(f"mtplx verify: error: {root} is {why}", file=sys.stderr)
+        return 2
     rep = verify_artifact(args.artifact, records=args.records, shard_hashes=args.shard_hashes,
                           record_hash=fast_hash() if args.records else None)
     for line in rep.problems:

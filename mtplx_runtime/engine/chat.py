@@ -22,16 +22,40 @@ batchgen do; a caller wanting that behaviour passes `thinking_effort=DEFAULT_THI
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from ..checkpoint.config import load_json
 from .tokenizer import Tokenizer
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 MARKERS = (OPEN, CLOSE, SEP, END_OF_MSG)
 THINKING_EFFORTS = ("low", "medium", "high", "max")
 DEFAULT_THINKING_EFFORT = "max"  # AutoModel's HF-level default, also llama.cpp's
+# Files beside a model's config that say it was trained on a chat format: K3's own encoder (the
+# release ships it instead of a template) or a Hugging Face chat template file.
+CHAT_FORMAT_FILES = ("encoding_k3.py", "chat_template.jinja", "chat_template.json")
+
+
+def chat_format_source(model_dir: str | os.PathLike) -> str | None:
+    """What says the model in `model_dir` was trained on a chat format: one of
+    CHAT_FORMAT_FILES, or `tokenizer_config.json` when it holds a `chat_template`; None when
+    nothing does (a model trained on plain text, like the tiny K3 of `mtplx demo`: it neither
+    thinks nor ends a reply, whatever the rendering). An unreadable tokenizer config counts as
+    none (loading the tokenizer reports it)."""
+    root = Path(model_dir)
+    for name in CHAT_FORMAT_FILES:
+        if (root / name).is_file():
+            return name
+    try:
+        config = load_json(root / "tokenizer_config.json")
+    except (OSError, ValueError):
+        return None
+    return "tokenizer_config.json" if isinstance(config, dict) and config.get("chat_template") \
+        else None
 
 
 @dataclass(frozen=True)

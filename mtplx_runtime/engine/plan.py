@@ -28,10 +28,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
 from ..artifact.manifest import DTYPE_BYTES, MANIFEST_NAME, load_manifest
-from ..checkpoint.config import ModelConfig
+from ..checkpoint.config import ModelConfig, load_json
+from ..checkpoint.layouts import is_expert_tensor
 from ..checkpoint.residents import resident_tensor_specs
+from ..checkpoint.safetensors_io import SafetensorsFile
+from ..formats.base import FormatError
+from ..formats.ctint import parse_quantization_config
 from ..formats.record import align_up, record_layout
 from ..formats.resident_layouts import (
     RESIDENT_DTYPES,
@@ -40,7 +45,6 @@ from ..formats.resident_layouts import (
     resolve_resident_dtype,
 )
 from ..kernels import BACKENDS
-from ..kernels.cpu import NATIVE_MODES
 from ..offload.bank_reader import DEFAULT_READ_DEPTH
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2}
@@ -72,6 +76,7 @@ DEFAULT_CONTEXT = 4096  # tokens, when nothing else decides
 CONTEXT_CEILING = 32768
 CONTEXT_KEEP_SLOTS = 0.9
 MAX_AUTO_CHUNK = 256
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"  # a checkpoint's tensors
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9,
           "GB": 10**9, "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
           "TIB": 2**40}
@@ -153,47 +158,220 @@ class ModelFacts:
     # (tensor, dtype, bytes) as stored, but a quantized matrix as its bf16 original: resident_bytes
     # sizes quantized matrices from the resident table
     residents: tuple[tuple[str, str, int], ...]
-    source: str  # "manifest" | "checkpoint" | "config"
+    source: str  # "manifest" | "checkpoint" (config + tensor names) | "config" (config alone)
     resident_dtype: str = "bf16"  # what the model stores (an artifact's --resident-dtype)
+    source_bytes: int | None = None  # the checkpoint's tensor bytes (its index's total_size)
+    bits: int | None = None  # a ct-int bank's bit width
+
+    @property
+    def geometry(self) -> Geometry:
+        return geometry_of(self.cfg)
+
+
+class Geometry(Protocol):
+    """What the plan needs of a model family, from its config: a second family (its own config
+    class) supplies one of these and registers it in GEOMETRIES; nothing else in the plan knows
+    the family. Sizes in bytes; `dtype` is the model dtype ("bfloat16" | "float32")."""
+
+    experts: int  # routed experts per MoE layer
+    top_k: int
+    routed_layers: tuple[int, ...]  # 0-based MoE layers whose experts stream
+    max_positions: int
+    embedding: str  # the resident read one row per token (every other is read whole)
+
+    def resident_specs(self) -> dict:  # name -> checkpoint.residents.ResidentSpec (stored form)
+        ...
+
+    def record_bytes(self, mode: str, bits: int | None) -> int:  # one expert in a bank mode
+        ...
+
+    def expert_weights(self) -> int:  # weights of one routed expert, all projections
+        ...
+
+    def state_bytes(self, dtype: str, batch: int) -> int:  # recurrent state, all sequences
+        ...
+
+    def cache_token_bytes(self, dtype: str) -> int:  # attention cache per token of context
+        ...
+
+    def workspace_bytes(self, dtype: str, tokens: int, context: int, decoded_experts: int,
+                        grouped: bool) -> int:  # one step's live activations
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class K3Geometry:
+    """Kimi K3's geometry (and its tiny fixtures'): KDA recurrent state, MLA latent cache,
+    LatentMoE experts (FORMAT.md "Geometry", "Decode state")."""
+
+    cfg: ModelConfig
+    embedding: str = "language_model.model.embed_tokens.weight"
+
+    @property
+    def experts(self) -> int:
+        return self.cfg.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.cfg.num_experts_per_token
+
+    @property
+    def routed_layers(self) -> tuple[int, ...]:
+        return tuple(self.cfg.moe_layers)
+
+    @property
+    def max_positions(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    def resident_specs(self) -> dict:
+        return resident_tensor_specs(self.cfg)
+
+    def record_bytes(self, mode: str, bits: int | None) -> int:
+        return record_layout(self.cfg, mode, bits).logical_bytes
+
+    def expert_weights(self) -> int:
+        return sum(r * c for r, c in self.cfg.expert_shapes.values())
+
+    def state_bytes(self, dtype: str, batch: int) -> int:
+        return kda_state_bytes(self.cfg, dtype, batch)
+
+    def cache_token_bytes(self, dtype: str) -> int:
+        return mla_token_bytes(self.cfg, dtype)
+
+    def workspace_bytes(self, dtype: str, tokens: int, context: int, decoded_experts: int,
+                        grouped: bool) -> int:
+        return workspace_bytes(self.cfg, dtype, tokens, context, decoded_experts, grouped)
+
+
+GEOMETRIES: dict[type, type] = {ModelConfig: K3Geometry}  # config class -> its Geometry
+
+
+def geometry_of(cfg) -> Geometry:
+    try:
+        return GEOMETRIES[type(cfg)](cfg)
+    except KeyError:
+        raise PlanError(f"no plan geometry for a {type(cfg).__name__}") from None
 
 
 def facts_from_config(cfg: ModelConfig, mode: str = "t158", bits: int | None = None) -> ModelFacts:
     """Facts without any file: residents from the resident table, records from the layout."""
+    g = geometry_of(cfg)
     residents = tuple((name, s.dtype, math.prod(s.shape) * DTYPE_BYTES[s.dtype])
-                      for name, s in resident_tensor_specs(cfg).items())
-    return ModelFacts(cfg, mode, record_layout(cfg, mode, bits).logical_bytes,
-                      tuple(cfg.moe_layers), residents, "config")
+                      for name, s in g.resident_specs().items())
+    return ModelFacts(cfg, mode, g.record_bytes(mode, bits), g.routed_layers, residents,
+                      "config", bits=bits if mode.startswith("ct-int") else None)
 
 
-def facts_from_dir(model_dir: str | Path, manifest=None) -> ModelFacts:
-    """A streaming artifact (its manifest and config.json) or, failing that, a plain checkpoint.
-    `manifest`: the artifact's manifest when the caller has it loaded already."""
+def bank_mode(root: Path, cfg: ModelConfig) -> tuple[str, int | None, str]:
+    """(mode, bits, what told) of the bank `mtplx build-manifest --bank-codec keep` would write
+    for the checkpoint at `root`, from its config's quantization_config, else (t158 and bf16
+    have none) from its tensor names: the index's weight_map, or the one shard's header. The
+    shards themselves need not be there."""
+    qc = cfg.quantization_config
+    if qc is not None:
+        groups = qc.get("config_groups") or {}
+        formats = {qc.get("format")} | {g.get("format") for g in groups.values()
+                                        if isinstance(g, dict)}
+        if "mxfp4-pack-quantized" in formats:
+            return "mxfp4", None, "config"
+        try:
+            scheme = parse_quantization_config(qc)
+        except FormatError as e:
+            raise PlanError(f"{root / 'config.json'}: quantization_config: {e}") from None
+        return ("ct-int" if scheme.symmetric else "ct-int-asym"), scheme.num_bits, "config"
+    names = tensor_names(root)
+    if names is None:
+        raise PlanError(f"{root}: config.json has no quantization_config, so the routed experts "
+                        f"are t158 or bf16, and only the tensor names tell which: put "
+                        f"{INDEX} beside it, or pass --bank-codec t158 to plan a t158 build")
+    experts = [n for n in names if is_expert_tensor(n)]
+    if not experts:
+        raise PlanError(f"{root}: no routed-expert tensors among the {len(names)} names of "
+                        f"{INDEX if (root / INDEX).is_file() else SINGLE}")
+    # Stacked t158 tensors end in .packed / .scales; a per-expert .weight is bf16.
+    return ("bf16" if any(n.endswith(".weight") for n in experts) else "t158"), None, \
+        "checkpoint"
+
+
+def tensor_names(root: Path) -> list[str] | None:
+    """The checkpoint's tensor names from its index (or its one shard's header); None when
+    neither is there."""
+    if (root / INDEX).is_file():
+        index = load_json(root / INDEX, error=PlanError)
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wm, dict):
+            raise PlanError(f"{root / INDEX}: no weight_map object")
+        return list(wm)
+    if (root / SINGLE).is_file():
+        with SafetensorsFile(root / SINGLE) as f:
+            return list(f.tensors)
+    return None
+
+
+def source_bytes(root: Path) -> int | None:
+    """The checkpoint's tensor bytes: its index's metadata.total_size, else the shards that are
+    there; None when neither says."""
+    if (root / INDEX).is_file():
+        index = load_json(root / INDEX, error=PlanError)
+        meta = index.get("metadata") if isinstance(index, dict) else None
+        total = meta.get("total_size") if isinstance(meta, dict) else None
+        if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+            return total
+    shards = [p.stat().st_size for p in root.glob("*.safetensors") if p.is_file()]
+    return sum(shards) or None
+
+
+def facts_from_dir(model_dir: str | Path, manifest=None,
+                   bank_codec: str | None = None) -> ModelFacts:
+    """A streaming artifact (its manifest and config.json), or a checkpoint from its config.json
+    (plus the tensor names when the config cannot tell t158 from bf16): no shard needs to be
+    there, so a machine can be sized before the download. `manifest`: the artifact's manifest
+    when the caller has it loaded already; `bank_codec` "t158": plan a checkpoint's t158 build
+    (`mtplx build-manifest --bank-codec t158`) instead of its own codec ("keep", None)."""
     root = Path(model_dir)
+    if bank_codec not in (None, "keep", "t158"):
+        raise PlanError(f"bank codec must be keep or t158, not {bank_codec!r}")
+    if (root / MANIFEST_NAME).is_file() and bank_codec == "t158":
+        raise PlanError(f"{root}: a streaming artifact's bank is built already; --bank-codec "
+                        "plans a checkpoint's build")
     if not (root / MANIFEST_NAME).is_file():
-        from ..artifact.build import ExpertSource
-        from ..checkpoint import open_checkpoint
-
-        with open_checkpoint(root) as ckpt:
-            src = ExpertSource(ckpt, "keep")
-            facts = facts_from_config(ckpt.config, src.mode, src.bits)
-        return ModelFacts(facts.cfg, facts.mode, facts.record_bytes, facts.routed_layers,
-                          facts.residents, "checkpoint")
-    cfg = ModelConfig.from_file(root / "config.json")
+        if not (root / "config.json").is_file():
+            if not root.is_dir():
+                raise PlanError(f"{root}: no such directory")
+            return _facts_from_source(root, bank_codec)  # a GGUF source: its config is inside
+        cfg = ModelConfig.from_file(root / "config.json", root=root)
+        mode, bits, told = ("t158", None, "config") if bank_codec == "t158" else \
+            bank_mode(root, cfg)
+        return replace(facts_from_config(cfg, mode, bits), source=told,
+                       source_bytes=source_bytes(root))
+    cfg = ModelConfig.from_file(root / "config.json", root=root)
     m = manifest if manifest is not None else load_manifest(root / MANIFEST_NAME)
     sizes = {r.logical_bytes for r in m.records}
     if len(sizes) != 1:
         raise PlanError(f"{root}: records of {len(sizes)} sizes; the plan needs one record size")
     # Only the tensors the model loads count; a stored length beats the table (A_log padding).
-    wanted = resident_tensor_specs(cfg)
+    wanted = geometry_of(cfg).resident_specs()
     stored = {t.tensor: (t.dtype, t.length) for t in m.resident_tensors}
     quantized = m.resident_dtype != "bf16"
     residents = tuple(
         (name, s.dtype, math.prod(s.shape) * DTYPE_BYTES[s.dtype])
         if name not in stored or (quantized and quantizable(name, s.shape, s.dtype))
         else (name, *stored[name]) for name, s in wanted.items())
-    return ModelFacts(cfg, m.quantization["mode"], sizes.pop(),
-                      tuple(sorted({r.layer for r in m.records})), residents, "manifest",
-                      m.resident_dtype)
+    mode = m.quantization["mode"]
+    return ModelFacts(cfg, mode, sizes.pop(), tuple(sorted({r.layer for r in m.records})),
+                      residents, "manifest", m.resident_dtype,
+                      bits=m.quantization.get("bits") if mode.startswith("ct-int") else None)
+
+
+def _facts_from_source(root: Path, bank_codec: str | None) -> ModelFacts:
+    """Facts of a source without config.json (a GGUF K3), opened through its reader."""
+    from ..artifact.build import ExpertSource
+    from ..artifact.open import open_source
+
+    with open_source(root) as ckpt:
+        src = ExpertSource(ckpt, bank_codec or "keep")
+        facts = facts_from_config(ckpt.config, src.mode, src.bits)
+    return replace(facts, source="checkpoint", source_bytes=source_bytes(root))
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +456,7 @@ def resident_bytes(facts: ModelFacts, dtype: str, resident_dtype: str | None = N
     F32."""
     resident_dtype = resident_dtype or facts.resident_dtype
     size = DTYPE_SIZES[dtype]
-    specs = resident_tensor_specs(facts.cfg) if resident_dtype != "bf16" else {}
+    specs = facts.geometry.resident_specs() if resident_dtype != "bf16" else {}
     total = 0
     for name, st, n in facts.residents:
         if name in specs and quantizable(name, specs[name].shape, st):
@@ -333,7 +511,13 @@ def decodes_experts(kernels: str, mode: str) -> bool:
     """Whether backend `kernels` decodes whole experts to the model dtype before its matmuls
     (the reference always; the cpu kernels for bank modes they have no native kernel for); the
     packed-byte kernels read the slots in place."""
-    return kernels == "reference" or (kernels == "cpu" and mode not in NATIVE_MODES)
+    if kernels != "cpu":
+        return kernels == "reference"
+    # Here, not at the top: kernels.cpu imports torch, which flag parsing (through the presets)
+    # and a plan for another backend must not wait for.
+    from ..kernels.cpu import NATIVE_MODES
+
+    return mode not in NATIVE_MODES
 
 
 def plan_for(facts: ModelFacts, *, memory_budget: int | str, host_budget: int | str = 0,
@@ -391,8 +575,8 @@ def plan_for(facts: ModelFacts, *, memory_budget: int | str, host_budget: int | 
 
 def _plan(facts, budget, host, context, dtype, resident_dtype, batch, kernels, read_depth, frac,
           baseline, chunk, *, strict):
-    cfg = facts.cfg
-    k, n_exp = cfg.num_experts_per_token, cfg.num_experts
+    g = facts.geometry
+    k, n_exp = g.top_k, g.experts
     stride = align_up(facts.record_bytes)
     total = len(facts.routed_layers) * n_exp
     window = prefill_window(k)
@@ -403,10 +587,10 @@ def _plan(facts, budget, host, context, dtype, resident_dtype, batch, kernels, r
     pool = window if decodes else 0
     items = {
         "residents": resident_bytes(facts, dtype, resident_dtype),
-        "kda_state": kda_state_bytes(cfg, dtype, batch),
-        "mla_cache": mla_token_bytes(cfg, dtype) * context * batch,
-        "workspace": workspace_bytes(cfg, dtype, chunk * batch, context, window if decodes else 0,
-                                     grouped=on_gpu),
+        "kda_state": g.state_bytes(dtype, batch),
+        "mla_cache": g.cache_token_bytes(dtype) * context * batch,
+        "workspace": g.workspace_bytes(dtype, chunk * batch, context,
+                                       window if decodes else 0, on_gpu),
         # On the host reads land in the slots; the GPU reader stages each read in flight.
         "io_buffers": read_depth * stride if on_gpu else 0,
         "prefill_pool": pool * stride,
@@ -453,6 +637,46 @@ def _plan(facts, budget, host, context, dtype, resident_dtype, batch, kernels, r
         runtime_baseline=baseline)
 
 
+@dataclass(frozen=True, slots=True)
+class ArtifactSize:
+    """The streaming artifact's bytes on NVMe (FORMAT.md "Bank parts"): every routed record in a
+    4 KiB-aligned slot of its layer's bank part, plus the resident shards' tensors in the form
+    the build stores them (their headers and the config files add a few MB)."""
+
+    bank_bytes: int
+    resident_bytes: int
+    records: int
+    record_stride: int
+    resident_dtype: str
+    source_bytes: int | None  # the checkpoint it is built from (its index's total_size)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bank_bytes + self.resident_bytes
+
+
+def artifact_size(facts: ModelFacts, resident_dtype: str | None = None) -> ArtifactSize:
+    """The NVMe bytes of `facts`' artifact, its residents stored as `resident_dtype` (None: as
+    the model stores them; `mtplx build-manifest --resident-dtype` quantizes them)."""
+    rd = resident_dtype or facts.resident_dtype
+    stride = align_up(facts.record_bytes)
+    records = len(facts.routed_layers) * facts.geometry.experts
+    # A bf16 model's residents in memory are the stored bytes (BF16 as is, F32 kept F32).
+    return ArtifactSize(records * stride, resident_bytes(facts, "bfloat16", rd), records, stride,
+                        rd, facts.source_bytes)
+
+
+def format_artifact_size(a: ArtifactSize) -> str:
+    def size(n: int) -> str:  # drives are sold in decimal units, memory in binary ones
+        return f"{n / 1e9:,.1f} GB" if n >= 10**8 else fmt_bytes(n)
+
+    src = "" if a.source_bytes is None else \
+        f"; the checkpoint it is built from: {size(a.source_bytes)}"
+    return (f"artifact on NVMe: {size(a.total_bytes)} = bank parts {size(a.bank_bytes)} "
+            f"({a.records:,} records in {a.record_stride:,}-B slots) + resident shards "
+            f"{size(a.resident_bytes)} ({a.resident_dtype}){src}")
+
+
 def minimum_reasons(parts: dict[str, int], sep: str = "; ") -> str:
     """The parts of a minimum budget, largest first, each with what lowers it (zero parts left
     out): what `mtplx plan` and the PlanError print."""
@@ -468,7 +692,7 @@ def afforded_context(facts: ModelFacts, *, memory_budget: int | str, **kwargs) -
     base = plan_for(facts, memory_budget=memory_budget, context=DEFAULT_CONTEXT, **kwargs)
     base_uncached = base.total_records - base.compute_slots
     best, ctx = DEFAULT_CONTEXT, 2 * DEFAULT_CONTEXT
-    while ctx <= min(CONTEXT_CEILING, facts.cfg.max_position_embeddings):
+    while ctx <= min(CONTEXT_CEILING, facts.geometry.max_positions):
         try:
             p = plan_for(facts, memory_budget=memory_budget, context=ctx, **kwargs)
         except PlanError:

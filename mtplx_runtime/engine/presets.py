@@ -1,21 +1,21 @@
 """Deployment presets: named TOML files of flag values (`--config NAME|PATH`).
 
-    NAME -> <repository>/configs/NAME.toml, or PATH -> that file
+    NAME -> mtplx_runtime/configs/NAME.toml (package data), or PATH -> that file
         -> tomllib -> Preset (every key known, typed and in range) -> defaults of a parser
 
 A preset's keys are the dest names of the flags they stand for (`memory_budget` for
-`--memory-budget`). `parse_args` makes them the parser's defaults before parsing, so a flag
-given on the command line wins over the preset and the preset wins over the built-in default.
-A key the command has no flag for (`lookahead` for `mtplx plan`, which plans without streaming)
-is left unused; a key no command knows is an error.
-
-Names are looked up in the `configs/` directory of the source tree this package runs from. A
-wheel install does not carry that directory: give a PATH there.
+`--memory-budget`), which for the load flags are `engine.options.LoadOptions`' fields: those
+are checked by LoadOptions itself, the sampling and serving keys here. `parse_args` makes them
+the parser's defaults before parsing, so a flag given on the command line wins over the preset
+and the preset wins over the built-in default. A key the command has no flag for (`lookahead`
+for `mtplx plan`, which plans without streaming) is left unused; a key no command knows is an
+error.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -27,14 +27,20 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package (pyproj
 
 from ..files import InputError, read_regular
 from ..formats.resident_layouts import RESIDENT_DTYPES
+from .options import CACHE_POLICIES, DTYPES, KERNELS, LoadOptions, OptionError
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# Shipped as package data, so a wheel install finds the presets by name as a checkout does.
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+# Keys that are LoadOptions fields (checked there; sizes kept as the strings the flags take).
+LOAD_KEYS = ("memory_budget", "host_budget", "context", "prefill_chunk", "dtype",
+             "resident_dtype", "cache_policy", "lookahead", "kernels", "read_depth",
+             "decode_depth")
 SIZES = ("memory_budget", "host_budget")
-CHOICES = {"dtype": ("bfloat16", "float32"), "resident_dtype": RESIDENT_DTYPES,
-           "cache_policy": ("lru", "freq"),
-           "kernels": ("auto", "reference", "cpu", "cuda")}
-INTS = {"context": 1, "prefill_chunk": 1, "lookahead": 0, "batch": 1, "max_tokens": 0,
-        "top_k": 0, "seed": None, "max_queue": 1, "max_connections": 1, "max_body_bytes": 1}
+CHOICES = {"dtype": DTYPES, "resident_dtype": RESIDENT_DTYPES, "cache_policy": CACHE_POLICIES,
+           "kernels": KERNELS}
+# The other keys: sampling, the plan's batch, the server's limits (lowest value, None: any).
+INTS = {"batch": 1, "max_tokens": 0, "top_k": 0, "seed": None, "max_queue": 1,
+        "max_connections": 1, "max_body_bytes": 1}
 FLOATS = ("temperature", "top_p")
 MAX_PRESET_BYTES = 1 << 20  # a preset is a few lines of TOML
 
@@ -57,6 +63,8 @@ class Preset:
     cache_policy: str | None = None
     lookahead: int | None = None
     kernels: str | None = None
+    read_depth: int | None = None
+    decode_depth: int | None = None
     batch: int | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -68,9 +76,17 @@ class Preset:
     max_body_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        load = {k: getattr(self, k) for k in LOAD_KEYS if getattr(self, k) is not None}
+        try:
+            LoadOptions(**load)
+        except OptionError as e:
+            raise PresetError(f"{self.path}: {e.field} = {load[e.field]!r}: {e.why}") from None
+        for key in SIZES:
+            if getattr(self, key) is not None:
+                setattr(self, key, str(getattr(self, key)))
         for key in KEYS:
             v = getattr(self, key)
-            if v is not None:
+            if v is not None and key not in LOAD_KEYS:
                 setattr(self, key, _checked(self.path, key, v))
 
     @property
@@ -86,24 +102,11 @@ KEYS = tuple(f.name for f in fields(Preset) if f.name != "path")
 
 
 def _checked(path: Path, key: str, v):
-    """v as the flag would hold it (sizes as strings, floats as float); PresetError if bad."""
+    """A sampling or serving key's value as its flag holds it (floats as float); PresetError if
+    bad."""
     def bad(why: str) -> PresetError:
         return PresetError(f"{path}: {key} = {v!r}: {why}")
 
-    if key in SIZES:
-        from .plan import PlanError, parse_bytes
-
-        if isinstance(v, bool) or not isinstance(v, (str, int)):
-            raise bad('expected a byte size such as "24GiB"')
-        try:
-            parse_bytes(v)
-        except PlanError as e:
-            raise bad(str(e)) from None
-        return str(v)
-    if key in CHOICES:
-        if v not in CHOICES[key]:
-            raise bad("expected one of " + ", ".join(map(repr, CHOICES[key])))
-        return v
     if key in INTS:
         if isinstance(v, bool) or not isinstance(v, int):
             raise bad("expected an integer")
@@ -118,7 +121,7 @@ def _checked(path: Path, key: str, v):
 
 
 def available() -> list[str]:
-    """Names of the presets in CONFIG_DIR (empty when the package runs without its tree)."""
+    """Names of the presets in CONFIG_DIR."""
     return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
 
 
@@ -132,7 +135,7 @@ def find(ref: str | Path) -> Path:
         return path
     path = CONFIG_DIR / f"{text}.toml"
     if not path.is_file():
-        names = ", ".join(available()) or "none: a wheel install ships no configs/"
+        names = ", ".join(available())
         raise PresetError(f"no preset named {text!r} in {CONFIG_DIR} (there: {names}); give a "
                           "NAME from there or a PATH to a .toml file")
     return path
@@ -160,8 +163,8 @@ def add_config_arg(p: argparse.ArgumentParser) -> None:
     """The `--config NAME|PATH` flag; `parse_args` gives it its effect."""
     names = ", ".join(available())
     p.add_argument("--config", default=None, metavar="NAME|PATH",
-                   help="deployment preset: a name from configs/" + (f" ({names})" if names else "")
-                        + " or a .toml file; flags given here win over its values")
+                   help=f"deployment preset: a shipped one's name ({names}) or a .toml file; "
+                        "flags given here win over its values")
 
 
 def apply(preset: Preset, parser: argparse.ArgumentParser, prog: str) -> list[str]:
@@ -180,6 +183,20 @@ def apply(preset: Preset, parser: argparse.ArgumentParser, prog: str) -> list[st
         parser.set_defaults(**{key: value})
         action.required = False
     return unused
+
+
+def unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """The error for arguments `parser` does not take, with the closest flag of each unknown
+    option (`--max-token` -> `--max-tokens`)."""
+    flags = [s for a in parser._actions for s in a.option_strings]
+    hints = []
+    for arg in extra:
+        word = arg.split("=", 1)[0]
+        close = difflib.get_close_matches(word, flags, n=1) if word.startswith("-") else []
+        if close:
+            hints.append(f"{word}: did you mean {close[0]}?")
+    return (f"unrecognized arguments: {' '.join(extra)}" + ("; " + "; ".join(hints) if hints
+                                                             else ""))
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None, *,
@@ -203,7 +220,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None, *
             ref = None  # e.g. --config without a value: the real parse says so
         if ref is not None:
             apply(load(ref), owner, prog or owner.prog)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the (sub)command they were given to, with its usage
+        owner.error(unrecognized(owner, extra))
     if getattr(args, "config", None) != ref:  # the first look and the parse disagree
         raise PresetError("could not tell --config on this command line; write it in full")
     return args

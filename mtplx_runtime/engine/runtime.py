@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from ..artifact.build import BuildError, ExpertSource
 from ..artifact.integrity import admit_shards
 from ..artifact.open import is_artifact, open_artifact, open_source
 from ..formats.record import align_up
@@ -29,9 +29,9 @@ from ..kernels import name_of, select_backend
 from ..model.kimi_k3 import KimiK3
 from ..model.load import check_resident_dtype, load_residents, model_dtype
 from ..model.moe import ResidentExpertProvider
-from ..offload.bank_reader import DEFAULT_READ_DEPTH
-from ..offload.provider import DEFAULT_DECODE_DEPTH, StreamingExpertProvider
+from ..offload.provider import StreamingExpertProvider
 from ..offload.warm import WarmStart, warm_path
+from .options import LoadOptions
 from .plan import (
     DEFAULT_CONTEXT,
     MemoryPlan,
@@ -42,7 +42,7 @@ from .plan import (
 )
 from .tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["Runtime", "load", "load_model"]
+__all__ = ["LoadOptions", "Runtime", "load", "load_model"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,9 @@ class Runtime:
     plan: MemoryPlan | None = None
     trace: object | None = None
     context: int = DEFAULT_CONTEXT  # tokens of prompt + reply this run holds state for
+    # logical bytes of one expert record as a bank stores it (route traces price reads with
+    # it); None for a resident checkpoint no bank mode can hold
+    record_bytes: int | None = None
 
     @property
     def streamed(self) -> bool:
@@ -82,89 +85,73 @@ class Runtime:
         self.close()
 
 
-def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None,
-         host_budget=0, kernels: str | ModuleType | None = None, lookahead: int = 1,
-         cache_policy: str = "lru", context: int | None = None, prefill_chunk: int = 64,
-         cache_slots: tuple[int, int] | None = None, tokenizer: bool = True,
-         verify: bool = True, device: str | None = None,
-         read_depth: int = DEFAULT_READ_DEPTH, decode_depth: int = DEFAULT_DECODE_DEPTH,
-         warm: str | os.PathLike = "off",
-         warm_progress: Callable[[str], None] | None = None,
-         resident_dtype: str | None = None) -> Runtime:
-    """Load the model at `path` (a streaming artifact or any checkpoint the reader accepts).
+def load(path: str | os.PathLike, options: LoadOptions | None = None, /,
+         **choices) -> Runtime:
+    """Load the model at `path` (a streaming artifact or any checkpoint the reader accepts) as
+    `options` say (engine.options.LoadOptions, which documents every choice); keyword `choices`
+    build one (`load(path, dtype="float32", cache_slots=(8, 0))`) or replace fields of
+    `options`. A bad choice is an OptionError (a ValueError) naming it.
 
-    Experts stream from the bank when `path` is a streaming artifact or `memory_budget` is given
-    (a budget needs an artifact): `memory_budget` (bytes or "24GiB"; None: MemAvailable) and
-    `host_budget` are split by the memory plan (`engine.plan`) for `context` tokens (None: the
-    longest the budget affords, `plan.afforded_context`; DEFAULT_CONTEXT without a plan) and
-    `prefill_chunk`; `cache_slots=(device, host)` per MoE layer sizes the cache directly instead
-    (demos, benchmarks). The context used is `Runtime.context`. `kernels`: 'reference' |
-    'cpu' | 'cuda' | 'auto' | None ($MTPLX_KERNELS, else the best available); with the cuda
-    kernels the residents live on the GPU. Otherwise every expert is decoded once and kept
-    resident (tiny models, tests).
-    `dtype`: "bfloat16" | "float32". `resident_dtype`: None (as the model stores them: bf16, or
-    what an artifact was built with by `mtplx build-manifest --resident-dtype`) | "bf16" (every
-    exactness guarantee) | "int8" | "int4" | "fp8": the large resident matrices quantized at load
-    from bf16 ones (`model.quant`), or read quantized from such an artifact (another dtype than it
-    holds is a ValueError); needs dtype bfloat16. `tokenizer=False` skips the tokenizer
-    (logits-only use).
-    `verify` (streamed experts): every record read is checked (its manifest SHA-256 the first
-    time, then its learned XXH3: `offload.digests`) and every resident shard before use
-    (`artifact.integrity.admit_shards`: hashed once, then trusted while the file is unchanged);
-    False skips both. `read_depth` (streamed experts): reads in flight at once, a window's misses
-    and the lookahead's guesses together (`offload.bank_reader.DEFAULT_READ_DEPTH`: BENCHMARKS.md
-    "bench_io"); `decode_depth`: the fewer a one-token forward keeps in flight so its records
-    land one by one and compute as they land (`offload.provider.DEFAULT_DECODE_DEPTH`).
-    `warm` (streamed experts): 'off', 'auto' (the file beside the integrity receipts) or a
-    warm-start file's path: the cache is filled from its expert use counts by the prefetcher's
-    lowest class of reads (`offload.warm`; `provider.warm.wait()` blocks until done,
-    `warm_progress(line)` hears of a long warm) and the counts of this run are merged into it
-    at `close()`.
+    Experts stream from the bank when `path` is a streaming artifact or a memory budget or cache
+    slots are given (both need an artifact), through a cache the memory plan sizes
+    (`engine.plan`; `Runtime.plan`, and the context it affords is `Runtime.context`) or
+    `cache_slots` sets, computed by the chosen kernels (with the cuda kernels the residents live
+    on the GPU), each record checked as read unless `verify` is off, the cache warmed from
+    earlier runs per `warm` (`offload.warm`; `provider.warm.wait()` blocks until done) and this
+    run's use recorded at `close()`. Otherwise every expert is decoded once and kept resident
+    (tiny models, tests). Residents load in `dtype`, or quantized per `resident_dtype` (read as
+    stored from an artifact built with `mtplx build-manifest --resident-dtype`; another dtype
+    than it holds is a ValueError).
     Raises CheckpointError / PlanError / ValueError / RuntimeError with a one-line reason.
     """
+    if options is None:
+        options = LoadOptions(**choices)
+    elif choices:
+        options = replace(options, **choices)  # checked again by __post_init__
+    o = options
     # The model directory is checked before the tokenizer is read, so a wrong --model is
     # reported as what it is (a missing config or shard), not as a missing tokenizer file.
     root = Path(path)
-    torch_dtype = model_dtype(dtype)
-    check_resident_dtype(resident_dtype, torch_dtype)
-    streamed = memory_budget is not None or cache_slots is not None or is_artifact(root)
+    torch_dtype = model_dtype(o.dtype)
+    streamed = o.memory_budget is not None or o.cache_slots is not None or is_artifact(root)
     if not streamed:
-        if kernels not in (None, "auto", "reference"):
-            raise ValueError(f"kernels {kernels!r} run on streamed experts: give a streaming "
+        if o.kernels not in (None, "auto", "reference"):
+            raise ValueError(f"kernels {o.kernels!r} run on streamed experts: give a streaming "
                              "artifact (mtplx build-manifest) or leave the kernels unset")
         ckpt = open_source(root)
-        tok = load_tokenizer(root) if tokenizer else None
-        dev = device or "cpu"
+        tok = load_tokenizer(root) if o.tokenizer else None
+        dev = o.device or "cpu"
         provider = ResidentExpertProvider(ckpt, torch_dtype, dev)
-        return Runtime(_build(ckpt, torch_dtype, dev, provider, resident_dtype), tok, provider,
-                       context=context or DEFAULT_CONTEXT)
+        return Runtime(_build(ckpt, torch_dtype, dev, provider, o.resident_dtype), tok, provider,
+                       context=o.context or DEFAULT_CONTEXT, record_bytes=_record_bytes(ckpt))
     if not is_artifact(root):
         raise ValueError(f"{root} is not a streaming artifact (no expert-manifest.json): build "
                          "one with `mtplx build-manifest`, or load it without a memory budget "
                          "or cache slots")
-    backend = kernels if isinstance(kernels, ModuleType) else select_backend(kernels)
+    backend = o.kernels if isinstance(o.kernels, ModuleType) else select_backend(o.kernels)
     # With the CUDA kernels the residents (attention, router, shared experts...) live on the GPU
     # next to the expert slots; every other backend runs the model on the CPU.
-    dev = device or ("cuda" if backend.DEVICE == "cuda" else "cpu")
-    ckpt = open_artifact(root, verify_sha256=verify)
+    dev = o.device or ("cuda" if backend.DEVICE == "cuda" else "cpu")
+    ckpt = open_artifact(root, verify_sha256=o.verify)
     try:
-        tok = load_tokenizer(root) if tokenizer else None
+        tok = load_tokenizer(root) if o.tokenizer else None
         bank, cfg = ckpt.expert_layout, ckpt.config
         # Hashed through the descriptors the residents are read from, so a file renamed over a
         # shard during the load changes nothing that is read.
-        admitted = admit_shards(root, bank.manifest, ckpt.shard_fds()) if verify else None
+        admitted = admit_shards(root, bank.manifest, ckpt.shard_fds()) if o.verify else None
         stride = align_up(bank.layout.logical_bytes)  # a slot: one record, 4 KiB-rounded
         plan = None
         transient_bytes = None  # cache_slots: the provider's default prefill pool
-        if cache_slots is not None:
+        if o.cache_slots is not None:
             n = len(bank.layers)
-            compute_bytes, host_bytes = cache_slots[0] * n * stride, cache_slots[1] * n * stride
+            compute_bytes, host_bytes = o.cache_slots[0] * n * stride, o.cache_slots[1] * n * stride
         else:
-            budget = memory_budget or mem_available_bytes()
+            budget = o.memory_budget or mem_available_bytes()
             facts = facts_from_dir(root, bank.manifest)
-            kw = dict(host_budget=host_budget, dtype=dtype, prefill_chunk=prefill_chunk,
-                      kernels=name_of(backend), read_depth=read_depth,
-                      resident_dtype=resident_dtype)
+            kw = dict(host_budget=o.host_budget, dtype=o.dtype, prefill_chunk=o.prefill_chunk,
+                      kernels=name_of(backend), read_depth=o.read_depth,
+                      resident_dtype=o.resident_dtype)
+            context = o.context
             if context is None:
                 context = afforded_context(facts, memory_budget=budget, **kw)
             plan = plan_for(facts, memory_budget=budget, context=context, **kw)
@@ -173,22 +160,31 @@ def load(path: str | os.PathLike, *, dtype: str = "bfloat16", memory_budget=None
             transient_bytes = plan.transient_slots * plan.record_stride
         provider = StreamingExpertProvider(
             bank, cfg, torch_dtype, compute_bytes=compute_bytes, host_bytes=host_bytes,
-            transient_bytes=transient_bytes, policy=cache_policy, lookahead=lookahead,
-            verify_sha256=verify, kernels=backend, read_depth=read_depth,
-            decode_depth=decode_depth)
+            transient_bytes=transient_bytes, policy=o.cache_policy, lookahead=o.lookahead,
+            verify_sha256=o.verify, kernels=backend, read_depth=o.read_depth,
+            decode_depth=o.decode_depth)
         try:
-            model = _build(ckpt, torch_dtype, dev, provider, resident_dtype)
+            model = _build(ckpt, torch_dtype, dev, provider, o.resident_dtype)
             if admitted is not None:  # no write landed between the check and the reads
                 admitted.confirm(root, ckpt.shard_fds())
-            path = warm_path(root, bank.manifest, warm)
+            path = warm_path(root, bank.manifest, o.warm)
             if path is not None:
-                provider.start_warm(WarmStart(bank.manifest, path, progress=warm_progress))
+                provider.start_warm(WarmStart(bank.manifest, path, progress=o.warm_progress))
         except BaseException:
             provider.close()
             raise
     finally:
         ckpt.close()  # residents are in memory now; the provider has its own reader
-    return Runtime(model, tok, provider, plan, context=context or DEFAULT_CONTEXT)
+    return Runtime(model, tok, provider, plan, context=(plan.context if plan else o.context)
+                   or DEFAULT_CONTEXT, record_bytes=bank.layout.logical_bytes)
+
+
+def _record_bytes(ckpt) -> int | None:
+    """The bank record size `mtplx build-manifest --codec keep` would give `ckpt`'s experts."""
+    try:
+        return ExpertSource(ckpt, "keep").layout.logical_bytes
+    except BuildError:
+        return None
 
 
 def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str = "float32",

@@ -79,7 +79,7 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots,
 
 # Up to this many picks (T * K) group_picks sorts Python lists: right after a layer's weights
 # have streamed through the caches, a handful of NumPy calls cost ~0.4 ms against ~0.2 ms for
-# the lists (BENCHMARKS.md, bench_kernels "On a Xeon with AVX-512"); above it NumPy's sort
+# the lists (benchmarks log, "On a Xeon with AVX-512"); above it NumPy's sort
 # wins.
 LIST_PICKS = 256
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..extras import install_hint
 from ..formats.modes import MODES, cuda_kernels
 from ..formats.record import first_misaligned
 from .reference import SITU_BETA, SITU_LINEAR_BETA, check_acc
@@ -58,7 +59,7 @@ def unavailable_reason() -> str | None:
         import cupy
     except Exception as e:  # missing or broken install
         if isinstance(e, ModuleNotFoundError) and e.name == "cupy":
-            return "cupy is not installed (the gpu extra: pip install -e .[gpu])"
+            return f"cupy is not installed (the gpu extra: {install_hint('gpu')})"
         return f"cupy failed to import ({type(e).__name__}: {e})"
     try:
         if not cupy.is_available():

@@ -36,8 +36,8 @@ from mtplx_runtime.offload.buffers import (
     buffer_address,
 )
 
-__all__ = ["DEFAULT_READ_DEPTH", "Check", "Digest", "RecordReader", "ReadError",
-           "RecordHashError", "aligned_buffer", "check_digest", "from_manifest"]
+__all__ = ["DEFAULT_DECODE_DEPTH", "DEFAULT_READ_DEPTH", "Check", "Digest", "RecordReader",
+           "ReadError", "RecordHashError", "aligned_buffer", "check_digest", "from_manifest"]
 
 log = logging.getLogger("mtplx_runtime.artifact.manifest")
 
@@ -47,6 +47,12 @@ _RETRYABLE = frozenset({errno.EINTR, errno.EAGAIN, errno.EIO})
 # Reads in flight at once (RecordReader, Prefetcher, StreamingExpertProvider, --read-depth): the
 # fastest of two bench_io depth sweeps (8 gave 0.9 of it, 32 no more; BENCHMARKS.md "bench_io").
 DEFAULT_READ_DEPTH = 16
+# Of those, the reads in flight in a one-token forward (StreamingExpertProvider: its misses and
+# the lookahead's guesses). A deeper queue shares the drive among more records, so they all land
+# near the end of the window and the kernels wait for the last; at 4 they land one after another
+# and the kernels run on each while the rest read, at nearly the drive's full rate (BENCHMARKS.md
+# "Decode read depth"). Here, not in the provider, so that options and flags import no torch.
+DEFAULT_DECODE_DEPTH = 4
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 
 

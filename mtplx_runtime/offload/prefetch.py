@@ -27,7 +27,7 @@ cannot be cancelled: only *queued* reads are cancelled; a read already handed to
 finishes and is committed (or aborted on error). Reads are handed to the reader on the thread
 whose call made room or work for them (demand, speculate, release_prompt, a read landing in a
 reader thread), never by waking another thread: that wake waits for the GIL, 0.6 ms per layer
-measured while the model's thread computes (BENCHMARKS.md "Reads start with the route").
+measured while the model's thread computes (benchmarks log, "Reads start with the route").
 A decode hint opens its layer's first window of reads early; the prefetcher holds it
 (`reserve`) until that layer's run_experts `claim`s it, and releases its pins if none does.
 """

@@ -36,7 +36,7 @@ from ..artifact.open import BankExpertLayout
 from ..formats.record import ALIGNMENT, align_up
 from ..kernels import select_backend
 from ..kernels.reference import ExpertWeights, decode_record
-from .bank_reader import DEFAULT_READ_DEPTH, from_manifest
+from .bank_reader import DEFAULT_DECODE_DEPTH, DEFAULT_READ_DEPTH, from_manifest
 from .cache import ExpertCache
 from .device_io import SlotGuard, device_reads
 from .digests import RecordDigests
@@ -45,11 +45,6 @@ from .lookahead import LookaheadScore, predicted_keys
 from .prefetch import Prefetcher, Window
 from .warm import WarmStart
 
-# Reads in flight in a one-token forward (its misses and the lookahead's guesses). A deeper
-# queue shares the drive among more records, so they all land near the end of the window and
-# the kernels wait for the last; at 4 they land one after another and the kernels run on each
-# while the rest read, at nearly the drive's full rate (BENCHMARKS.md "Decode read depth").
-DEFAULT_DECODE_DEPTH = 4
 # A lookahead depth's guesses are read once GUESS_MIN_PAIRS scored layers show them naming the
 # layer's experts at least GUESS_MIN_PRECISION of the time; below that, more guesses would be
 # read in vain than used. Until then (and whenever they fall below) they are made and scored,

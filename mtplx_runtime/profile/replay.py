@@ -192,18 +192,31 @@ def _run_global(c: int):
     return per, miss
 
 
-def _pool_map(fn, items, workers: int):
+def _pool_map(fn, items, workers: int, progress=None):
+    """[fn(i) for i in items], on `workers` forked processes; `progress(done, total)` after
+    each item."""
+    out = []
     if workers <= 1 or len(items) <= 1 or "fork" not in mp.get_all_start_methods():
-        return [fn(i) for i in items]
+        for i in items:
+            out.append(fn(i))
+            if progress is not None:
+                progress(len(out), len(items))
+        return out
     with mp.get_context("fork").Pool(min(workers, len(items))) as pool:
-        return pool.map(fn, items, chunksize=1)
+        for r in pool.imap(fn, items, chunksize=1):  # in order, as each one is done
+            out.append(r)
+            if progress is not None:
+                progress(len(out), len(items))
+    return out
 
 
 def profile(trace: Trace, policies: list[str], capacities: list[int], scope: str = "layer",
-            workers: int | None = None, ref: int = 0) -> tuple[list[Result], list | None]:
+            workers: int | None = None, ref: int = 0,
+            progress=None) -> tuple[list[Result], list | None]:
     """Fast replay of the decode lines of `trace` for every (policy, capacity) with the
     `drive` semantics; 'belady' is always added. Returns results (capacity-major) and the
-    missed keys of config `ref` as [L][decode line] lists (for prefetch coverage)."""
+    missed keys of config `ref` as [L][decode line] lists (for prefetch coverage).
+    `progress(done, total)` hears of each layer (scope layer) or configuration (global)."""
     if scope not in ("layer", "global"):
         raise ValueError(f"scope must be layer or global, got {scope!r}")
     names = list(dict.fromkeys([*policies, "belady"]))
@@ -214,11 +227,11 @@ def profile(trace: Trace, policies: list[str], capacities: list[int], scope: str
     _JOB.update(trace=trace, configs=configs, ref=ref)
     try:
         if scope == "layer":
-            outs = _pool_map(_run_layer, list(range(nl)), workers)
+            outs = _pool_map(_run_layer, list(range(nl)), workers, progress)
             per = np.array([o[0] for o in outs], np.int64).T  # [C, L]
             missed = [o[1] for o in outs]
         else:
-            outs = _pool_map(_run_global, list(range(len(configs))), workers)
+            outs = _pool_map(_run_global, list(range(len(configs))), workers, progress)
             per = np.array([o[0] for o in outs], np.int64)
             missed = outs[ref][1]
     finally:

@@ -20,6 +20,11 @@ Request heads are at most MAX_HEAD_BYTES: h11 enforces its limit only on a head 
 incomplete in its buffer, so a larger head that arrives in one read would pass; the bytes each
 head took are counted here and a larger one is a 400, as h11's own.
 
+Closing after an error response (400 for a bad or oversized head, 408, 503 below): closing a
+socket with unread client bytes sends a reset, which can destroy the response in the client's
+buffer before it reads it. So the write side is shut (a FIN after the response) and what the
+client still sends is read and dropped until it closes, or for at most LINGER_S.
+
 Server stopping (uvicorn's `shutdown` of each connection): a half-sent request gets 503 and the
 connection closes, so no shutdown waits out a trickler's deadline; the rest is uvicorn's (idle
 connections close, one being answered closes after its response).
@@ -46,6 +51,7 @@ from .params import RETRY_AFTER_S, ApiError, error_body
 # bytes) of the response written here, which the app never sees (server/access logs it).
 CLOSED_WITH = "mtplx.closed_with"
 MAX_HEAD_BYTES = 16 * 1024  # a request head (request line + headers); h11's own default
+LINGER_S = 2.0  # after an error response: the most time spent draining the client's bytes
 
 
 def _response(status: int, reason: bytes, message: str, code: str, extra: bytes = b"") -> bytes:
@@ -99,6 +105,7 @@ def guarded_h11(header_timeout: float, body_timeout: float) -> type:
         _timer = None
         _phase: str | None = None  # "head" | "body" | None (answering or idle)
         _since = 0  # ticket of the current request's (or idle spell's) start: shedding order
+        _draining = False  # an error response was sent: what arrives now is dropped
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
@@ -109,6 +116,16 @@ def guarded_h11(header_timeout: float, body_timeout: float) -> type:
             self._since = next(began)
             self._arm("head", header_timeout)
             self._admit()
+
+        def data_received(self, data: bytes) -> None:
+            if not self._draining:
+                super().data_received(data)
+
+        def send_400_response(self, msg: str) -> None:
+            """h11 refused the head (malformed, or over MAX_HEAD_BYTES): 400, then linger."""
+            self.transport.write(_response(400, b"Bad Request", f"invalid HTTP request: {msg}",
+                                           "invalid_request"))
+            self._linger()
 
         def connection_lost(self, exc) -> None:
             self._disarm()
@@ -181,9 +198,25 @@ def guarded_h11(header_timeout: float, body_timeout: float) -> type:
                 if self._phase == "body":
                     body = len(response) - response.index(b"\r\n\r\n") - 4
                     self.cycle.scope[CLOSED_WITH] = (int(response[9:12]), body)
+                self.connections.discard(self)
+                return self._linger()
             self._disarm()
             self.connections.discard(self)
             self.transport.close()
+
+        def _linger(self) -> None:
+            """Close once the response is out: FIN now, the client's bytes drained until it
+            closes (eof_received) or LINGER_S (module docstring)."""
+            self._disarm()
+            self._draining = True
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True  # as connection_lost: the app sees a disconnect now
+                cycle.message_event.set()
+            self.flow.resume_reading()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self._timer = self.loop.call_later(LINGER_S, self.transport.close)
 
         # -- admission -------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ decode_rows(decode_fn dec, const mat_t *m, int r, int rb, float *w, int ldw) {
 
 /* The few-token kernels prefetch the next RB-row block of packed bytes (rows are contiguous,
  * row_bytes apart) while they work on this one: at 64-column block b, the b-th of cols/64 equal
- * slices of it (why: BENCHMARKS.md, "CPU kernel notes"). next: that block, or NULL when the
+ * slices of it (why: benchmarks log, "CPU kernel notes"). next: that block, or NULL when the
  * call's rows end first. */
 static inline __attribute__((always_inline)) void prefetch_slice(const mat_t *m,
                                                                  const uint8_t *next, int b) {

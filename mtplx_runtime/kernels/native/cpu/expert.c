@@ -129,7 +129,7 @@ int mtplx_cpu_gemm(int codec, const void *packed, const void *scale, const void 
  * gate/up chunks (rows of G, U and H = SiTU-GLU(G, U)) and its down chunks (rows of y, added into
  * acc). Threads claim tasks in the order gather(e), gate_up(e), down(e - lag), so down(e - 1)
  * computes while gate_up(e) does, and a region ends once per call instead of twice per expert
- * (each end idles a thread for about half a chunk: BENCHMARKS.md, "One region per layer"). A
+ * (each end idles a thread for about half a chunk: benchmarks log, "One region per layer"). A
  * task waits, spinning, for the tasks whose results it reads or whose buffers it reuses, always
  * ones claimed before it, so claiming in order cannot deadlock:
  *   gather(e):     gate_up(e - depth) done        (it overwrites that expert's input set)
@@ -372,7 +372,7 @@ int mtplx_cpu_expert(int codec, const void *const *mats, int R, int I, int bits,
     return rc ? rc : __atomic_load_n(&bad, __ATOMIC_RELAXED) ? -4 : 0;
 }
 
-/* A layer window in one call, so the caller makes no per-expert round trip (why: BENCHMARKS.md,
+/* A layer window in one call, so the caller makes no per-expert round trip (why: benchmarks log,
  * "CPU kernel notes"). Every matrix is checked before acc is touched. */
 int mtplx_cpu_layer(int codec, const void *const *mats, int n_experts, const int *tok_offsets,
                     const int *tok_index, const float *tok_weight, int R, int I, int bits,

@@ -1,7 +1,7 @@
 /* SiTU-GLU in fp32 from exp and tanh built of fp32 operations only, so that the scalar loop and
  * the AVX-512 loop round identically (the library is built with -ffp-contract=off; every fused
  * multiply-add is written out as fmaf / _mm512_fmadd_ps). libm's tanhf and expf took ~5 % of a
- * t158 decode layer (BENCHMARKS.md, "SiTU-GLU without libm"). Accuracy (tests/test_cpu_glu.py):
+ * t158 decode layer (benchmarks log, "SiTU-GLU without libm"). Accuracy (tests/test_cpu_glu.py):
  * within a few ulp of float64 math, like libm's.
  *
  *   exp(x):  x clamped to [-87, 88] (2^n stays a normal fp32; NaN passes through), n = rint(x

@@ -261,7 +261,7 @@ bf16_tile(const mat_t *m, const uint16_t *xb, int tt, int NR, const float *s, fl
 /* n tokens of xb over rows [r0, r1): per RB-row block (scale vectors built once), tiles of up
  * to 4 tokens; the block's bytes stay in L1 for the later tiles, the first prefetches the next
  * block's bytes into L1 and a later block's into L2, and the next scales are prefetched here
- * (why both: BENCHMARKS.md, "CPU kernel notes"). */
+ * (why both: benchmarks log, "CPU kernel notes"). */
 __attribute__((target(BF16_TARGET))) static void bf16_rows(const mat_t *m, const uint16_t *xb,
                                                            int n, float *Y, int ldy, int r0,
                                                            int r1, float *s) {
@@ -285,7 +285,7 @@ __attribute__((target(BF16_TARGET))) static void bf16_rows(const mat_t *m, const
                 if (tt < 3) {
                     bf16_tile(m, x, tt, RB, s, y, ldy, r, next, far);
                 } else { /* 3-4 tokens: two half-block tiles (the accumulators stay in
-                          * registers; measured: BENCHMARKS.md, "CPU kernel notes") */
+                          * registers; measured: benchmarks log, "CPU kernel notes") */
                     bf16_tile(m, x, tt, RB / 2, s, y, ldy, r, next, far);
                     bf16_tile(m, x, tt, RB / 2, s + RB / 2 * sv, y, ldy, r + RB / 2, NULL,
                               NULL);

@@ -92,7 +92,7 @@ static void t158_rows_scalar(const mat_t *m, const float *X, int ldx, int n, flo
  * load. Per row the sums are those of one row at a time: per group two chains (even bytes, odd
  * bytes) and one FMA by the scale. NR rows run at once so that the FMA chains overlap. While a
  * block of rows runs (for the last token of a batch), the next block is prefetched into L1, one
- * line per group: from DRAM, without it the kernel waits on memory (BENCHMARKS.md, "CPU kernel
+ * line per group: from DRAM, without it the kernel waits on memory (benchmarks log, "CPU kernel
  * notes"). */
 #define T8_ROWS 4
 #define T8_TOKENS 8                       /* tokens whose layouts share a pass over the rows */
@@ -191,7 +191,7 @@ __attribute__((target("avx2,fma"))) static void t158_rows_avx2(const mat_t *m, c
  * 16-lane code (tails padded), so no row alignment of the chunks is needed.
  * Up to T16F_TOKENS tokens, the tables are t158's input stage (T158_INPUT): the expert pipeline
  * builds them once per thread and input and passes them to every matrix and chunk that reads
- * that input (gate and up share x's), BENCHMARKS.md "t158 tables once per input". A plain row
+ * that input (gate and up share x's), benchmarks log "t158 tables once per input". A plain row
  * call builds them itself into a per-thread buffer that persists across calls (thread_floats;
  * per call, a buffer of n tables would be an mmap plus page faults).
  * n > 1: tokens go in batches of T16F_TOKENS (one table each, 140 KB at K3), and within a batch

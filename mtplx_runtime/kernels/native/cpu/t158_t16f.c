@@ -122,7 +122,7 @@ T16F_TGT static inline void t16f_scales(const uint16_t *sc, int G, float *st) {
 }
 
 /* 32 rows, blocks a and b of 16 (16 rows in the zmm lanes each), x ng (1..4) groups from g0: each
- * table vector is loaded once for the two blocks, halving the table reads from L2 (BENCHMARKS.md,
+ * table vector is loaded once for the two blocks, halving the table reads from L2 (benchmarks log,
  * "t158: two blocks per table read"). Per row: FMAs into 8 rotating accumulators (short
  * chains). pf: 26 lines (1664 bytes) to prefetch into L1, two per byte column, or NULL. */
 T16F_TGT static inline void t16f_block32(const uint8_t *pa, size_t stride, int g0, int ng,
@@ -185,7 +185,7 @@ T16F_TGT static inline __m512 t16f_sum8(const __m512 *a) {
 /* The 32 rows at p (row stride 13G bytes; scales at sc, row stride G) -> y[0 .. 32). st: 2 x
  * T16F_ST_FLOATS(G) floats. next: the following 32 rows, prefetched into L1 in `per`-byte slices
  * (<= 1664), one per 4-group step, spread over the step's byte columns rather than issued as a
- * burst (both paid off: BENCHMARKS.md, "CPU kernel notes"), with their scales, or NULL. */
+ * burst (both paid off: benchmarks log, "CPU kernel notes"), with their scales, or NULL. */
 T16F_TGT static inline void t16f_rows32(const uint8_t *p, const uint16_t *sc, int G,
                                         const float *tab, float *st, const uint8_t *next,
                                         float *y) {
@@ -197,7 +197,7 @@ T16F_TGT static inline void t16f_rows32(const uint8_t *p, const uint16_t *sc, in
     __m512 acca[8], accb[8];
     for (int i = 0; i < 8; i++) acca[i] = accb[i] = _mm512_setzero_ps();
     /* The next rows' scales (64G bytes from sc + 32G) go the same way, a slice per step: without
-     * them each block began with a burst of misses (BENCHMARKS.md, "Scales prefetched"). The
+     * them each block began with a burst of misses (benchmarks log, "Scales prefetched"). The
      * last slice may reach a little past them; a prefetch never faults, and an integer address
      * keeps the arithmetic defined. */
     uintptr_t ns = next ? (uintptr_t)(sc + (size_t)32 * G) : 0;

@@ -2,12 +2,12 @@
  * A region runs fn(arg, chunk) for chunk 0..chunks-1 on the caller and workers 1..threads-1,
  * each claiming chunks from an atomic counter: with several chunks per thread, a thread that
  * loses its CPU for a while (a read landing, another process) leaves its later chunks to the
- * others instead of stalling the region (BENCHMARKS.md "Threads that claim chunks"). Regions
+ * others instead of stalling the region (benchmarks log, "Threads that claim chunks"). Regions
  * are serialized by `call_mu`, so concurrent callers (ctypes drops the GIL) simply queue. A
  * decode step makes dozens of short regions back to back, so the hand-off latency matters: both
  * sides first spin on an atomic for up to POOL_SPIN_NS and only then block on the condition
  * variable, so back-to-back regions hand off in well under a microsecond and an idle pool still
- * sleeps (why not condition variables alone, and why no sched_yield in the spin: BENCHMARKS.md,
+ * sleeps (why not condition variables alone, and why no sched_yield in the spin: benchmarks log,
  * "CPU kernel notes"). Spinning only pays when every thread has a CPU of its own, so regions
  * with more threads than the CPUs this process may run on block at once; and only the workers
  * that took part in the last region spin after it (idle spinners would crowd the workers that
