@@ -376,17 +376,28 @@ def test_a_shard_renamed_over_during_load_is_not_used_unverified(art, tmp_path):
     assert proc.returncode == 3 and out.startswith("refused") and head.shard in out, out
 
 
-def test_a_forged_learned_value_does_not_pass_overwritten_bytes(built, tmp_path):
-    """Whoever can write a bank part can compute the XXH3 of the bytes they write; writing it
-    into the checksum file must not make the read pass (the kept value is keyed)."""
+def native():
+    """kernels.cpu_native; the test is skipped where the library cannot be built."""
     from mtplx_runtime.kernels import cpu_native
     if cpu_native.unavailable_reason() is not None:
         pytest.skip(cpu_native.unavailable_reason())
+    return cpu_native
+
+
+def record_of(built, expert: int):
+    """(bank, key, manifest index, bytes) of `expert`'s record in the first routed layer."""
     with open_source(built) as a:
         bank = a.expert_layout
-    key = (bank.layers[0], 2)
+    key = (bank.layers[0], expert)
     i = [(r.layer, r.expert) for r in bank.manifest.records].index(key)
-    data = read_record(bank, built, key)
+    return bank, key, i, read_record(bank, built, key)
+
+
+def test_a_forged_learned_value_does_not_pass_overwritten_bytes(built, tmp_path):
+    """Whoever can write a bank part can compute the XXH3 of the bytes they write; writing it
+    into the checksum file must not make the read pass (the kept value is keyed)."""
+    cpu_native = native()
+    bank, key, i, data = record_of(built, 2)
     d = RecordDigests(built, bank.manifest, receipts=tmp_path)
     assert d.check(key).verify(memoryview(data)) is None
     d.save()
@@ -407,9 +418,7 @@ def record_tag(key: bytes, path, i: int, value: int) -> int:
 
 def spy_seeds(monkeypatch) -> list[int]:
     """The seeds of every native XXH3 call from now on, in order."""
-    from mtplx_runtime.kernels import cpu_native
-    if cpu_native.unavailable_reason() is not None:
-        pytest.skip(cpu_native.unavailable_reason())
+    cpu_native = native()
     real, seeds = cpu_native.xxh3, []
 
     def spy(view, seed=0):
@@ -425,13 +434,8 @@ def test_the_learned_xxh3_is_seeded_with_a_secret_of_the_receipt_key(built, tmp_
     """What is hashed, kept and compared is the XXH3 under the record seed (FORMAT.md: keyed
     BLAKE2b of the receipt key, person `mtplx-xxh3-seed`), never the seed-0 XXH3 that anyone
     who can read a bank part can compute; another key gives another seed."""
-    from mtplx_runtime.kernels import cpu_native
-    real, seeds = cpu_native.xxh3, spy_seeds(monkeypatch)
-    with open_source(built) as a:
-        bank = a.expert_layout
-    key = (bank.layers[0], 4)
-    i = [(r.layer, r.expert) for r in bank.manifest.records].index(key)
-    data = read_record(bank, built, key)
+    real, seeds = native().xxh3, spy_seeds(monkeypatch)
+    bank, key, i, data = record_of(built, 4)
     used = {}
     for user in ("alice", "bob"):
         d = RecordDigests(built, bank.manifest, receipts=tmp_path / user)
@@ -453,10 +457,7 @@ def test_a_changed_receipt_key_means_relearning(built, tmp_path, monkeypatch):
     matches: after the key changes a good record passes by SHA-256 and is relearned under the new
     seed (no false failure), a damaged one fails (no false pass)."""
     seeds = spy_seeds(monkeypatch)
-    with open_source(built) as a:
-        bank = a.expert_layout
-    key = (bank.layers[0], 6)
-    data = read_record(bank, built, key)
+    bank, key, _, data = record_of(built, 6)
     d = RecordDigests(built, bank.manifest, receipts=tmp_path)
     assert d.check(key).verify(memoryview(data)) is None
     d.save()
@@ -481,14 +482,8 @@ def test_a_changed_receipt_key_means_relearning(built, tmp_path, monkeypatch):
 def test_learned_values_of_the_unseeded_version_are_ignored(built, tmp_path, caplog):
     """A `MTPLXXHK` file (the previous version: keyed tags of the seed-0 XXH3) is not read, even
     with tags made under this very key: each record's first read pays SHA-256 once."""
-    from mtplx_runtime.kernels import cpu_native
-    if cpu_native.unavailable_reason() is not None:
-        pytest.skip(cpu_native.unavailable_reason())
-    with open_source(built) as a:
-        bank = a.expert_layout
-    key = (bank.layers[0], 7)
-    i = [(r.layer, r.expert) for r in bank.manifest.records].index(key)
-    data = read_record(bank, built, key)
+    cpu_native = native()
+    bank, key, i, data = record_of(built, 7)
     path = RecordDigests(built, bank.manifest, receipts=tmp_path).path
     secret = (tmp_path / integrity.KEY_NAME).read_bytes()
     tags = np.zeros(len(bank.manifest.records), "<u8")
@@ -509,10 +504,7 @@ def test_without_a_receipt_directory_the_seed_is_random_per_process(built, tmp_p
     receipts = tmp_path / "receipts"
     receipts.mkdir(mode=0o777)
     receipts.chmod(0o777)  # writable by others: not used
-    with open_source(built) as a:
-        bank = a.expert_layout
-    key = (bank.layers[0], 1)
-    data = read_record(bank, built, key)
+    bank, key, _, data = record_of(built, 1)
     used = []
     for _ in range(2):
         d = RecordDigests(built, bank.manifest, receipts=receipts)
@@ -533,13 +525,8 @@ def test_bytes_colliding_with_a_record_under_seed_0_do_not_pass(built, tmp_path,
     craft other bytes with its XXH3 under a seed they know. Stand-in for such bytes: a damaged
     record whose seed-0 XXH3 is made the original's. With the seed secret they fail (with seed
     0, as before, they passed by XXH3 alone)."""
-    from mtplx_runtime.kernels import cpu_native
-    if cpu_native.unavailable_reason() is not None:
-        pytest.skip(cpu_native.unavailable_reason())
-    with open_source(built) as a:
-        bank = a.expert_layout
-    key = (bank.layers[0], 5)
-    data = read_record(bank, built, key)
+    cpu_native = native()
+    bank, key, _, data = record_of(built, 5)
     d = RecordDigests(built, bank.manifest, receipts=tmp_path)
     assert d.check(key).verify(memoryview(data)) is None  # learned
     forged = bytearray(data)
