@@ -20,7 +20,8 @@ Receipts live in `$MTPLX_RECEIPT_DIR`, else `$XDG_CACHE_HOME/mtplx/receipts`, el
 receipt (or a learned record checksum) says is trusted only because no one else can write it:
 the directory must belong to this user and be writable by no one else, and every receipt is
 signed with a per-user key kept there (`secret.key`, 0600), so whoever can write the artifact
-cannot forge one. A directory that fails the check is not used: every load hashes again.
+cannot forge one; the same key seeds the records' learned XXH3 (`record_seed`). A directory that
+fails the check is not used: every load hashes again.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ..files import InputError, atomic_write, open_regular, read_fd, read_regula
 from .manifest import Manifest
 
 __all__ = ["IntegrityError", "ShardAdmission", "admit_shards", "receipt_key", "receipt_path",
-           "receipts_dir", "sign"]
+           "receipts_dir", "record_seed", "sign"]
 
 RECEIPTS_ENV = "MTPLX_RECEIPT_DIR"
 RESIDENT_KINDS = ("safetensors", "preserved-safetensors")  # "sidecar" shards are bank files
@@ -151,6 +152,15 @@ def receipt_key(receipts: Path | None = None) -> bytes | None:
         _refuse(receipts, why)
         return None
     return key
+
+
+def record_seed(key: bytes) -> int:
+    """The secret seed (u64) of the learned record checksums' XXH3 (offload/digests.py), from
+    the receipt key: keyed BLAKE2b under its own `person`, so it tells nothing of the tags or
+    receipts that key signs. Whoever cannot read the key cannot compute a record's seeded XXH3,
+    so cannot craft other bytes with the same value."""
+    mac = hashlib.blake2b(key=key, digest_size=8, person=b"mtplx-xxh3-seed")
+    return int.from_bytes(mac.digest(), "little")
 
 
 def sign(key: bytes, *parts: bytes, size: int = 32) -> bytes:

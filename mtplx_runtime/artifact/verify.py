@@ -6,9 +6,11 @@ reading") and the `mtplx verify ARTIFACT [--records] [--shard-hashes]` subcomman
 
 Every problem is collected (not raised) and names the file and, for records, the layer/expert,
 so one run lists everything that is wrong. `--shard-hashes` also covers the bank parts.
-With `--records` the command also seeds the read-time checks (offload/digests.py) with the XXH3
-of every record whose SHA-256 matched; that hash lives in kernels/, which artifact/ ranks below,
-so the caller passes it in (`record_hash`) and stores what comes back (`record_hashes`).
+With `--records` the command also gives the read-time checks (offload/digests.py) the XXH3 of
+every record whose SHA-256 matched, seeded with this user's secret as reads seed it
+(offload/digests.py `fast_hash`, so both learn the same values); that hash lives in kernels/,
+which artifact/ ranks below, so the caller passes it in (`record_hash`) and stores what comes
+back (`record_hashes`).
 """
 
 from __future__ import annotations
@@ -239,7 +241,8 @@ def verify_artifact(root: str | os.PathLike, *, records: bool = False,
     """Check the directory `root` against its `expert-manifest.json`. Never raises for a
     bad artifact: every problem is a line in the report. Blocks on file reads (whole files with
     `shard_hashes`, every record with `records`). `record_hash` (with `records`): a function of
-    a record's bytes, applied to every record whose SHA-256 matches (report.record_hashes)."""
+    a record's bytes, applied to every record whose SHA-256 matches (report.record_hashes); for
+    the read-time checks, offload/digests.py `fast_hash` (the seeded XXH3 they learn)."""
     root = Path(root)
     rep = VerifyReport(root)
     try:

@@ -5,7 +5,7 @@
     Y = gemm(m, X)                              # Y[n, rows] = X[n, cols] · Wᵀ
     out = expert(gate, up, down, X, beta, beta_lin, round_model=False)   # [n, R]
     layer(layout, records, offsets, index, weight, X, acc, beta, beta_lin)  # acc[T, R] +=
-    h = xxh3(view)                              # the fast record checksum (offload/digests.py)
+    h = xxh3(view, seed)                        # the fast record checksum (offload/digests.py)
 
 One library serves every codec (C ABI: native/cpu/mtplx_cpu.h): each entry point takes the codec's
 index in CODECS (the codec table's cpu column, in the order of the library's C enum, checked by name
@@ -77,7 +77,7 @@ def _load() -> ctypes.CDLL:
                                         _vp, _f, _f, _i, _i]
         lib.mtplx_cpu_set_isa.argtypes = [_i]
         lib.mtplx_cpu_situ_glu.argtypes = [_vp, _vp, _vp, _i, _f, _f, _i]
-        lib.mtplx_cpu_xxh3_64.argtypes = [_vp, ctypes.c_size_t]
+        lib.mtplx_cpu_xxh3_64.argtypes = [_vp, ctypes.c_size_t, ctypes.c_uint64]
         lib.mtplx_cpu_xxh3_64.restype = ctypes.c_uint64
         lib.mtplx_cpu_set_isa(_forced_isa())
         _lib.append(lib)
@@ -109,16 +109,19 @@ def set_isa(name: str | None) -> str:
     return ISAS[_load().mtplx_cpu_set_isa(-1 if name is None else ISAS.index(name))]
 
 
-def xxh3(data) -> int:
-    """XXH3-64 (seed 0, default secret) of the bytes of `data` (bytes-like, C-contiguous; read in
-    place, no copy) as an unsigned 64-bit int, on the `isa()` path. The call releases the GIL
-    (ctypes), so reader threads hash at once."""
+def xxh3(data, seed: int = 0) -> int:
+    """XXH3-64 with `seed` (xxHash's XXH3_64bits_withSeed; 0 is plain XXH3-64, default secret)
+    of the bytes of `data` (bytes-like, C-contiguous; read in place, no copy) as an unsigned
+    64-bit int, on the `isa()` path. The call releases the GIL (ctypes), so reader threads hash
+    at once."""
+    if not 0 <= seed < 1 << 64:  # ctypes would wrap it silently
+        raise ValueError(f"xxh3: seed {seed} is not an unsigned 64-bit int")
     view = memoryview(data)
     if not view.c_contiguous:
         raise ValueError("xxh3: data must be C-contiguous")
     arr = np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view,
                         dtype=np.uint8)
-    return _load().mtplx_cpu_xxh3_64(arr.ctypes.data if arr.size else None, arr.size)
+    return _load().mtplx_cpu_xxh3_64(arr.ctypes.data if arr.size else None, arr.size, seed)
 
 
 def default_threads() -> int:

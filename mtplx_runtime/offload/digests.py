@@ -6,23 +6,26 @@ until a record's XXH3 is known, XXH3 from then on.
                                        else SHA-256 == manifest's? -> pass, relearn (stale value)
                                        else                    -> damaged (RecordHashError)
 
-XXH3-64 (seed 0; kernels/native/cpu/checksum.c) hashes a record from memory at about 20 GB/s on
-one core where SHA-256 manages about 2, so a record re-read from disk costs a tenth of the
-hashing; the first read of a record pays SHA-256 unless `mtplx verify --records` already learned
-it (`learn`). A learned value only ever comes from bytes whose SHA-256 matched, and a mismatch
-is settled by SHA-256, so a stale learned value costs one re-hash and never fails a read.
+XXH3-64 (kernels/native/cpu/checksum.c) hashes a record from memory at about 20 GB/s on one core
+where SHA-256 manages about 2, so a record re-read from disk costs a tenth of the hashing; the
+first read of a record pays SHA-256 unless `mtplx verify --records` already learned it
+(`learn`). A learned value only ever comes from bytes whose SHA-256 matched, and a mismatch is
+settled by SHA-256, so a stale learned value costs one re-hash and never fails a read.
 
-What is kept is not the XXH3 itself but a *tag*: the receipt key's keyed BLAKE2b of (this
-file's name, record index, XXH3), so whoever can write bank parts, but not this user's receipt
-directory, cannot make a tag pass for bytes of their choosing (artifact/integrity.py says who
-may write there). Tags persist beside the integrity receipts: one file per artifact directory
-and manifest digest, `MAGIC`, the record count (u64), then one u64 per manifest record in
-manifest order (0 = not learned). Without a usable receipt directory tags live in memory only,
-keyed per process, and nothing is read or written.
+XXH3 is no cryptographic hash: whoever knows its seed can craft other bytes with a record's
+value. So it runs with a secret seed (artifact/integrity.py `record_seed`, from this user's
+receipt key), and what is kept is not the XXH3 itself but a *tag*: the receipt key's keyed
+BLAKE2b of (this file's name, record index, XXH3). Whoever can write bank parts, but not read
+this user's receipt key, can neither compute the value their bytes must hit nor make a tag pass
+(artifact/integrity.py says who may write and read there). Tags persist beside the integrity
+receipts: one file per artifact directory and manifest digest, `MAGIC`, the record count (u64),
+then one u64 per manifest record in manifest order (0 = not learned). Without a usable receipt
+directory the key, hence seed and tags, is random per process, and nothing is read or written.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -33,24 +36,30 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifact.integrity import receipt_key, receipt_path
+from ..artifact.integrity import receipt_key, receipt_path, record_seed
 from ..artifact.manifest import Manifest
 from ..files import InputError, atomic_write, read_regular
 from ..kernels import cpu_native
 
 __all__ = ["RecordCheck", "RecordDigests", "fast_hash"]
 
-MAGIC = b"MTPLXXHK"  # keyed tags; the unkeyed `MTPLXXH3` files of earlier versions are ignored
+# Tags of the seeded XXH3. Earlier versions' files are ignored, so each record pays SHA-256 once
+# more: `MTPLXXHK` (tags of the unseeded XXH3) and `MTPLXXH3` (the unseeded XXH3 itself).
+MAGIC = b"MTPLXXHS"
 SUFFIX = ".xxh3"  # files of the earlier XXH64 checks (.xxh64) are not read
 SAVE_EVERY = 1024  # newly learned values between saves, so a killed process keeps most of them
 log = logging.getLogger(__name__)
 
 
-def fast_hash() -> Callable[[object], int] | None:
-    """The hash the learned values are of (native XXH3-64 of a bytes-like), None without the
-    native library. `mtplx verify --records` hands it to artifact/verify, which may not import
-    kernels/ itself."""
-    return cpu_native.xxh3 if cpu_native.unavailable_reason() is None else None
+def fast_hash(receipts: Path | None = None) -> Callable[[object], int] | None:
+    """The hash the learned values of RecordDigests(..., receipts=receipts) are of: the native
+    XXH3-64 of a bytes-like, seeded with this user's secret (`record_seed`). None without the
+    native library or without a usable receipt directory (nothing learned could be kept).
+    `mtplx verify --records` hands it to artifact/verify, which may not import kernels/."""
+    if cpu_native.unavailable_reason() is not None:
+        return None
+    key = receipt_key(receipts)
+    return None if key is None else functools.partial(cpu_native.xxh3, seed=record_seed(key))
 
 
 class RecordCheck:
@@ -86,8 +95,9 @@ class RecordDigests:
         self.fast_unavailable = cpu_native.unavailable_reason()
         key = receipt_key(receipts) if self.fast_unavailable is None else None
         self._persist = key is not None  # a directory only this user can write
-        self._mac = hashlib.blake2b(key=key or os.urandom(32), digest_size=8,
-                                    person=b"mtplx-xxh3")
+        key = key or os.urandom(32)  # else this process's own: values die with it
+        self._seed = record_seed(key)
+        self._mac = hashlib.blake2b(key=key, digest_size=8, person=b"mtplx-xxh3")
         self._mac.update(self._path.name.encode())
         if self._persist:
             self._load()
@@ -108,8 +118,9 @@ class RecordDigests:
         return int(np.count_nonzero(self._values))
 
     def learn(self, values: dict[int, int]) -> None:
-        """Take {manifest record index: XXH3 of its bytes} for records whose bytes the caller
-        found to match their manifest SHA-256 (`mtplx verify --records`); `save()` keeps them."""
+        """Take {manifest record index: `fast_hash(receipts)` of its bytes} for records whose
+        bytes the caller found to match their manifest SHA-256 (`mtplx verify --records`);
+        `save()` keeps them."""
         if self.fast_unavailable is not None:
             return
         with self._lock:
@@ -166,7 +177,7 @@ class RecordDigests:
     def _verify(self, i: int, view) -> str | None:
         t0 = time.perf_counter()
         known = int(self._values[i])
-        fast = cpu_native.xxh3(view) if self.fast_unavailable is None else 0
+        fast = cpu_native.xxh3(view, self._seed) if self.fast_unavailable is None else 0
         tag = self._tag(i, fast) if self.fast_unavailable is None else 0
         if known and tag == known:
             with self._lock:

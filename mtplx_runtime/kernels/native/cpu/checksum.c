@@ -1,10 +1,12 @@
-/* XXH3-64 (seed 0, the default 192-byte secret), the 64-bit XXH3 of Yann Collet's published
- * xxHash specification, written from that specification: the fast per-record checksum of
- * read-time integrity (offload/digests.py). Inputs over 240 bytes (every record) run through
- * eight 64-bit accumulators fed 64-byte stripes with one 32x32->64 multiply per lane, which maps
- * onto one AVX-512 register or two AVX2 ones; the path follows the library's ISA switch
- * (isa.c), with a scalar twin of each. Bytes are read as little-endian words; the library
- * builds on little-endian hosts only. */
+/* XXH3-64 with a 64-bit seed (xxHash's XXH3_64bits_withSeed; seed 0 is plain XXH3_64bits), the
+ * 64-bit XXH3 of Yann Collet's published xxHash specification, written from that specification:
+ * the fast per-record checksum of read-time integrity (offload/digests.py, which seeds it with a
+ * per-user secret). Inputs over 240 bytes (every record) run through eight 64-bit accumulators
+ * fed 64-byte stripes with one 32x32->64 multiply per lane, which maps onto one AVX-512 register
+ * or two AVX2 ones; the path follows the library's ISA switch (isa.c), with a scalar twin of
+ * each. A seed enters the short paths as published and the long one through a secret derived
+ * from it (seeded_secret). Bytes are read as little-endian words; the library builds on
+ * little-endian hosts only. */
 #include "cpu_common.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -78,19 +80,21 @@ static inline uint64_t avalanche_xxh64(uint64_t x) {
     return x ^ (x >> 32);
 }
 
-/* 16 bytes of input against 16 of the secret (seed 0): the step of 17..240-byte inputs. */
-static inline uint64_t mix16(const uint8_t *p, const uint8_t *s) {
-    return mul_fold(rd64(p) ^ rd64(s), rd64(p + 8) ^ rd64(s + 8));
+/* 16 bytes of input against 16 of the secret, the secret's low word plus the seed and its
+ * high word minus it: the step of 17..240-byte inputs. */
+static inline uint64_t mix16(const uint8_t *p, const uint8_t *s, uint64_t seed) {
+    return mul_fold(rd64(p) ^ (rd64(s) + seed), rd64(p + 8) ^ (rd64(s + 8) - seed));
 }
 
-static uint64_t hash_0to16(const uint8_t *p, size_t n) {
+static uint64_t hash_0to16(const uint8_t *p, size_t n, uint64_t seed) {
     if (n > 8) {
-        uint64_t lo = (rd64(SECRET + 24) ^ rd64(SECRET + 32)) ^ rd64(p);
-        uint64_t hi = (rd64(SECRET + 40) ^ rd64(SECRET + 48)) ^ rd64(p + n - 8);
+        uint64_t lo = ((rd64(SECRET + 24) ^ rd64(SECRET + 32)) + seed) ^ rd64(p);
+        uint64_t hi = ((rd64(SECRET + 40) ^ rd64(SECRET + 48)) - seed) ^ rd64(p + n - 8);
         return avalanche(n + __builtin_bswap64(lo) + hi + mul_fold(lo, hi));
     }
     if (n >= 4) {
-        uint64_t v = (rd64(SECRET + 8) ^ rd64(SECRET + 16))
+        seed ^= (uint64_t)__builtin_bswap32((uint32_t)seed) << 32; /* the published mixing */
+        uint64_t v = ((rd64(SECRET + 8) ^ rd64(SECRET + 16)) - seed)
                      ^ ((uint64_t)rd32(p + n - 4) | (uint64_t)rd32(p) << 32);
         v ^= rotl64(v, 49) ^ rotl64(v, 24);
         v *= PMX_2;
@@ -101,31 +105,33 @@ static uint64_t hash_0to16(const uint8_t *p, size_t n) {
     if (n) {
         uint32_t c = (uint32_t)p[n - 1] | (uint32_t)n << 8 | (uint32_t)p[0] << 16
                      | (uint32_t)p[n >> 1] << 24;
-        return avalanche_xxh64((uint64_t)(rd32(SECRET) ^ rd32(SECRET + 4)) ^ c);
+        return avalanche_xxh64(((uint64_t)(rd32(SECRET) ^ rd32(SECRET + 4)) + seed) ^ c);
     }
-    return avalanche_xxh64(rd64(SECRET + 56) ^ rd64(SECRET + 64));
+    return avalanche_xxh64(seed ^ rd64(SECRET + 56) ^ rd64(SECRET + 64));
 }
 
-static uint64_t hash_17to240(const uint8_t *p, size_t n) {
+static uint64_t hash_17to240(const uint8_t *p, size_t n, uint64_t seed) {
     uint64_t acc = n * P64_1;
     if (n <= 128) {
         for (size_t i = 0; i < ((n - 1) >> 5) + 1; i++) {
-            acc += mix16(p + 16 * i, SECRET + 32 * i);
-            acc += mix16(p + n - 16 * i - 16, SECRET + 32 * i + 16);
+            acc += mix16(p + 16 * i, SECRET + 32 * i, seed);
+            acc += mix16(p + n - 16 * i - 16, SECRET + 32 * i + 16, seed);
         }
         return avalanche(acc);
     }
-    for (size_t i = 0; i < 8; i++) acc += mix16(p + 16 * i, SECRET + 16 * i);
+    for (size_t i = 0; i < 8; i++) acc += mix16(p + 16 * i, SECRET + 16 * i, seed);
     acc = avalanche(acc);
-    for (size_t i = 8; i < n >> 4; i++) acc += mix16(p + 16 * i, SECRET + 16 * (i - 8) + 3);
-    acc += mix16(p + n - 16, SECRET + 119);
+    for (size_t i = 8; i < n >> 4; i++)
+        acc += mix16(p + 16 * i, SECRET + 16 * (i - 8) + 3, seed);
+    acc += mix16(p + n - 16, SECRET + 119, seed);
     return avalanche(acc);
 }
 
 /* ---- inputs over 240 bytes: accumulate stripes, scramble after every block ----
  * Each path runs the whole stripe loop with the accumulators in registers: blocks before the
  * last are accumulated and scrambled; the last one (1..1024 bytes) runs its stripes but the
- * final one, then the input's last 64 bytes are one more stripe at secret offset 121. */
+ * final one, then the input's last 64 bytes are one more stripe at secret offset 121. Every
+ * step reads `s`, the default secret for seed 0, else the one seeded_secret derives. */
 
 static inline void stripe_scalar(uint64_t *acc, const uint8_t *p, const uint8_t *s) {
     for (int i = 0; i < 8; i++) {
@@ -135,17 +141,17 @@ static inline void stripe_scalar(uint64_t *acc, const uint8_t *p, const uint8_t 
     }
 }
 
-static void long_scalar(uint64_t *acc, const uint8_t *p, size_t n) {
+static void long_scalar(uint64_t *acc, const uint8_t *p, size_t n, const uint8_t *s) {
     size_t blocks = (n - 1) / BLOCK_BYTES, tail = (n - blocks * BLOCK_BYTES - 1) / STRIPE;
     const uint8_t *q = p;
     for (size_t b = 0; b < blocks; b++, q += BLOCK_BYTES) {
         for (int k = 0; k < STRIPES_PER_BLOCK; k++)
-            stripe_scalar(acc, q + STRIPE * k, SECRET + 8 * k);
+            stripe_scalar(acc, q + STRIPE * k, s + 8 * k);
         for (int i = 0; i < 8; i++)
-            acc[i] = (acc[i] ^ (acc[i] >> 47) ^ rd64(SECRET + SCRAMBLE_AT + 8 * i)) * P32_1;
+            acc[i] = (acc[i] ^ (acc[i] >> 47) ^ rd64(s + SCRAMBLE_AT + 8 * i)) * P32_1;
     }
-    for (size_t k = 0; k < tail; k++) stripe_scalar(acc, q + STRIPE * k, SECRET + 8 * k);
-    stripe_scalar(acc, p + n - STRIPE, SECRET + LAST_STRIPE_AT);
+    for (size_t k = 0; k < tail; k++) stripe_scalar(acc, q + STRIPE * k, s + 8 * k);
+    stripe_scalar(acc, p + n - STRIPE, s + LAST_STRIPE_AT);
 }
 
 /* A lane adds lo32(v) * hi32(v), v = input ^ secret, and its neighbour's input (the two 64-bit
@@ -167,26 +173,26 @@ __attribute__((target("avx2"))) static inline __m256i scramble_avx2(__m256i a, c
     return _mm256_add_epi64(_mm256_mul_epu32(a, prime), _mm256_slli_epi64(hi, 32));
 }
 
-__attribute__((target("avx2"))) static void long_avx2(uint64_t *acc, const uint8_t *p,
-                                                      size_t n) {
+__attribute__((target("avx2"))) static void long_avx2(uint64_t *acc, const uint8_t *p, size_t n,
+                                                      const uint8_t *s) {
     size_t blocks = (n - 1) / BLOCK_BYTES, tail = (n - blocks * BLOCK_BYTES - 1) / STRIPE;
     __m256i a0 = _mm256_loadu_si256((const __m256i *)acc);
     __m256i a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
     const uint8_t *q = p;
     for (size_t b = 0; b < blocks; b++, q += BLOCK_BYTES) {
         for (int k = 0; k < STRIPES_PER_BLOCK; k++) {
-            a0 = stripe_avx2(a0, q + STRIPE * k, SECRET + 8 * k);
-            a1 = stripe_avx2(a1, q + STRIPE * k + 32, SECRET + 8 * k + 32);
+            a0 = stripe_avx2(a0, q + STRIPE * k, s + 8 * k);
+            a1 = stripe_avx2(a1, q + STRIPE * k + 32, s + 8 * k + 32);
         }
-        a0 = scramble_avx2(a0, SECRET + SCRAMBLE_AT);
-        a1 = scramble_avx2(a1, SECRET + SCRAMBLE_AT + 32);
+        a0 = scramble_avx2(a0, s + SCRAMBLE_AT);
+        a1 = scramble_avx2(a1, s + SCRAMBLE_AT + 32);
     }
     for (size_t k = 0; k < tail; k++) {
-        a0 = stripe_avx2(a0, q + STRIPE * k, SECRET + 8 * k);
-        a1 = stripe_avx2(a1, q + STRIPE * k + 32, SECRET + 8 * k + 32);
+        a0 = stripe_avx2(a0, q + STRIPE * k, s + 8 * k);
+        a1 = stripe_avx2(a1, q + STRIPE * k + 32, s + 8 * k + 32);
     }
-    a0 = stripe_avx2(a0, p + n - STRIPE, SECRET + LAST_STRIPE_AT);
-    a1 = stripe_avx2(a1, p + n - STRIPE + 32, SECRET + LAST_STRIPE_AT + 32);
+    a0 = stripe_avx2(a0, p + n - STRIPE, s + LAST_STRIPE_AT);
+    a1 = stripe_avx2(a1, p + n - STRIPE + 32, s + LAST_STRIPE_AT + 32);
     _mm256_storeu_si256((__m256i *)acc, a0);
     _mm256_storeu_si256((__m256i *)(acc + 4), a1);
 }
@@ -201,42 +207,56 @@ __attribute__((target(AVX512_TARGET))) static inline __m512i stripe_avx512(__m51
 }
 
 __attribute__((target(AVX512_TARGET))) static void long_avx512(uint64_t *acc, const uint8_t *p,
-                                                               size_t n) {
+                                                               size_t n, const uint8_t *s) {
     const __m512i prime = _mm512_set1_epi64(P32_1);
-    const __m512i key = _mm512_loadu_si512(SECRET + SCRAMBLE_AT);
+    const __m512i key = _mm512_loadu_si512(s + SCRAMBLE_AT);
     size_t blocks = (n - 1) / BLOCK_BYTES, tail = (n - blocks * BLOCK_BYTES - 1) / STRIPE;
     __m512i a = _mm512_loadu_si512(acc);
     const uint8_t *q = p;
     for (size_t b = 0; b < blocks; b++, q += BLOCK_BYTES) {
         for (int k = 0; k < STRIPES_PER_BLOCK; k++)
-            a = stripe_avx512(a, q + STRIPE * k, SECRET + 8 * k);
+            a = stripe_avx512(a, q + STRIPE * k, s + 8 * k);
         a = _mm512_xor_si512(_mm512_xor_si512(a, _mm512_srli_epi64(a, 47)), key);
         __m512i hi = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
         a = _mm512_add_epi64(_mm512_mul_epu32(a, prime), _mm512_slli_epi64(hi, 32));
     }
-    for (size_t k = 0; k < tail; k++) a = stripe_avx512(a, q + STRIPE * k, SECRET + 8 * k);
-    a = stripe_avx512(a, p + n - STRIPE, SECRET + LAST_STRIPE_AT);
+    for (size_t k = 0; k < tail; k++) a = stripe_avx512(a, q + STRIPE * k, s + 8 * k);
+    a = stripe_avx512(a, p + n - STRIPE, s + LAST_STRIPE_AT);
     _mm512_storeu_si512(acc, a);
 }
 
-static uint64_t hash_long(const uint8_t *p, size_t n, int isa) {
+/* xxHash's XXH3_initCustomSecret: each 16 bytes of the default secret as two little-endian
+ * words, the low one plus the seed and the high one minus it (mod 2^64); seed 0 gives the
+ * default secret back. */
+static void seeded_secret(uint8_t *out, uint64_t seed) {
+    for (int i = 0; i < SECRET_BYTES; i += 16) {
+        uint64_t lo = rd64(SECRET + i) + seed, hi = rd64(SECRET + i + 8) - seed;
+        memcpy(out + i, &lo, 8);
+        memcpy(out + i + 8, &hi, 8);
+    }
+}
+
+static uint64_t hash_long(const uint8_t *p, size_t n, const uint8_t *s, int isa) {
     uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
     if (isa >= 2)
-        long_avx512(acc, p, n);
+        long_avx512(acc, p, n, s);
     else if (isa == 1)
-        long_avx2(acc, p, n);
+        long_avx2(acc, p, n, s);
     else
-        long_scalar(acc, p, n);
+        long_scalar(acc, p, n, s);
     uint64_t h = n * P64_1;
     for (int i = 0; i < 4; i++)
-        h += mul_fold(acc[2 * i] ^ rd64(SECRET + 11 + 16 * i),
-                      acc[2 * i + 1] ^ rd64(SECRET + 19 + 16 * i));
+        h += mul_fold(acc[2 * i] ^ rd64(s + 11 + 16 * i), acc[2 * i + 1] ^ rd64(s + 19 + 16 * i));
     return avalanche(h);
 }
 
-uint64_t mtplx_cpu_xxh3_64(const void *data, size_t n) {
+uint64_t mtplx_cpu_xxh3_64(const void *data, size_t n, uint64_t seed) {
     const uint8_t *p = data;
-    if (n <= 16) return hash_0to16(p, n);
-    if (n <= 240) return hash_17to240(p, n);
-    return hash_long(p, n, mtplx_cpu_get_isa());
+    if (n <= 16) return hash_0to16(p, n, seed);
+    if (n <= 240) return hash_17to240(p, n, seed);
+    /* Seed 0 derives the default secret, so one path serves both; reading the secret from the
+     * stack rather than as constants measured no slower (tools/bench_checksum.py). */
+    uint8_t custom[SECRET_BYTES] __attribute__((aligned(64)));
+    seeded_secret(custom, seed);
+    return hash_long(p, n, custom, mtplx_cpu_get_isa());
 }

@@ -26,10 +26,10 @@
  *   int mtplx_cpu_best_isa(void), mtplx_cpu_get_isa(void), mtplx_cpu_set_isa(int want)
  *       0 scalar, 1 avx2, 2 avx512, 3 avx512bf16 (2 plus BW and BF16; the best the CPU
  *       supports unless lowered); one choice for every codec (isa.c).
- *   uint64_t mtplx_cpu_xxh3_64(const void *data, size_t n)
- *       XXH3-64 of n bytes, seed 0 and the default secret (the published xxHash algorithm;
- *       checksum.c, on the ISA switch's path): the fast per-record check of read-time
- *       integrity (offload/digests.py).
+ *   uint64_t mtplx_cpu_xxh3_64(const void *data, size_t n, uint64_t seed)
+ *       XXH3-64 of n bytes with `seed` (xxHash's XXH3_64bits_withSeed; seed 0 is the plain
+ *       XXH3_64bits, default secret; checksum.c, on the ISA switch's path): the fast
+ *       per-record check of read-time integrity (offload/digests.py).
  * Return codes: 0 ok, -1 bad shape, parameter or codec, -2 out of memory, -3 invalid scale (mxfp4
  * E8M0 0xFF; fp8-block: not finite, or 448 |s| not finite in bf16), -4 invalid weight code
  * (fp8-block: the e4m3 NaN 0x7F or 0xFF; met while decoding, so Y, out or acc then hold NaN
@@ -80,6 +80,6 @@ MTPLX_API const char *mtplx_cpu_codec_name(int codec);
 MTPLX_API int mtplx_cpu_best_isa(void);
 MTPLX_API int mtplx_cpu_set_isa(int want);
 MTPLX_API int mtplx_cpu_get_isa(void);
-MTPLX_API uint64_t mtplx_cpu_xxh3_64(const void *data, size_t n);
+MTPLX_API uint64_t mtplx_cpu_xxh3_64(const void *data, size_t n, uint64_t seed);
 
 #endif
