@@ -333,12 +333,12 @@ import sys
 import mtplx_runtime
 from mtplx_runtime.artifact.integrity import IntegrityError
 from mtplx_runtime.engine import runtime
-real = runtime.load_tokenizer
+real = runtime.model_tokenizer
 def held(root):  # the shards are open now (a tokenizer load takes its time on K3): hold here
     print("opened", flush=True)
     sys.stdin.readline()
     return real(root)
-runtime.load_tokenizer = held
+runtime.model_tokenizer = held
 try:
     with mtplx_runtime.load(sys.argv[1], dtype="float32", kernels="reference",
                             cache_slots=(2, 0)) as rt:

@@ -94,6 +94,8 @@ def _cuda_runs(mode, bits, group):
 def test_cuda_refuses_what_the_cuda_column_does_not_run(mode, bits, group):
     layout = record_layout(SimpleNamespace(expert_shapes=SHAPES), mode, bits, group)
     assert (cuda.unsupported(layout) is None) == _cuda_runs(mode, bits, group)
+    # what `mtplx plan` says of a GPU plan, from the manifest's quantization alone
+    assert (modes.cuda_gap(mode, bits, group) is None) == _cuda_runs(mode, bits, group)
 
 
 def test_profiler_codec_names_follow_the_table():

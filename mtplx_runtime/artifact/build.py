@@ -46,6 +46,7 @@ from .outputs import (
     file_identity,
     install_bytes,
     receipt_bytes,
+    resident_names,
     source_hashes,
 )
 from .part import (
@@ -58,7 +59,7 @@ from .part import (
     sha256_hex,
 )
 
-KEEP_MODES = {"t158": "t158", "mxfp4": "mxfp4", "bf16": "bf16"}
+KEEP_MODES = {"t158": "t158", "mxfp4": "mxfp4", "bf16": "bf16", "fp8": "fp8-block"}
 
 
 @dataclass
@@ -293,6 +294,12 @@ def build_artifact(src: str | os.PathLike, out: str | os.PathLike, *, codec: str
     # SRC and the arguments are checked before OUT is created: a mistake leaves nothing behind.
     with open_source(src) as ckpt:
         esrc = ExpertSource(ckpt, codec)
+        if resident_dtype != "bf16" and any(ckpt.tensor_info(n).dtype == "F8_E4M3"
+                                            for n in resident_names(ckpt)):
+            raise BuildError(f"{src}: its resident matrices are FP8 (dequantized to bf16 at "
+                             f"load), which --resident-dtype {resident_dtype} does not re-encode "
+                             f"at build; build with bf16 residents and give --resident-dtype "
+                             f"{resident_dtype} when loading")
         moe = ckpt.config.moe_layers
         layer_ids = sorted(layers) if isinstance(layers, list) else parse_layers(layers, moe)
         out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.residents import resident_tensor_specs
+from ..checkpoint.residents import resident_tensor_specs, unused_tensor
 from ..files import HASH_CHUNK, fsync_dir, read_regular, sha256_file
 from ..formats.modes import quantization_for
 from ..formats.record import ALIGNMENT
@@ -119,7 +119,10 @@ class Residents:
 
 
 def resident_names(ckpt) -> list[str]:
-    return sorted(n for n in ckpt.tensor_names() if not _EXPERT.match(n))
+    """The source's non-expert tensors, without those its model never runs (the DeepSeek-V3
+    family's MTP modules)."""
+    return sorted(n for n in ckpt.tensor_names()
+                  if not _EXPERT.match(n) and not unused_tensor(ckpt.config, n))
 
 
 def _stored_residents(ckpt, resident_dtype: str) -> list[tuple[str, str, tuple, str]]:
@@ -245,7 +248,8 @@ def assemble_manifest(cfg, esrc, ckpt, results: dict, residents: Residents,
 
 
 def cfg_model_key(cfg) -> str:
-    return "kimi-k3" if cfg.hidden_size == 7168 else "kimi-k3-custom"
+    """The model's family ("kimi-k3", "deepseek-v3", "kimi-k2"); "-custom" at other widths."""
+    return cfg.family if cfg.hidden_size == 7168 else f"{cfg.family}-custom"
 
 
 def source_hashes(files: list[Path]) -> list[dict]:

@@ -72,10 +72,10 @@ def _check_links(root: Path, rep: VerifyReport) -> None:
 def _descriptor(m: Manifest, root: Path, rep: VerifyReport) -> Descriptor | None:
     if m.model_key == K3_T158_DESCRIPTOR.model_key:
         return K3_T158_DESCRIPTOR
-    from ..checkpoint.config import ModelConfig
+    from ..checkpoint.reader import load_config
 
     try:
-        cfg = ModelConfig.from_file(root / "config.json", root=root)
+        cfg = load_config(root / "config.json", root=root)
         # An artifact built with --layers holds a subset of the routed layers, each complete.
         return descriptor_for(cfg, m.quantization["mode"], m.quantization["bits"],
                               model_key=m.model_key, layers={r.layer for r in m.records},

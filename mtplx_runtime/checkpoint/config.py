@@ -73,8 +73,35 @@ _TYPE_OK = {
 }
 
 
+class MoELayers:
+    """Layer helpers both families' configs share (0-based layer indices): layers from
+    `first_k_dense_replace` on are MoE (`moe_layer_freq` 1), each with `num_experts` experts."""
+
+    __slots__ = ()
+
+    def _check_index(self, layer: int) -> None:
+        if not 0 <= layer < self.num_hidden_layers:
+            raise ValueError(f"layer {layer} is outside 0..{self.num_hidden_layers - 1}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        self._check_index(layer)
+        return layer >= self.first_k_dense_replace
+
+    def check_expert_key(self, layer: int, expert: int) -> None:
+        """ValueError unless `layer` is an MoE layer and `expert` one of its experts."""
+        if not (0 <= layer < self.num_hidden_layers and self.is_moe_layer(layer)):
+            raise ValueError(f"layer {layer} is not an MoE layer (MoE layers "
+                             f"{self.first_k_dense_replace}..{self.num_hidden_layers - 1})")
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is outside 0..{self.num_experts - 1}")
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(range(self.first_k_dense_replace, self.num_hidden_layers))
+
+
 @dataclass(frozen=True, slots=True)
-class ModelConfig:
+class ModelConfig(MoELayers):
     """K3 text config (FORMAT.md "Geometry"). Fields without defaults are required in the file."""
 
     vocab_size: int
@@ -125,6 +152,8 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0
     max_position_embeddings: int = 1_048_576
     quantization_config: dict | None = None  # raw block, read by the checkpoint reader
+
+    family = "kimi-k3"  # names the model in artifact keys and messages
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -222,33 +251,12 @@ class ModelConfig:
                     f"{name} = {getattr(self, name)!r} is not supported (Kimi K3 uses {want!r})"
                 )
 
-    # ---- derived layout helpers (0-based layer indices) ----
-
-    def _check_index(self, layer: int) -> None:
-        if not 0 <= layer < self.num_hidden_layers:
-            raise ValueError(f"layer {layer} is outside 0..{self.num_hidden_layers - 1}")
+    # ---- derived layout helpers (0-based layer indices; the MoE ones: MoELayers) ----
 
     def is_kda_layer(self, layer: int) -> bool:
         """True for KDA layers, False for MLA layers (`ℓ+1 ∈ kda_layers`, FORMAT.md "Geometry")."""
         self._check_index(layer)
         return layer + 1 in self.kda_layers
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """Layers from first_k_dense_replace on are MoE (moe_layer_freq is 1)."""
-        self._check_index(layer)
-        return layer >= self.first_k_dense_replace
-
-    def check_expert_key(self, layer: int, expert: int) -> None:
-        """ValueError unless `layer` is an MoE layer and `expert` one of its experts."""
-        if not (0 <= layer < self.num_hidden_layers and self.is_moe_layer(layer)):
-            raise ValueError(f"layer {layer} is not an MoE layer (MoE layers "
-                             f"{self.first_k_dense_replace}..{self.num_hidden_layers - 1})")
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert {expert} is outside 0..{self.num_experts - 1}")
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return list(range(self.first_k_dense_replace, self.num_hidden_layers))
 
     @property
     def expert_shapes(self) -> dict[str, tuple[int, int]]:

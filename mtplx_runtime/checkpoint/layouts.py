@@ -3,8 +3,10 @@
 Detection looks only at tensor names and header dtypes (FORMAT.md "Checkpoint layouts the
 reader accepts"):
   * mxfp4 / w3 / bf16: one tensor per component per expert projection, official names
-    `language_model.model.layers.{L}.block_sparse_moe.experts.{e}.{w1|w3|w2}.{suffix}`;
-    `weight` -> bf16, `weight_packed` U8 -> mxfp4, `weight_packed` I32 -> w3 (compressed-tensors);
+    `language_model.model.layers.{L}.block_sparse_moe.experts.{e}.{w1|w3|w2}.{suffix}` (K3) or
+    `model.layers.{L}.mlp.experts.{e}.{gate_proj|up_proj|down_proj}.{suffix}` (the DeepSeek-V3
+    family); `weight` -> bf16, `weight_packed` U8 -> mxfp4, `weight_packed` I32 -> w3
+    (compressed-tensors);
   * t158: six expert-leading stacked tensors per layer.
 Exactly one layout per checkpoint. Shapes and dtypes come from the codec's component specs for the
 config-derived expert shapes, so a tensor that disagrees with the config is named at open time.
@@ -21,7 +23,9 @@ import numpy as np
 
 from ..formats import Codec, ComponentSpec, FormatError, get_codec
 from ..formats.ctint import detect_layout, parse_quantization_config
+from ..formats.fp8block import parse_quantization_config as parse_fp8_config
 from .config import ModelConfig
+from .deepseek_config import DeepseekV3Config
 from .safetensors_io import CheckpointError, SafetensorsFile
 
 # Official projection names -> ours (w1 = gate, w3 = up, w2 = down).
@@ -31,6 +35,9 @@ T158_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _PER_EXPERT = re.compile(
     r"language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(\w+)"
 )
+DEEPSEEK_PROJECTIONS = T158_PROJECTIONS  # transformers' projection names, as t158's
+_DEEPSEEK_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)")
 # The published t158 names are unconfirmed: accept an optional `language_model.`
 # prefix and `block_sparse_moe` in place of `mlp`.
 _STACKED = re.compile(
@@ -40,9 +47,39 @@ _STACKED = re.compile(
 _MAX_LISTED = 8  # how many offenders an error message spells out
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertNaming:
+    """How a family names per-expert tensors: `pattern` groups (layer, expert, stored projection,
+    suffix); `prefix` formats `{layer}`, `{expert}`, `{proj}` into a projection's name + ".";
+    `projections` maps stored projection names to ours (gate, up, down)."""
+
+    pattern: re.Pattern
+    prefix: str
+    projections: dict[str, str]
+
+
+K3_NAMING = ExpertNaming(
+    _PER_EXPERT, "language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.",
+    PROJECTIONS)
+DEEPSEEK_NAMING = ExpertNaming(
+    _DEEPSEEK_EXPERT, "model.layers.{layer}.mlp.experts.{expert}.{proj}.", DEEPSEEK_PROJECTIONS)
+
+
+def expert_naming(cfg) -> ExpertNaming:
+    """The per-expert naming of `cfg`'s family."""
+    return DEEPSEEK_NAMING if isinstance(cfg, DeepseekV3Config) else K3_NAMING
+
+
 def is_expert_tensor(name: str) -> bool:
     """Whether `name` is a routed-expert tensor of a layout detect_expert_layout knows."""
-    return bool(_PER_EXPERT.fullmatch(name) or _STACKED.fullmatch(name))
+    return bool(_PER_EXPERT.fullmatch(name) or _STACKED.fullmatch(name)
+                or _DEEPSEEK_EXPERT.fullmatch(name))
+
+
+def mtp_layer(cfg, layer: int) -> bool:
+    """Whether `layer` is one of the multi-token-prediction modules stored after the last layer
+    (`num_nextn_predict_layers` of them): kept in published checkpoints, never run."""
+    return cfg.num_hidden_layers <= layer < cfg.num_hidden_layers + cfg.num_nextn_predict_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +108,7 @@ class ExpertRecord:
 
 
 class ExpertLayout(ABC):
-    name: str  # "mxfp4" | "w3" | "t158" | "bf16"
+    name: str  # "mxfp4" | "w3" | "t158" | "bf16" | "fp8"
     codec: Codec
 
     @abstractmethod
@@ -135,6 +172,7 @@ class PerExpertLayout(ExpertLayout):
     def __init__(self, name: str, codec: Codec, cfg: ModelConfig,
                  where: Mapping[str, SafetensorsFile], groups: dict, root: str):
         self.name, self.codec, self._cfg, self._where = name, codec, cfg, where
+        self._naming = expert_naming(cfg)
         self._specs = _expert_specs(codec, cfg, root)
         # suffix -> (safetensors dtype, shape) of every tensor a projection may have, and the
         # suffixes it must have. w3 also stores the unpacked shape (required) and, from
@@ -160,7 +198,7 @@ class PerExpertLayout(ExpertLayout):
             absent = []
             for e in range(cfg.num_experts):
                 gaps = []
-                for off, proj in PROJECTIONS.items():
+                for off, proj in self._naming.projections.items():
                     have = groups.pop((layer, e, off), {})
                     self._check_group(have, proj)
                     gaps += [f"{off}.{s}" for s in self._required[proj] if s not in have]
@@ -191,8 +229,8 @@ class PerExpertLayout(ExpertLayout):
 
     def read(self, layer: int, expert: int) -> ExpertRecord:
         projections = {}
-        for off, proj in PROJECTIONS.items():
-            prefix = f"language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{off}."
+        for off, proj in self._naming.projections.items():
+            prefix = self._naming.prefix.format(layer=layer, expert=expert, proj=off)
             shape = self._cfg.expert_shapes[proj]
             parts = {c.name: self._where[prefix + c.name].read(prefix + c.name)
                      for c in self._specs[proj]}
@@ -260,8 +298,8 @@ class StackedT158Layout(ExpertLayout):
 
 def _kind(shard: SafetensorsFile, name: str, suffix: str) -> str | None:
     """The layout one per-expert tensor implies, or None for a suffix that implies none."""
-    if suffix == "weight":
-        return "bf16"
+    if suffix == "weight":  # BF16, or FP8 e4m3 beside its block scales (fp8-block)
+        return "fp8" if shard.tensors[name].dtype == "F8_E4M3" else "bf16"
     if suffix != "weight_packed":
         return None
     dtype = shard.tensors[name].dtype
@@ -277,6 +315,7 @@ def detect_expert_layout(cfg: ModelConfig, where: Mapping[str, SafetensorsFile],
     groups: dict[tuple[int, int, str], dict[str, str]] = {}
     stacked: dict[tuple[int, str, str], str] = {}
     examples: dict[str, str] = {}  # layout -> first tensor implying it
+    per_expert = expert_naming(cfg).pattern
     for name, shard in where.items():
         if m := _STACKED.fullmatch(name):
             key = (int(m[1]), T158_PROJECTIONS[m[2]], m[3])
@@ -284,7 +323,9 @@ def detect_expert_layout(cfg: ModelConfig, where: Mapping[str, SafetensorsFile],
                 raise _fail(shard, name, f"and {stacked[key]!r} are two spellings of one tensor")
             stacked[key] = name
             examples.setdefault("t158", name)
-        elif m := _PER_EXPERT.fullmatch(name):
+        elif m := per_expert.fullmatch(name):
+            if mtp_layer(cfg, int(m[1])):
+                continue  # an MTP module's experts: not part of the model that runs
             groups.setdefault((int(m[1]), int(m[2]), m[3]), {})[m[4]] = name
             if kind := _kind(shard, name, m[4]):
                 examples.setdefault(kind, name)
@@ -293,7 +334,7 @@ def detect_expert_layout(cfg: ModelConfig, where: Mapping[str, SafetensorsFile],
         raise CheckpointError(f"{root}: mixed routed-expert layouts: {shown}")
     if not examples:
         raise CheckpointError(f"{root}: no routed-expert tensors of a known layout "
-                              f"(mxfp4, w3, t158, bf16)")
+                              f"(mxfp4, w3, t158, bf16, fp8)")
     (kind,) = examples
     qc = cfg.quantization_config
     if kind == "t158":
@@ -308,6 +349,13 @@ def detect_expert_layout(cfg: ModelConfig, where: Mapping[str, SafetensorsFile],
     elif kind == "bf16":
         _require_no_quantization(qc, kind, root)
         codec = get_codec("bf16")
+    elif kind == "fp8":
+        try:
+            parse_fp8_config(qc if qc is not None else {})
+        except FormatError as e:
+            raise CheckpointError(f"{root}: experts are FP8 (F8_E4M3 weight) but the config's "
+                                  f"{e}") from None
+        codec = get_codec("fp8-block")
     else:
         codec = _w3_codec(cfg, where, groups, root)
     return PerExpertLayout(kind, codec, cfg, where, groups, root)
@@ -348,7 +396,8 @@ def _w3_codec(cfg: ModelConfig, where: Mapping[str, SafetensorsFile], groups: di
         if name is None:
             continue
         shard = where[name]
-        width, cols = shard.tensors[name].shape[-1], cfg.expert_shapes[PROJECTIONS[off]][1]
+        proj = expert_naming(cfg).projections[off]
+        width, cols = shard.tensors[name].shape[-1], cfg.expert_shapes[proj][1]
         if (width, cols) not in seen:
             try:
                 seen[width, cols] = detect_layout(width, cols, scheme.version)

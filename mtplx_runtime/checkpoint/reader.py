@@ -1,4 +1,5 @@
-"""open_checkpoint: an HF-style Kimi K3 checkpoint directory, validated at open, read lazily.
+"""open_checkpoint: an HF-style Kimi K3 or DeepSeek-V3 family checkpoint directory, validated at
+open, read lazily.
 
     config.json + index (or one model.safetensors) -> shard headers -> expert layout -> residents
 
@@ -23,7 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from ..formats import Codec
-from .config import ModelConfig, load_json
+from .config import ConfigError, ModelConfig, load_json
+from .deepseek_config import MODEL_TYPES as DEEPSEEK_TYPES
+from .deepseek_config import DeepseekV3Config
 from .layouts import ExpertLayout, ExpertRecord, detect_expert_layout
 from .residents import check_residents
 from .safetensors_io import CheckpointError, SafetensorsFile, TensorInfo
@@ -118,7 +121,7 @@ def open_checkpoint(path: str | os.PathLike, *, experts=None,
         raise CheckpointError(f"{root}: not a checkpoint directory")
     if experts is None:
         _refuse_artifact(root)
-    config = ModelConfig.from_file(root / CONFIG, root=root)
+    config = load_config(root / CONFIG, root=root)
     shards: list[SafetensorsFile] = []
     layout = None
     try:
@@ -137,6 +140,21 @@ def open_checkpoint(path: str | os.PathLike, *, experts=None,
         if layout is not None:
             layout.close()
         raise
+
+
+def load_config(path: str | os.PathLike, *,
+                root: str | os.PathLike | None = None) -> ModelConfig | DeepseekV3Config:
+    """The model config in `path` (a config.json): the DeepSeek-V3 family (DeepSeek-V3/R1,
+    Kimi K2) by its `model_type`, else Kimi K3. `root`: the model directory it must not leave.
+    ConfigError naming the file."""
+    path = Path(path)
+    d = load_json(path, root=root)
+    try:
+        if isinstance(d, dict) and d.get("model_type") in DEEPSEEK_TYPES:
+            return DeepseekV3Config.from_dict(d)
+        return ModelConfig.from_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def _refuse_artifact(root: Path) -> None:

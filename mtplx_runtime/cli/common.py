@@ -315,7 +315,8 @@ class ReplyPrinter:
 
         self._channels = ChannelText(tok, thinking)
         self._kind = self._channels.kind
-        self.prefix = "<think>\n" if thinking else ""  # the prompt opened this channel
+        # the prompt opened this channel (a chat template may not have one to open)
+        self.prefix = "<think>\n" if self._kind == "reasoning" else ""
 
     @property
     def in_think(self) -> bool:

@@ -116,6 +116,7 @@ def main(args: argparse.Namespace) -> int:
         mem_available_bytes,
         plan_for,
     )
+    from ..formats.modes import cuda_gap
     from ..kernels import ENV
     from ..profile.estimate import estimate_decode, format_estimate
 
@@ -166,4 +167,7 @@ def main(args: argparse.Namespace) -> int:
     print(format_plan(plan))
     print(format_artifact_size(size))
     print(format_estimate(est))
+    gap = cuda_gap(facts.mode, facts.bits, facts.group_size) if kernels == "cuda" else None
+    if gap is not None:  # load refuses the bank on these kernels: the plan says so
+        print(f"note: loading this bank with the cuda kernels is refused today: {gap}")
     return 0

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.config import load_json
+from .chat_template import TemplateChannels, parse_template_reply, render_template
 from .tokenizer import Tokenizer
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
@@ -342,7 +343,11 @@ def encode_segments(tok: Tokenizer, segments: Segments) -> list[int]:
 
 def render_chat(tok: Tokenizer, messages: list[dict], **options: Any) -> list[int]:
     """Prompt ids of a chat: `build_segments(messages, **options)` (thinking, tools, thinking
-    effort, tool choice, response format, generation prompt), encoded."""
+    effort, tool choice, response format, generation prompt), encoded. A tokenizer carrying a
+    model's Jinja chat template (the DeepSeek-V3 family) renders through it instead
+    (engine/chat_template.py)."""
+    if getattr(tok, "chat_template", None):
+        return render_template(tok, messages, **options)
     return encode_segments(tok, build_segments(messages, **options))
 
 
@@ -402,6 +407,8 @@ def parse_assistant(
     ids, at any stop id); an unfinished reply yields what is there so far. Tool calls are
     `{"name", "arguments"}` with typed arguments (a json block gives its raw string).
     """
+    if not isinstance(reply, str) and getattr(tok, "chat_template", None):
+        return parse_template_reply(list(reply), tok, thinking)
     if isinstance(reply, str):
         events = _events_from_text(reply)
     else:
@@ -462,7 +469,13 @@ class ChannelText:
     "reasoning", response and message channels as "content", other XTML tags (tool calls) as
     `<tag attrs>` / `</tag>` content. The one channel state machine of the package: the server
     keeps the kinds apart, `mtplx generate --chat` / `mtplx chat` print them with think tags.
-    `thinking`: the prompt opened the think channel (the reply starts in it)."""
+    `thinking`: the prompt opened the think channel (the reply starts in it). A tokenizer
+    carrying a Jinja chat template gets `chat_template.TemplateChannels` instead."""
+
+    def __new__(cls, tok, thinking: bool):
+        if getattr(tok, "chat_template", None):
+            return TemplateChannels(tok, thinking)  # not a ChannelText: __init__ is not run
+        return super().__new__(cls)
 
     def __init__(self, tok, thinking: bool):
         self._tok, self._dec = tok, tok.stream_decoder(skip_special=True)

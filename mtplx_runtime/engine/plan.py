@@ -31,12 +31,14 @@ from pathlib import Path
 from typing import Protocol
 
 from ..artifact.manifest import DTYPE_BYTES, MANIFEST_NAME, load_manifest
+from ..checkpoint import DeepseekV3Config, load_config
 from ..checkpoint.config import ModelConfig, load_json
 from ..checkpoint.layouts import is_expert_tensor
 from ..checkpoint.residents import resident_tensor_specs
 from ..checkpoint.safetensors_io import SafetensorsFile
 from ..formats.base import FormatError
 from ..formats.ctint import parse_quantization_config
+from ..formats.fp8block import parse_quantization_config as parse_fp8_config
 from ..formats.record import align_up, record_layout
 from ..formats.resident_layouts import (
     RESIDENT_DTYPES,
@@ -162,6 +164,7 @@ class ModelFacts:
     resident_dtype: str = "bf16"  # what the model stores (an artifact's --resident-dtype)
     source_bytes: int | None = None  # the checkpoint's tensor bytes (its index's total_size)
     bits: int | None = None  # a ct-int bank's bit width
+    group_size: int | None = None  # a ct-int bank's scale group (None: the mode's default)
 
     @property
     def geometry(self) -> Geometry:
@@ -182,7 +185,8 @@ class Geometry(Protocol):
     def resident_specs(self) -> dict:  # name -> checkpoint.residents.ResidentSpec (stored form)
         ...
 
-    def record_bytes(self, mode: str, bits: int | None) -> int:  # one expert in a bank mode
+    def record_bytes(self, mode: str, bits: int | None,
+                     group_size: int | None = None) -> int:  # one expert in a bank mode
         ...
 
     def expert_weights(self) -> int:  # weights of one routed expert, all projections
@@ -199,13 +203,10 @@ class Geometry(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
-class K3Geometry:
-    """Kimi K3's geometry (and its tiny fixtures'): KDA recurrent state, MLA latent cache,
-    LatentMoE experts (FORMAT.md "Geometry", "Decode state")."""
+class _Geometry:
+    """The members every family's geometry reads alike from its config (`self.cfg`)."""
 
-    cfg: ModelConfig
-    embedding: str = "language_model.model.embed_tokens.weight"
+    __slots__ = ()
 
     @property
     def experts(self) -> int:
@@ -226,14 +227,11 @@ class K3Geometry:
     def resident_specs(self) -> dict:
         return resident_tensor_specs(self.cfg)
 
-    def record_bytes(self, mode: str, bits: int | None) -> int:
-        return record_layout(self.cfg, mode, bits).logical_bytes
+    def record_bytes(self, mode: str, bits: int | None, group_size: int | None = None) -> int:
+        return record_layout(self.cfg, mode, bits, group_size).logical_bytes
 
     def expert_weights(self) -> int:
         return sum(r * c for r, c in self.cfg.expert_shapes.values())
-
-    def state_bytes(self, dtype: str, batch: int) -> int:
-        return kda_state_bytes(self.cfg, dtype, batch)
 
     def cache_token_bytes(self, dtype: str) -> int:
         return mla_token_bytes(self.cfg, dtype)
@@ -243,7 +241,33 @@ class K3Geometry:
         return workspace_bytes(self.cfg, dtype, tokens, context, decoded_experts, grouped)
 
 
-GEOMETRIES: dict[type, type] = {ModelConfig: K3Geometry}  # config class -> its Geometry
+@dataclass(frozen=True, slots=True)
+class K3Geometry(_Geometry):
+    """Kimi K3's geometry (and its tiny fixtures'): KDA recurrent state, MLA latent cache,
+    LatentMoE experts (FORMAT.md "Geometry", "Decode state")."""
+
+    cfg: ModelConfig
+    embedding: str = "language_model.model.embed_tokens.weight"
+
+    def state_bytes(self, dtype: str, batch: int) -> int:
+        return kda_state_bytes(self.cfg, dtype, batch)
+
+
+@dataclass(frozen=True, slots=True)
+class DeepseekV3Geometry(_Geometry):
+    """The DeepSeek-V3 family's geometry (FORMAT.md "The DeepSeek-V3 family"): every layer MLA
+    (its latent cache holds the rotated keys), no recurrent state, no AttnRes bank, routed
+    experts at the hidden width."""
+
+    cfg: DeepseekV3Config
+    embedding: str = "model.embed_tokens.weight"
+
+    def state_bytes(self, dtype: str, batch: int) -> int:
+        return 0
+
+
+# config class -> its Geometry
+GEOMETRIES: dict[type, type] = {ModelConfig: K3Geometry, DeepseekV3Config: DeepseekV3Geometry}
 
 
 def geometry_of(cfg) -> Geometry:
@@ -253,32 +277,43 @@ def geometry_of(cfg) -> Geometry:
         raise PlanError(f"no plan geometry for a {type(cfg).__name__}") from None
 
 
-def facts_from_config(cfg: ModelConfig, mode: str = "t158", bits: int | None = None) -> ModelFacts:
-    """Facts without any file: residents from the resident table, records from the layout."""
+def facts_from_config(cfg: ModelConfig, mode: str = "t158", bits: int | None = None,
+                      group_size: int | None = None) -> ModelFacts:
+    """Facts without any file: residents from the resident table, records from the layout
+    (`group_size` None: the mode's default)."""
     g = geometry_of(cfg)
     residents = tuple((name, s.dtype, math.prod(s.shape) * DTYPE_BYTES[s.dtype])
                       for name, s in g.resident_specs().items())
-    return ModelFacts(cfg, mode, g.record_bytes(mode, bits), g.routed_layers, residents,
-                      "config", bits=bits if mode.startswith("ct-int") else None)
+    ct_int = mode.startswith("ct-int")
+    return ModelFacts(cfg, mode, g.record_bytes(mode, bits, group_size), g.routed_layers,
+                      residents, "config", bits=bits if ct_int else None,
+                      group_size=group_size if ct_int else None)
 
 
-def bank_mode(root: Path, cfg: ModelConfig) -> tuple[str, int | None, str]:
-    """(mode, bits, what told) of the bank `mtplx build-manifest --bank-codec keep` would write
-    for the checkpoint at `root`, from its config's quantization_config, else (t158 and bf16
-    have none) from its tensor names: the index's weight_map, or the one shard's header. The
-    shards themselves need not be there."""
+def bank_mode(root: Path, cfg: ModelConfig) -> tuple[str, int | None, int | None, str]:
+    """(mode, bits, group size, what told) of the bank `mtplx build-manifest --bank-codec keep`
+    would write for the checkpoint at `root`, from its config's quantization_config, else (t158
+    and bf16 have none) from its tensor names: the index's weight_map, or the one shard's
+    header. The shards themselves need not be there."""
     qc = cfg.quantization_config
+    if qc is not None and qc.get("quant_method") == "fp8":  # DeepSeek's FP8 block checkpoints
+        try:
+            parse_fp8_config(qc)
+        except FormatError as e:
+            raise PlanError(f"{root / 'config.json'}: quantization_config: {e}") from None
+        return "fp8-block", None, None, "config"
     if qc is not None:
         groups = qc.get("config_groups") or {}
         formats = {qc.get("format")} | {g.get("format") for g in groups.values()
                                         if isinstance(g, dict)}
         if "mxfp4-pack-quantized" in formats:
-            return "mxfp4", None, "config"
+            return "mxfp4", None, None, "config"
         try:
             scheme = parse_quantization_config(qc)
         except FormatError as e:
             raise PlanError(f"{root / 'config.json'}: quantization_config: {e}") from None
-        return ("ct-int" if scheme.symmetric else "ct-int-asym"), scheme.num_bits, "config"
+        return (("ct-int" if scheme.symmetric else "ct-int-asym"), scheme.num_bits,
+                scheme.group_size, "config")
     names = tensor_names(root)
     if names is None:
         raise PlanError(f"{root}: config.json has no quantization_config, so the routed experts "
@@ -289,7 +324,7 @@ def bank_mode(root: Path, cfg: ModelConfig) -> tuple[str, int | None, str]:
         raise PlanError(f"{root}: no routed-expert tensors among the {len(names)} names of "
                         f"{INDEX if (root / INDEX).is_file() else SINGLE}")
     # Stacked t158 tensors end in .packed / .scales; a per-expert .weight is bf16.
-    return ("bf16" if any(n.endswith(".weight") for n in experts) else "t158"), None, \
+    return ("bf16" if any(n.endswith(".weight") for n in experts) else "t158"), None, None, \
         "checkpoint"
 
 
@@ -339,28 +374,32 @@ def facts_from_dir(model_dir: str | Path, manifest=None,
             if not root.is_dir():
                 raise PlanError(f"{root}: no such directory")
             return _facts_from_source(root, bank_codec)  # a GGUF source: its config is inside
-        cfg = ModelConfig.from_file(root / "config.json", root=root)
-        mode, bits, told = ("t158", None, "config") if bank_codec == "t158" else \
+        cfg = load_config(root / "config.json", root=root)
+        mode, bits, group, told = ("t158", None, None, "config") if bank_codec == "t158" else \
             bank_mode(root, cfg)
-        return replace(facts_from_config(cfg, mode, bits), source=told,
+        return replace(facts_from_config(cfg, mode, bits, group), source=told,
                        source_bytes=source_bytes(root))
-    cfg = ModelConfig.from_file(root / "config.json", root=root)
+    cfg = load_config(root / "config.json", root=root)
     m = manifest if manifest is not None else load_manifest(root / MANIFEST_NAME)
     sizes = {r.logical_bytes for r in m.records}
     if len(sizes) != 1:
         raise PlanError(f"{root}: records of {len(sizes)} sizes; the plan needs one record size")
-    # Only the tensors the model loads count; a stored length beats the table (A_log padding).
+    # Only the tensors the model loads count; a stored length beats the table (A_log padding),
+    # but a matrix stored in another dtype (an fp8 checkpoint's FP8 one) loads as the table's.
     wanted = geometry_of(cfg).resident_specs()
     stored = {t.tensor: (t.dtype, t.length) for t in m.resident_tensors}
     quantized = m.resident_dtype != "bf16"
     residents = tuple(
         (name, s.dtype, math.prod(s.shape) * DTYPE_BYTES[s.dtype])
-        if name not in stored or (quantized and quantizable(name, s.shape, s.dtype))
+        if name not in stored or stored[name][0] != s.dtype
+        or (quantized and quantizable(name, s.shape, s.dtype))
         else (name, *stored[name]) for name, s in wanted.items())
     mode = m.quantization["mode"]
+    ct_int = mode.startswith("ct-int")
     return ModelFacts(cfg, mode, sizes.pop(), tuple(sorted({r.layer for r in m.records})),
                       residents, "manifest", m.resident_dtype,
-                      bits=m.quantization.get("bits") if mode.startswith("ct-int") else None)
+                      bits=m.quantization.get("bits") if ct_int else None,
+                      group_size=m.quantization.get("group_size") if ct_int else None)
 
 
 def _facts_from_source(root: Path, bank_codec: str | None) -> ModelFacts:
@@ -370,7 +409,7 @@ def _facts_from_source(root: Path, bank_codec: str | None) -> ModelFacts:
 
     with open_source(root) as ckpt:
         src = ExpertSource(ckpt, bank_codec or "keep")
-        facts = facts_from_config(ckpt.config, src.mode, src.bits)
+        facts = facts_from_config(ckpt.config, src.mode, src.bits, src.group_size)
     return replace(facts, source="checkpoint", source_bytes=source_bytes(root))
 
 

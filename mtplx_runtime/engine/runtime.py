@@ -24,13 +24,17 @@ import torch
 from ..artifact.build import BuildError, ExpertSource
 from ..artifact.integrity import admit_shards
 from ..artifact.open import is_artifact, open_artifact, open_source
+from ..checkpoint import DeepseekV3Config
 from ..formats.record import align_up
 from ..kernels import name_of, select_backend
+from ..model.deepseek_v3 import DeepseekV3
 from ..model.kimi_k3 import KimiK3
 from ..model.load import check_resident_dtype, load_residents, model_dtype
 from ..model.moe import ResidentExpertProvider
 from ..offload.provider import StreamingExpertProvider
 from ..offload.warm import WarmStart, warm_path
+from .chat_template import read_chat_template
+from .hf_tokenizer import HFTokenizer, model_tokenizer
 from .options import LoadOptions
 from .plan import (
     DEFAULT_CONTEXT,
@@ -40,7 +44,7 @@ from .plan import (
     mem_available_bytes,
     plan_for,
 )
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer
 
 __all__ = ["LoadOptions", "Runtime", "load", "load_model"]
 
@@ -53,8 +57,8 @@ class Runtime:
     the tokenizer, and for streamed experts the memory plan. `trace` (engine.trace.RouteTrace)
     is set by callers that record routes; `close()` closes it and the provider."""
 
-    model: KimiK3
-    tokenizer: Tokenizer | None
+    model: KimiK3 | DeepseekV3
+    tokenizer: Tokenizer | HFTokenizer | None
     provider: StreamingExpertProvider | ResidentExpertProvider
     plan: MemoryPlan | None = None
     trace: object | None = None
@@ -119,7 +123,7 @@ def load(path: str | os.PathLike, options: LoadOptions | None = None, /,
             raise ValueError(f"kernels {o.kernels!r} run on streamed experts: give a streaming "
                              "artifact (mtplx build-manifest) or leave the kernels unset")
         ckpt = open_source(root)
-        tok = load_tokenizer(root) if o.tokenizer else None
+        tok = _tokenizer(root, ckpt.config) if o.tokenizer else None
         dev = o.device or "cpu"
         provider = ResidentExpertProvider(ckpt, torch_dtype, dev)
         return Runtime(_build(ckpt, torch_dtype, dev, provider, o.resident_dtype), tok, provider,
@@ -134,7 +138,7 @@ def load(path: str | os.PathLike, options: LoadOptions | None = None, /,
     dev = o.device or ("cuda" if backend.DEVICE == "cuda" else "cpu")
     ckpt = open_artifact(root, verify_sha256=o.verify)
     try:
-        tok = load_tokenizer(root) if o.tokenizer else None
+        tok = _tokenizer(root, ckpt.config) if o.tokenizer else None
         bank, cfg = ckpt.expert_layout, ckpt.config
         # Hashed through the descriptors the residents are read from, so a file renamed over a
         # shard during the load changes nothing that is read.
@@ -188,7 +192,7 @@ def _record_bytes(ckpt) -> int | None:
 
 
 def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str = "float32",
-               resident_dtype: str | None = None) -> KimiK3:
+               resident_dtype: str | None = None) -> KimiK3 | DeepseekV3:
     """The reference model with every expert resident (decoded once): `load` without streaming,
     for any checkpoint or artifact the reader accepts."""
     torch_dtype = model_dtype(dtype)
@@ -198,7 +202,17 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str = "float
     return _build(ckpt, torch_dtype, device, provider, resident_dtype)
 
 
+def _tokenizer(root: Path, cfg) -> Tokenizer | HFTokenizer:
+    """The model directory's tokenizer; a DeepSeek-V3 family model's carries its Jinja chat
+    template (K3 chats are rendered natively: engine/chat.py)."""
+    tok = model_tokenizer(root)
+    if isinstance(cfg, DeepseekV3Config):
+        tok.chat_template = read_chat_template(root)
+    return tok
+
+
 def _build(ckpt, dtype: torch.dtype, device: str, provider,
-           resident_dtype: str | None) -> KimiK3:
+           resident_dtype: str | None) -> KimiK3 | DeepseekV3:
     top, layers = load_residents(ckpt, dtype, device, resident_dtype)
-    return KimiK3.from_weights(ckpt.config, top, layers, provider, dtype)
+    family = DeepseekV3 if isinstance(ckpt.config, DeepseekV3Config) else KimiK3
+    return family.from_weights(ckpt.config, top, layers, provider, dtype)

@@ -120,6 +120,9 @@ K3_NAMED_SPECIALS: dict[int, str] = {
 K3_NOT_SKIPPED = frozenset({"<|open|>", "<|close|>", "<|sep|>"})
 END_OF_MSG = "<|end_of_msg|>"
 EOS = "[EOS]"
+# End of turn (K3's `<|end_of_msg|>`, Kimi K2's `<|im_end|>`) and end of document stop generation.
+IM_END = "<|im_end|>"  # Kimi K2's end of turn, at the id where K3 has <|end_of_msg|>
+STOP_NAMES = (END_OF_MSG, IM_END, EOS)
 
 
 class TokenizerError(InputError):
@@ -214,8 +217,12 @@ class Tokenizer:
         )
         self.bos_id = self.special(bos)
         self.eos_id = self.special(eos)
+        # A Jinja chat template (the DeepSeek-V3 family's Kimi K2), set by the loader; K3 chats
+        # are rendered natively (engine/chat.py).
+        self.chat_template: str | None = None
         # Both end-of-turn and end-of-document stop generation (FORMAT.md "Tokenizer").
-        self.stop_ids = frozenset({self.special(END_OF_MSG), self.special(EOS), self.eos_id})
+        self.stop_ids = frozenset({*(self._by_name[n] for n in STOP_NAMES if n in self._by_name),
+                                   self.eos_id})
 
     @property
     def vocab_size(self) -> int:
@@ -316,7 +323,8 @@ def _config_specials(config: dict, n_ranks: int, where: Path) -> list[SpecialTok
         raise TokenizerError(f"{where}: added_tokens_decoder: special token names are not "
                              "unique")
     moved = [v for k, v in K3_NAMED_SPECIALS.items() if named.get(n_ranks + k, (None,))[0] != v]
-    if moved:
+    # Kimi K2's names differ by design: its chats render through its own template.
+    if moved and named.get(n_ranks + 2, (None,))[0] != IM_END:
         log.warning("%s: special tokens %s are not where K3 has them (first special id + %s; "
                     "missing or at another id): this runtime runs K3's chat format with K3's "
                     "ids", where, moved[:4],
@@ -373,10 +381,12 @@ def _load_tiktoken(root: Path) -> Tokenizer:
         raise TokenizerError(f"{cfg_path}: not a JSON object")
     specials = _config_specials(config, len(ranks), cfg_path)
     names = {s.text for s in specials}
-    for need in (END_OF_MSG, EOS):  # the stop ids of K3's chat format
-        if need not in names:
-            raise TokenizerError(f"{cfg_path}: added_tokens_decoder names no {need} (a stop "
-                                 "token of K3's chat format)")
+    # the stop ids: an end of turn (K3's chat format or Kimi K2's) and the end of document
+    for need in ((END_OF_MSG, IM_END), (EOS,)):
+        if not names & set(need):
+            raise TokenizerError(f"{cfg_path}: added_tokens_decoder names no "
+                                 f"{' or '.join(need)} (a stop token of K3's or Kimi K2's chat "
+                                 "format)")
     pat_str = _pattern(config, cfg_path)
     bos = _token_name(config, "bos_token", "[BOS]", names, cfg_path)
     eos = _token_name(config, "eos_token", EOS, names, cfg_path)

@@ -179,3 +179,19 @@ def cuda_kernels() -> dict[tuple[str, int | None], tuple[str, str, int]]:
     mode, in the form of kernels/cuda.py's KERNELS."""
     return {(m.name, k.bits): (k.source, k.prefix, k.group or m.group_size)
             for m in MODES.values() for k in m.cuda}
+
+
+def cuda_gap(mode: str, bits: int | None, group_size: int | None) -> str | None:
+    """Why no CUDA kernel runs a bank of `mode` at `bits` and `group_size` (None: the mode's
+    default), or None when one does: what kernels/cuda.py's `unsupported` says of its records
+    first, and what `mtplx plan` says of a GPU plan without reading a record."""
+    kernels = cuda_kernels()
+    key = (mode, bits if mode == "ct-int" else None)
+    if key not in kernels:
+        return (f"no CUDA kernel for bank mode {mode!r}{f' bits {bits}' if bits else ''}; use "
+                "the cpu or reference backend")
+    group, kernel_group = group_size or MODES[mode].group_size, kernels[key][2]
+    if group != kernel_group:  # the kernels read one scale per kernel_group columns
+        return (f"no CUDA kernel for bank mode {mode!r} with scale groups of {group} columns (the "
+                f"CUDA kernels read groups of {kernel_group}); use the cpu or reference backend")
+    return None

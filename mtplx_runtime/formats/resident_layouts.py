@@ -18,10 +18,10 @@ RESIDENT_DTYPES = ("bf16", "int8", "int4", "fp8")
 GROUP = 32  # int4 group along the input dim: 1 bf16 scale + 1 bf16 zero per 32 weights
 FP8_MAX = 448.0  # largest finite float8_e4m3fn: fp8 scales map a row's max|w| to it
 # 2-D bf16 tensors kept as stored: the embedding table (a lookup, not a matmul), the AttnRes
-# mixes (`*_res_proj`, [1, D] vectors), the router, and kv_b_proj, which absorbed MLA attention
-# slices per head as a tensor (model/mla.py w_uk / w_uv).
+# mixes (`*_res_proj`, [1, D] vectors), the router (K3's and the DeepSeek-V3 family's), and
+# kv_b_proj, which absorbed MLA attention slices per head as a tensor (model/mla.py w_uk / w_uv).
 _KEEP_SUFFIXES = ("embed_tokens.weight", "_res_proj.weight", "block_sparse_moe.gate.weight",
-                  "kv_b_proj.weight")
+                  "mlp.gate.weight", "kv_b_proj.weight")
 
 
 def quantizable(name: str, shape: tuple[int, ...], st_dtype: str) -> bool:

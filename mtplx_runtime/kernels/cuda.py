@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..extras import install_hint
-from ..formats.modes import MODES, cuda_kernels
+from ..formats.modes import MODES, cuda_gap, cuda_kernels
 from ..formats.record import first_misaligned
 from .reference import SITU_BETA, SITU_LINEAR_BETA, check_acc
 
@@ -124,15 +124,9 @@ def _layout_key(layout) -> tuple[str, int | None]:
 
 def unsupported(layout) -> str | None:
     """Why this backend cannot run records of `layout` (None: it can). Checked at load."""
-    key = _layout_key(layout)
-    if key not in KERNELS:
-        return (f"no CUDA kernel for bank mode {layout.mode!r} bits {layout.bits}; use the cpu "
-                "or reference backend")
-    group, kernel_group = layout.group_size or MODES[layout.mode].group_size, KERNELS[key][2]
-    if group != kernel_group:  # the kernels read one scale per kernel_group columns
-        return (f"no CUDA kernel for bank mode {layout.mode!r} with scale groups of {group} "
-                f"columns (the CUDA kernels read groups of {kernel_group}); use the cpu or "
-                "reference backend")
+    why = cuda_gap(layout.mode, layout.bits, layout.group_size)
+    if why is not None:
+        return why
     s = first_misaligned(layout, 16)
     if s is not None:  # the kernels load components with 8- and 16-byte vector loads
         return (f"the CUDA kernels need every record component 16-byte aligned; {s.component} "

@@ -10,6 +10,7 @@ Shape legend: T tokens, R latent (3584), I expert width (3072), K top-k (16), U 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,15 +25,22 @@ SITU_BETA = 4.0  # SiTU-GLU constants (FORMAT.md "SiTU-GLU")
 SITU_LINEAR_BETA = 25.0
 
 
+def _soft_clamp(v: torch.Tensor, beta: float) -> torch.Tensor:
+    """β·tanh(v/β); at β = +inf its limit, v itself (FORMAT.md "SiLU-GLU")."""
+    return v if math.isinf(beta) else beta * torch.tanh(v / beta)
+
+
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = SITU_BETA,
              beta_lin: float = SITU_LINEAR_BETA) -> torch.Tensor:
     """`SiTU(gate) ⊙ β_lin·tanh(up/β_lin)` (FORMAT.md "SiTU-GLU"), computed in fp32 and cast to
     gate's dtype.
 
-    SiTU(g) = β·tanh(g/β)·σ(g). gate, up: [..., I] in the model dtype -> [..., I].
+    SiTU(g) = β·tanh(g/β)·σ(g). gate, up: [..., I] in the model dtype -> [..., I]. β = β_lin =
+    +inf is the limit `g·σ(g) ⊙ u`: SiLU-GLU, the DeepSeek-V3 family's activation (FORMAT.md
+    "SiLU-GLU").
     """
     g, u = gate.float(), up.float()  # fp32 island: the reference's SituAndMul upcasts here
-    h = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
+    h = _soft_clamp(g, beta) * torch.sigmoid(g) * _soft_clamp(u, beta_lin)
     return h.to(gate.dtype)
 
 

@@ -12,11 +12,10 @@ model never knows where their bytes live."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..checkpoint import ModelConfig
+from .causal_lm import CausalLM, SequenceState
 from .kda import KDALayer, KDAState
 from .layers import GluMLP, attn_res_mix, rms_norm
 from .load import sub
@@ -24,13 +23,7 @@ from .mla import MLACache, MLALayer
 from .moe import ExpertProvider, LatentMoE
 from .quant import linear
 
-
-@dataclass
-class SequenceState:
-    """Everything one sequence carries between steps: one entry per layer (KDA or MLA)."""
-
-    layers: list[KDAState | MLACache]
-    tokens: int = 0
+__all__ = ["DecoderLayer", "KimiK3", "SequenceState", "build_decoder_layer"]
 
 
 class DecoderLayer:
@@ -83,12 +76,8 @@ def build_decoder_layer(cfg: ModelConfig, index: int, w: dict[str, torch.Tensor]
     return DecoderLayer(cfg, index, w, attn, mlp, kda)
 
 
-class KimiK3:
+class KimiK3(CausalLM):
     """The reference K3 text model on CPU (or any torch device), float32 or bfloat16."""
-
-    def __init__(self, cfg: ModelConfig, top: dict[str, torch.Tensor],
-                 layers: list[DecoderLayer], dtype: torch.dtype):
-        self.cfg, self.top, self.layers, self.dtype = cfg, top, layers, dtype
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, top: dict[str, torch.Tensor],
@@ -96,19 +85,10 @@ class KimiK3:
                      dtype: torch.dtype) -> KimiK3:
         """Every layer from resident weights (`load.load_residents`) and an expert provider."""
         layers = [build_decoder_layer(cfg, i, w, provider) for i, w in enumerate(layer_weights)]
-        moes = [layer.mlp for layer in layers if isinstance(layer.mlp, LatentMoE)]
-        for i, moe in enumerate(moes):
-            moe.later = moes[i + 1:]  # lookahead routes through these
         return cls(cfg, top, layers, dtype)
 
     def moe_blocks(self) -> list[LatentMoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, LatentMoE)]
-
-    def use_provider(self, provider: ExpertProvider) -> None:
-        """Make every MoE block use `provider` (tests and benchmarks that compare providers on
-        one model; `engine.runtime.load` builds the model with its provider in place)."""
-        for moe in self.moe_blocks():
-            moe.provider = provider
 
     def new_state(self) -> SequenceState:
         device = self.top["embed_tokens.weight"].device
@@ -118,16 +98,10 @@ class KimiK3:
             for layer in self.layers
         ])
 
-    @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        """Logits [T, V] for `token_ids` [T] continuing `state` (updated in place)."""
-        return self.run(token_ids, state)
-
     def run(self, token_ids: torch.Tensor, state: SequenceState | None) -> torch.Tensor:
         """`forward` outside inference mode, so autograd sees it (tools/train_tiny.py trains
         through this very code). `state` None: a fresh sequence whose state is not kept."""
-        for provider in {id(m.provider): m.provider for m in self.moe_blocks()}.values():
-            provider.begin_forward(int(token_ids.numel()))
+        self.begin_forward(int(token_ids.numel()))
         embed = self.top["embed_tokens.weight"]
         h = embed[token_ids.to(embed.device)]  # [T, D] plain lookup, no scaling
         bank: list[torch.Tensor] = []  # AttnRes blocks of these tokens; never crosses tokens
@@ -142,16 +116,3 @@ class KimiK3:
         if state is not None:
             state.tokens += int(token_ids.numel())
         return linear(h, self.top["lm_head.weight"])  # [T, V] in the model dtype
-
-    def logits(self, token_ids) -> torch.Tensor:
-        """Full causal forward over `token_ids` from a fresh state."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long)
-        return self.forward(ids, self.new_state())
-
-    def prefill(self, token_ids, state: SequenceState) -> torch.Tensor:
-        return self.forward(torch.as_tensor(token_ids, dtype=torch.long), state)
-
-    def decode(self, token_id: int, state: SequenceState) -> torch.Tensor:
-        """Logits [V] of one next token."""
-        return self.forward(torch.tensor([token_id], dtype=torch.long), state)[0]
-

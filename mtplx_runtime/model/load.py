@@ -1,7 +1,8 @@
 """Resident weights: checkpoint tensors -> torch tensors in the model dtype, grouped per layer.
 
 The one place where checkpoint names meet the model (mlx-lm's `sanitize()`): BF16 tensors become
-the model dtype (float32 or bfloat16, exact either way); F32 tensors (KDA conv, A_log, dt_bias,
+the model dtype (float32 or bfloat16, exact either way), as do an fp8 checkpoint's FP8 matrices,
+dequantized by the fp8-block decode; F32 tensors (KDA conv, A_log, dt_bias,
 o_norm, router correction bias; FORMAT.md "Resident tensors") stay float32 because the
 precision contract computes with them in fp32. Quantized residents (FORMAT.md "Quantized
 residents") are computed at load from bf16 ones, or read as stored from an artifact built with
@@ -14,8 +15,9 @@ import numpy as np
 import torch
 
 from ..checkpoint import Checkpoint, resident_tensor_specs
-from ..checkpoint.residents import BACKBONE, LM_HEAD
+from ..checkpoint.residents import SCALE_INV, naming
 from ..formats.base import stored_to_torch
+from ..formats.fp8block import decode_fp8_block
 from ..formats.resident_layouts import (
     RESIDENT_DTYPES,
     quantizable,
@@ -48,12 +50,13 @@ def group_residents(cfg, make):
     `make(name, spec)` giving each resident tensor of `resident_tensor_specs(cfg)`."""
     top: dict[str, torch.Tensor] = {}
     layers: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_hidden_layers)]
+    backbone, lm_head = naming(cfg)
     for name, spec in resident_tensor_specs(cfg).items():
         t = make(name, spec)
-        if name == LM_HEAD:
+        if name == lm_head:
             top["lm_head.weight"] = t
             continue
-        short = name[len(BACKBONE):]
+        short = name[len(backbone):]
         if short.startswith("layers."):
             _, layer, suffix = short.split(".", 2)
             layers[int(layer)][suffix] = t
@@ -93,7 +96,14 @@ def load_residents(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu",
             return held(*(_stored(ckpt, n, st, device)
                           for n, (st, _) in stored_tensors(name, spec.shape, spec.dtype,
                                                           stored).items()))
-        t = to_torch(ckpt.tensor(name), spec.dtype, dtype, device)
+        st_dtype = ckpt.tensor_info(name).dtype
+        if st_dtype == "F8_E4M3":  # an fp8 checkpoint's matrix (the reader checked its scales)
+            w = decode_fp8_block(ckpt.tensor(name), ckpt.tensor(name + SCALE_INV))
+            t = torch.from_numpy(w).to(device=device, dtype=dtype)  # bf16 values: exact
+        else:
+            # As stored: the reader accepts a few tensors in either of two dtypes (the
+            # DeepSeek-V3 family's correction bias, F32 or BF16).
+            t = to_torch(ckpt.tensor(name), st_dtype, dtype, device)
         if resident_dtype != "bf16" and quantizable(name, spec.shape, spec.dtype):
             return quantize(t, resident_dtype)
         return t

@@ -166,6 +166,11 @@ class MLALayer:
         latent = rms_norm(kv[:, : self.C], self.kv_norm, MLA_NORM_EPS)  # [T, C]
         return q[..., : self.N], q[..., self.N:], latent, kv[:, self.C:]
 
+    def position(self, q_pe: torch.Tensor, k_pe: torch.Tensor, start: int):
+        """The "rope" parts as attention uses them, for tokens at positions start, start+1, ...:
+        K3 encodes no position, so unchanged (the DeepSeek-V3 family rotates them here)."""
+        return q_pe, k_pe
+
     def attend(self, x: torch.Tensor, cache: MLACache | None = None,
                absorbed: bool | None = None) -> torch.Tensor:
         """Pre-gate attention output concat_h(attn_h): x [T, D] -> [T, H * V]; appends to cache."""
@@ -177,6 +182,7 @@ class MLALayer:
         elif cache.buf.dtype != self.dtype:
             raise TypeError(f"cache is {cache.buf.dtype}, MLA weights are {self.dtype}")
         q_nope, q_pe, latent, k_pe = self.project(x)
+        q_pe, k_pe = self.position(q_pe, k_pe, cache.len)
         cache.append(latent, k_pe)  # before attending: each new token sees itself
         allowed = causal_mask(T, cache.len, x.device)  # [T, S]
         if absorbed is None:

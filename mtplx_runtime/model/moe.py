@@ -38,22 +38,28 @@ RENORM_EPS = 1e-20  # added to the weight sum before dividing (FORMAT.md "Router
 
 def route(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, top_k: int,
           renormalize: bool = True, scaling: float = 1.0,
-          forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          forced_ids: torch.Tensor | None = None, n_group: int = 1,
+          topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid top-k router with a selection-only correction bias (FORMAT.md "Router").
 
     x: [T, D] normed MoE input (any float dtype); w_router: [E, D]; bias: [E]
-    (`e_score_correction_bias`, F32). Returns (ids [T, K] int64, sorted ascending per token;
+    (`e_score_correction_bias`). Returns (ids [T, K] int64, sorted ascending per token;
     weights [T, K] float32 aligned with ids). Everything is fp32 (FORMAT.md "Numerics"). The
     bias only picks the experts; the weights are the unbiased sigmoid scores, renormalised over
     the K picks. `forced_ids` [T, K] imposes a selection (a replayed route, or fp32 routing under
     a bf16 model when comparing precisions); the weights still come from this router's scores.
+    `n_group` > 1: the picks come from the `topk_group` groups of E / n_group consecutive experts
+    whose two best biased scores sum highest (FORMAT.md "Group-limited routing").
     """
     logits = F.linear(x.float(), w_router.float())  # [T, E] fp32
     scores = torch.sigmoid(logits)  # [T, E]
     if forced_ids is not None:
         picked = forced_ids.to(device=scores.device, dtype=torch.long)  # [T, K]
     else:
-        picked = torch.topk(scores + bias.float(), top_k, dim=-1, sorted=False).indices  # [T, K]
+        choice = scores + bias.float()  # [T, E]
+        if n_group > 1:
+            choice = _limit_groups(choice, n_group, topk_group)
+        picked = torch.topk(choice, top_k, dim=-1, sorted=False).indices  # [T, K]
     # Sorting by id fixes the fp32 combine order whatever topk's backend order (FORMAT.md
     # "Numerics").
     ids = torch.sort(picked, dim=-1).values  # [T, K]
@@ -63,12 +69,27 @@ def route(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, top_k: in
     return ids, weights * scaling
 
 
+def _limit_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """`choice` [T, E] with every expert outside the token's `topk_group` best groups set to
+    -inf; a group's score is the sum of its two highest biased scores."""
+    T, E = choice.shape
+    grouped = choice.view(T, n_group, E // n_group)  # [T, G, E/G]
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+    kept = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)  # [T, G]
+    return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, E)
+
+
 def predict(x: torch.Tensor, later: Sequence[LatentMoE]) -> dict[int, torch.Tensor]:
     """Lookahead: route `x` [T, D] (this layer's normed MoE input) through each later layer's
     router, {layer: ids [T, K]} (exactly `route` with that router: ids sorted ascending). A later
     router applied to the current hidden state recovers most of its real top-k (ARCHITECTURE.md
     "Lookahead"); the provider prefetches the guesses."""
-    return {m.layer: route(x, m.router, m.bias, m.cfg.num_experts_per_token)[0] for m in later}
+    # A config without group fields has one group (K3 has them, at 1).
+    return {m.layer: route(x, m.router, m.bias, m.cfg.num_experts_per_token,
+                           n_group=getattr(m.cfg, "num_expert_group", 1),
+                           topk_group=getattr(m.cfg, "topk_group", 1))[0]
+            for m in later}
 
 
 class ExpertProvider(Protocol):

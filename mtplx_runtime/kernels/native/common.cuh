@@ -143,10 +143,12 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // SiTU(g) * beta_lin * tanh(u / beta_lin), SiTU(g) = beta * tanh(g / beta) * sigmoid(g)
-// (FORMAT.md "SiTU-GLU"; an fp32 island in the reference too).
+// (FORMAT.md "SiTU-GLU"; an fp32 island in the reference too). A beta of +inf is the limit
+// beta * tanh(v / beta) -> v: SiLU-GLU at both (FORMAT.md "SiLU-GLU").
 __device__ __forceinline__ float situ_glu(float g, float u, float beta, float beta_lin) {
   const float sig = 1.0f / (1.0f + expf(-g));
-  return beta * tanhf(g / beta) * sig * (beta_lin * tanhf(u / beta_lin));
+  const float a = isinf(beta) ? g : beta * tanhf(g / beta);
+  return a * sig * (isinf(beta_lin) ? u : beta_lin * tanhf(u / beta_lin));
 }
 #endif
 

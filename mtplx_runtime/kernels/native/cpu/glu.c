@@ -10,7 +10,8 @@
  *   tanh(y): |y| < 0.4: y + y z P(z), z = y^2, P the Taylor series of tanh to y^13 (the next
  *            term is < 5e-9 relative); else (t - 1) / (t + 1), t = exp(2 |y|), with y's sign.
  *   SiTU-GLU: ((beta tanh(g / beta)) sigmoid(g)) (beta_lin tanh(u / beta_lin)), sigmoid(g) =
- *            1 / (1 + exp(-g)): the reference's operation order (model/layers.py situ_glu). */
+ *            1 / (1 + exp(-g)): the reference's operation order (model/layers.py situ_glu); a
+ *            beta of +inf drops its tanh (the limit), which makes SiLU-GLU. */
 #include "glu.h"
 
 #include <immintrin.h>
@@ -56,10 +57,15 @@ static inline __attribute__((always_inline)) float tanh_s(float y) {
     return copysignf((t - 1.0f) / (t + 1.0f), y);
 }
 
+/* beta tanh(v / beta), or at beta = +inf its limit v: SiLU-GLU (FORMAT.md "SiLU-GLU") */
+static inline __attribute__((always_inline)) float clamp_s(float v, float beta) {
+    return isinf(beta) ? v : beta * tanh_s(v / beta);
+}
+
 static inline __attribute__((always_inline)) float situ_s(float g, float u, float beta,
                                                             float beta_lin) {
     float sig = 1.0f / (1.0f + exp_s(-g));
-    return beta * tanh_s(g / beta) * sig * (beta_lin * tanh_s(u / beta_lin));
+    return clamp_s(g, beta) * sig * clamp_s(u, beta_lin);
 }
 
 /* ---- AVX-512: the same operations on 16 lanes ---- */
@@ -107,14 +113,16 @@ GLU_TGT static void situ_glu_avx512(const float *g, const float *u, float *h, in
                                     float beta_lin, int round_model) {
     const __m512 b = _mm512_set1_ps(beta), bl = _mm512_set1_ps(beta_lin);
     const __m512 one = _mm512_set1_ps(1.0f);
+    const int silu_g = isinf(beta), silu_u = isinf(beta_lin); /* the beta = +inf limit */
     for (int i = 0; i < n; i += 16) {
         __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
         __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, u + i);
         if (round_model) gv = round_bf16_v(gv), uv = round_bf16_v(uv);
         __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), gv);
         __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp_v(neg)));
-        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(b, tanh_v(_mm512_div_ps(gv, b))), sig),
-                                 _mm512_mul_ps(bl, tanh_v(_mm512_div_ps(uv, bl))));
+        __m512 a = silu_g ? gv : _mm512_mul_ps(b, tanh_v(_mm512_div_ps(gv, b)));
+        __m512 c = silu_u ? uv : _mm512_mul_ps(bl, tanh_v(_mm512_div_ps(uv, bl)));
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(a, sig), c);
         if (round_model) v = round_bf16_v(v);
         _mm512_mask_storeu_ps(h + i, m, v);
     }
