@@ -142,3 +142,20 @@ def test_experts_never_decodes_repacked_slot_bytes(built):
     for e in (0, 1):
         for name in ("gate", "up", "down"):
             assert torch.equal(getattr(got[e], name), getattr(ref[e], name))
+
+
+def test_bench_decode_without_a_gpu_says_why_in_one_line(monkeypatch, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    import mtplx_runtime.kernels as kernels
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(kernels, "_cuda", lambda: (None, "no CUDA device here"))
+    assert mod.main(["--kernels", "cuda"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("bench_decode.py: error: kernel backend 'cuda' requested but "
+                                 "unavailable: no CUDA device here\n")
