@@ -192,3 +192,14 @@ def test_concurrent_fills_leave_the_table_equal_to_the_cache():
     for la in (1, 2, 3):
         with table.launch(la) as slot_of:
             assert slot_of.tolist() == want[la - 1].tolist()
+
+
+def test_slot_addresses_map_back_to_their_slots():
+    """What a GDS read into a slot's view uses to find the slot's guard."""
+    cache, table, streams = cache_with_table(slots=3, layers=(1,))
+    tier = cache.tier("compute")
+    assert [tier.slot_at(tier.address(s)) for s in range(3)] == [0, 1, 2]
+    assert tier.address(1) == tier.view(1).__array_interface__["data"][0]
+    for bad in (tier.address(1) + 8, tier.address(0) - tier.slot_bytes):
+        with pytest.raises(ValueError, match="no slot's start"):
+            tier.slot_at(bad)

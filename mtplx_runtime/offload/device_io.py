@@ -12,10 +12,11 @@ handed to the host without a wait.
 `device_reads` picks one of the two once and says which on stderr. GDS writes the slot by DMA
 outside any stream, so its guard is a host wait on the reader's thread; it is chosen only where
 kvikio really reads with GDS (its compat mode reads with POSIX through a bounce buffer, one
-thread, a sync per chunk) and records are not verified (a GDS read checked on a copy back
-crosses PCIe twice, the staged read once). `CudaStreams` is the one place that touches CUDA
-streams: torch's current stream computes, one copy stream writes every compute slot (staged
-records, repacks, tier moves: one stream, so they stay in order), and events order the two.
+thread, a sync per chunk) and records are not verified (a check never copies a record back
+from the device: verified reads are checked in their staging buffer). `CudaStreams` is the
+one place that touches CUDA streams: torch's current stream computes, one copy stream writes
+every compute slot (staged records, repacks, tier moves: one stream, so they stay in order),
+and events order the two.
 Tests drive every path here with a fake of its methods. Nothing here imports cupy or kvikio at
 module import: the CPU build never needs them.
 """

@@ -118,11 +118,11 @@ class SlotTier:
 
     def slot_at(self, address: int) -> int:
         """The slot whose first byte is at `address` (ValueError for any other address)."""
-        slot, rest = divmod(address - self.address(0), self.slot_bytes) if self.num_slots \
-            else (-1, 0)
-        if rest or not 0 <= slot < self.num_slots:
-            raise ValueError(f"{self.name}: address {address:#x} is no slot's start")
-        return slot
+        if self.num_slots:
+            slot, rest = divmod(address - self.address(0), self.slot_bytes)
+            if not rest and 0 <= slot < self.num_slots:
+                return slot
+        raise ValueError(f"{self.name}: address {address:#x} is no slot's start")
 
     def view(self, slot: int):
         """The slot's first `record_bytes` bytes, uint8, starting on an `alignment` boundary."""
