@@ -1,48 +1,44 @@
-"""The staged path to device slots (pread -> pinned staging -> check -> copy into the slot) through
-the fill pipeline and the prefetcher, and SlotGuard, driven without a GPU: the "device" slots are
-host arrays and the copy is a host copy, so the ordering (check before the copy, guard wait
-before the copy, commit after it), the staging pool's bound and the error paths are checked
-here."""
+"""The staged path to device slots (pread -> pinned staging -> check -> copy stream -> slot) through
+the fill pipeline, the prefetcher and the slot table, driven without a GPU on fake streams
+(tests/fake_cuda.py: copies run only once an event after them is waited for; a copy into a slot
+a launch read raises unless the copy stream waited for that launch). Checked here: the check sees
+the staged bytes before the copy is enqueued; the table names the slot only at commit and the
+next launch waits for the copy; a slot a launch read is rewritten only after that launch; a
+staging buffer is reused only once its copy ran; how `device_reads` chooses kvikio or staging."""
 
 import hashlib
+import logging
 
 import numpy as np
 import pytest
+from fake_cuda import FakeStreams
 
 from mtplx_runtime.artifact.open import RecordLocation
+from mtplx_runtime.offload import device_io
 from mtplx_runtime.offload.bank_reader import RecordReader
-from mtplx_runtime.offload.buffers import aligned_buffer
 from mtplx_runtime.offload.cache import ExpertCache
-from mtplx_runtime.offload.device_io import SlotGuard, Staging, device_reads, kvikio_mode
+from mtplx_runtime.offload.device_io import Staging, device_reads, gds_status, tier_mover
 from mtplx_runtime.offload.fill import Fill
 from mtplx_runtime.offload.prefetch import Prefetcher, PrefetchError
+from mtplx_runtime.offload.slot_table import SlotTable
 
 PAGE = 4096
 T_OUT = 10.0
-
-
-class Event:
-    """A CUDA event stand-in: records when it was waited on, relative to the copies."""
-
-    def __init__(self, log):
-        self.log = log
-
-    def synchronize(self):
-        self.log.append("wait")
+RECORDS = 6
 
 
 @pytest.fixture
 def part(tmp_path):
-    data = np.random.default_rng(0).integers(0, 256, 4 * PAGE, dtype=np.uint8)
+    data = np.random.default_rng(0).integers(0, 256, RECORDS * PAGE, dtype=np.uint8)
     (tmp_path / "part0.bin").write_bytes(data.tobytes())
     return tmp_path, data
 
 
 class Bank:
-    """Expert e of layer 1 is page e of part0.bin."""
+    """Expert e of any layer is page e of part0.bin."""
 
     def locate(self, layer, expert):
-        if not 0 <= expert < 4:
+        if not 0 <= expert < RECORDS:
             raise KeyError((layer, expert))
         return RecordLocation(0, expert * PAGE, PAGE, None)
 
@@ -66,66 +62,86 @@ class Digests:
         return Check()
 
 
-def staged(root, data, log, *, staging=2, read_depth=2, bad=()):
-    """A prefetcher filling "device" slots (host memory) through `staging` staging buffers."""
-    guard = SlotGuard()
+def record(data, e):
+    return data[e * PAGE:(e + 1) * PAGE]
 
-    def to_device(host, dev):
-        log.append("copy")
-        np.copyto(dev, host)
 
+def staged(root, data, *, staging=2, read_depth=2, slots=4, bad=(), repack=None):
+    """A prefetcher filling "device" slots (host memory standing in) through `staging` staging
+    buffers, on fake streams whose log the digest checks share."""
+    streams = FakeStreams()
+    table = SlotTable([1, 2], RECORDS, streams)
     reader = RecordReader(root, [("part0.bin", data.nbytes)], direct=False, read_depth=read_depth)
-    reader, stage = device_reads(reader, staging_bytes=PAGE, guard=guard, threads=staging,
-                                 use_kvikio=False, to_device=to_device)
-    cache = ExpertCache(PAGE, 4 * PAGE, scope="global", device="cpu")
-    fill = Fill(reader, Bank(), cache, digests=Digests(data, log, bad), staging=stage)
-    return Prefetcher(fill, max_inflight_bytes=64 * PAGE, read_depth=read_depth), guard, reader
+    cache = ExpertCache(PAGE, slots * PAGE, scope="global", layers=[1, 2], device="cpu",
+                        on_slot=table.on_slot, mover=tier_mover(streams, table))
+    reader, stage = device_reads(reader, staging_bytes=PAGE, table=table, streams=streams,
+                                 tier=cache.tier("compute"), threads=staging, verified=True,
+                                 use_kvikio=False)
+    fill = Fill(reader, Bank(), cache, digests=Digests(data, streams.log, bad), staging=stage,
+                repack=repack)
+    return Prefetcher(fill, max_inflight_bytes=64 * PAGE, read_depth=read_depth), table, streams
 
 
-def test_staged_reads_are_checked_in_staging_then_copied_after_the_guard(part):
+def test_staged_reads_are_checked_then_copied_and_named_at_commit(part):
     root, data = part
-    log: list = []
-    pf, guard, reader = staged(root, data, log)
+    pf, table, streams = staged(root, data)
+    tier = pf.cache.tier("compute")
     assert isinstance(pf.fill.staging, Staging) and pf.fill.staging.free() == 2
     try:
-        guard.mark([pf.cache.tier("compute").view(0)], Event(log))  # a kernel reads slot 0
         ref = pf.wait(pf.demand([(1, 1)]), timeout=T_OUT)[(1, 1)]
-        assert ref.slot == 0  # the first free slot
-        # the check saw the staged bytes before any copy; the guard was waited on before the copy
-        assert log == [("check", data[PAGE:PAGE + 8].tobytes()), "wait", "copy"]
-        assert np.array_equal(pf.cache.buffer(ref), data[PAGE:2 * PAGE])
-        assert pf.fill.staging.free() == 2  # the staging buffer came back
-        refs = pf.wait(pf.demand([(1, 0), (1, 2), (1, 3)]), timeout=T_OUT)
-        for key, r in refs.items():
-            assert np.array_equal(pf.cache.buffer(r), data[key[1] * PAGE:(key[1] + 1) * PAGE])
-        assert log.count("wait") == 1 and log.count("copy") == 4
+        assert ref.slot == 0 and table.slot((1, 1)) == 0
+        # the check saw the staged bytes, then the copy into the slot was enqueued
+        assert streams.log == [("check", record(data, 1)[:8].tobytes()), ("copy", tier.address(0))]
+        assert pf.fill.staging.free() == 2  # its copy ran: the buffer is back
+        with table.launch(1) as slot_of:  # the fake raises unless the copy was waited for
+            streams.launch([tier.address(int(slot_of[1]))])
+        assert np.array_equal(tier.view(0), record(data, 1))
     finally:
         pf.shutdown()
-        reader.close()
+        pf.fill.reader.close()
+
+
+def test_a_slot_a_launch_read_is_rewritten_only_after_that_launch(part):
+    root, data = part
+    pf, table, streams = staged(root, data, slots=2)
+    tier = pf.cache.tier("compute")
+    try:
+        pf.wait(pf.demand([(1, 0), (1, 1)]), timeout=T_OUT)
+        with table.launch(1) as slot_of:
+            streams.launch([tier.address(int(slot_of[e])) for e in (0, 1)])
+        # two more records evict both: each copy must wait for the launch (the fake raises)
+        refs = pf.wait(pf.demand([(2, 2), (2, 3)]), timeout=T_OUT)
+        assert table.slot((1, 0)) == table.slot((1, 1)) == -1
+        with table.launch(2) as slot_of:
+            streams.launch([tier.address(int(slot_of[e])) for e in (2, 3)])
+        for key, r in refs.items():
+            assert np.array_equal(tier.view(r.slot), record(data, key[1]))
+    finally:
+        pf.shutdown()
+        pf.fill.reader.close()
 
 
 def test_a_staged_record_that_fails_its_check_never_reaches_the_slot(part):
     root, data = part
-    log: list = []
-    pf, guard, reader = staged(root, data, log, bad={(1, 2)})
+    pf, table, streams = staged(root, data, bad={(1, 2)})
     try:
         with pytest.raises(PrefetchError, match="part0.bin.*do not match"):
             pf.wait(pf.demand([(1, 2)]), timeout=T_OUT)
-        assert "copy" not in log and (1, 2) not in pf.cache  # checked, refused, slot aborted
+        assert not [e for e in streams.log if e[0] == "copy"]
+        assert (1, 2) not in pf.cache and table.slot((1, 2)) == -1
         assert pf.fill.staging.free() == 2
-        ref = pf.wait(pf.demand([(1, 0)]), timeout=T_OUT)[(1, 0)]
-        assert np.array_equal(pf.cache.buffer(ref), data[:PAGE]) and log[-1] == "copy"
+        pf.wait(pf.demand([(1, 0)]), timeout=T_OUT)
+        assert streams.log[-1][0] == "copy" and table.slot((1, 0)) >= 0
     finally:
         pf.shutdown()
-        reader.close()
+        pf.fill.reader.close()
 
 
-def test_reads_wait_in_the_prefetcher_for_a_free_staging_buffer(part, monkeypatch):
+def test_one_staging_buffer_is_reused_only_after_its_copy_ran(part, monkeypatch):
     """With one staging buffer a second read is not handed over (however deep the reader) until
-    the first one's bytes are in their slot and its buffer is back."""
+    the first one's copy has left the buffer: every slot ends with its own record."""
     root, data = part
-    log: list = []
-    pf, guard, reader = staged(root, data, log, staging=1, read_depth=4)
+    pf, table, streams = staged(root, data, staging=1, read_depth=4)
     inflight: list = []
     real = pf.fill.read
 
@@ -135,68 +151,82 @@ def test_reads_wait_in_the_prefetcher_for_a_free_staging_buffer(part, monkeypatc
 
     monkeypatch.setattr(pf.fill, "read", read)
     try:
-        refs = pf.wait(pf.demand([(1, 0), (1, 1), (1, 2), (1, 3)]), timeout=T_OUT)
-        assert len(refs) == 4 and inflight == [1, 1, 1, 1] and log.count("copy") == 4
-        assert pf.stats.peak_inflight_reads == 1
+        refs = pf.wait(pf.demand([(1, e) for e in range(4)]), timeout=T_OUT)
+        assert inflight == [1, 1, 1, 1] and pf.stats.peak_inflight_reads == 1
+        streams.run_copies(10**9)
+        tier = pf.cache.tier("compute")
+        for key, r in refs.items():
+            assert np.array_equal(tier.view(r.slot), record(data, key[1]))
     finally:
         pf.shutdown()
-        reader.close()
+        pf.fill.reader.close()
 
 
-def test_repack_runs_on_the_slot_after_the_copy(part):
-    """The kernel backend's repack sees the record in its device slot after the copy and before
-    the read resolves; a record that fails its check is never repacked."""
+def test_repack_follows_the_copy_and_precedes_the_commit(part):
+    """The backend's repack is enqueued behind the record's copy, and the table names the slot
+    only after it; a record that fails its check is never repacked."""
     root, data = part
-    log: list = []
-    guard = SlotGuard()
+    seen = []
 
-    def to_device(host, dev):
-        log.append("copy")
-        np.copyto(dev, host)
+    def repack(view):
+        seen.append((table.slot((1, len(seen) + 1)), streams.log[-1][0]))
 
-    def repack(slot):
-        log.append(("repack", bytes(slot[:4])))
-
-    reader = RecordReader(root, [("part0.bin", data.nbytes)], direct=False, read_depth=1)
-    reader, stage = device_reads(reader, staging_bytes=PAGE, guard=guard, threads=1,
-                                 use_kvikio=False, to_device=to_device)
-    cache = ExpertCache(PAGE, 4 * PAGE, scope="global", device="cpu")
-    fill = Fill(reader, Bank(), cache, digests=Digests(data, log, bad={(1, 2)}), staging=stage,
-                repack=repack)
-    pf = Prefetcher(fill, max_inflight_bytes=64 * PAGE, read_depth=1)
+    pf, table, streams = staged(root, data, read_depth=1, bad={(1, 3)}, repack=repack)
     try:
         pf.wait(pf.demand([(1, 1)]), timeout=T_OUT)
-        assert log == [("check", data[PAGE:PAGE + 8].tobytes()), "copy",
-                       ("repack", data[PAGE:PAGE + 4].tobytes())]
+        assert seen == [(-1, "copy")]
         with pytest.raises(PrefetchError, match="do not match"):
-            pf.wait(pf.demand([(1, 2)]), timeout=T_OUT)
-        assert [e for e in log if e[0] == "repack"] == [log[2]]
+            pf.wait(pf.demand([(1, 3)]), timeout=T_OUT)
+        assert len(seen) == 1
     finally:
         pf.shutdown()
-        reader.close()
+        pf.fill.reader.close()
 
 
-def test_guard_waits_once_per_mark():
-    log = []
-    guard = SlotGuard()
-    bufs = aligned_buffer(2 * PAGE).reshape(2, PAGE)
-    guard.mark(bufs, Event(log))
-    guard.wait(bufs[0])
-    guard.wait(bufs[0])
-    assert log == ["wait"]
-    guard.wait(bufs[1])
-    assert log == ["wait", "wait"]
-
-
-def test_kvikio_demanded_but_missing_is_a_clear_error(part, monkeypatch):
-    import mtplx_runtime.offload.device_io as dio
-
-    monkeypatch.setattr(dio, "gpu_reader_unavailable_reason", lambda: "kvikio unavailable (x)")
+def test_device_reads_chooses_staging_unless_kvikio_really_has_gds(part, monkeypatch, caplog):
     root, data = part
     rr = RecordReader(root, [("part0.bin", data.nbytes)], direct=False)
+    streams = FakeStreams()
+    table = SlotTable([1], RECORDS, streams)
+    kw = dict(staging_bytes=PAGE, table=table, streams=streams, tier=None, threads=2)
+    monkeypatch.setattr(device_io, "gpu_reader_unavailable_reason", lambda: "kvikio unavailable")
     with pytest.raises(RuntimeError, match="use_kvikio=True but kvikio unavailable"):
-        device_reads(rr, staging_bytes=PAGE, guard=SlotGuard(), threads=2, use_kvikio=True)
-    reader, staging = device_reads(rr, staging_bytes=PAGE, guard=SlotGuard(), threads=2)
-    assert reader is rr and staging.free() == 2  # auto: staged, one buffer per read in flight
+        device_reads(rr, verified=False, use_kvikio=True, **kw)
+    # kvikio imports but reads in compat mode: staged, said once on stderr (a warning)
+    monkeypatch.setattr(device_io, "gpu_reader_unavailable_reason", lambda: None)
+    monkeypatch.setattr(device_io, "gds_status", lambda: (False, "kvikio runs in compat mode"))
+    with caplog.at_level(logging.WARNING, logger=device_io.__name__):
+        reader, staging = device_reads(rr, verified=False, **kw)
+    assert reader is rr and staging.free() == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "device reads: O_DIRECT into pinned host buffers, checked there, copied to the GPU on a "
+        "copy stream (kvikio runs in compat mode)"]
+    # GDS but verified records: still staged (no copy back from the device to check them)
+    monkeypatch.setattr(device_io, "gds_status", lambda: (True, "GPUDirect Storage"))
+    reader, staging = device_reads(rr, verified=True, **kw)
+    assert reader is rr and staging is not None
+    with pytest.raises(RuntimeError, match="verified"):
+        device_reads(rr, verified=True, use_kvikio=True, **kw)
     rr.close()
-    assert kvikio_mode()  # the real probe never raises
+
+
+def test_a_check_of_device_memory_is_refused():
+    """Verification never copies a record back from the device."""
+
+    class DeviceBytes:
+        nbytes = PAGE
+
+        def __getitem__(self, s):
+            return self
+
+    class Job:
+        digest, landing, length, part, offset = object(), DeviceBytes(), PAGE, 0, 0
+
+    fill = Fill(None, Bank(), None, digests=object())
+    with pytest.raises(ValueError, match="device memory"):
+        fill.check(Job())
+
+
+def test_gds_status_never_raises():
+    ok, why = gds_status()
+    assert isinstance(ok, bool) and why

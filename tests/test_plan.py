@@ -453,10 +453,30 @@ def test_k3_sizes_from_its_config_alone(tmp_path, capsys):
     assert 0 < low <= high < 100
 
 
+def test_k3_on_one_h200_is_projected_as_an_estimate(tmp_path, capsys):
+    """`mtplx plan --kernels cuda` for K3 on an H200's memory: tok/s with every expert cached
+    and at the K3-like hit rate, for bf16 and int4 residents, each labelled an estimate with its
+    measured and expected ends."""
+    from mtplx_runtime.cli import main as cli_main
+
+    (tmp_path / "k3").mkdir()
+    (tmp_path / "k3" / "config.json").write_text(json.dumps(k3_official()))
+    for rd in ("bf16", "int4"):
+        assert cli_main(["plan", str(tmp_path / "k3"), "--memory-budget", "139GiB", "--kernels",
+                         "cuda", "--bank-codec", "t158", "--resident-dtype", rd]) == 0
+        est = capsys.readouterr().out.split("decode estimate (not a measurement): ")[1]
+        for needle in ("ms per expert (one H200: 70 % of its copy rate, expected - its first "
+                       "run, measured)", f"(one H200, {rd}: its first run, measured - the goal",
+                       "host work the GPU waits for: 0.2-5.4 ms per layer x 93 layers",
+                       "every expert cached: ", "hit rate (K3-like routes): ",
+                       "the GPU's slow end is its first run, its fast end the goal, expected"):
+            assert needle in est, needle
+
+
 def test_the_estimate_follows_its_inputs(k3):
     """More drive rate never gives fewer tok/s; a cache of every expert reads nothing; the
-    cuda kernels, not measured yet, give the I/O bound alone; K3-like routes miss less than
-    uniform ones at a partial cache."""
+    cuda kernels add the host's time per layer to their compute, and more cache hits never
+    give fewer tok/s; K3-like routes miss less than uniform ones at a partial cache."""
     from mtplx_runtime.profile.estimate import estimate_decode
 
     p = plan_for(k3, memory_budget="160GiB", context=4096, prefill_chunk=1)
@@ -466,8 +486,13 @@ def test_the_estimate_follows_its_inputs(k3):
     assert fast.io_s[1] == pytest.approx(
         fast.miss_uniform * 1472 * 7_741_440 / 14e9)
     gpu = estimate_decode(plan_for(k3, memory_budget="160GiB", kernels="cuda"), k3, 7.0)
-    assert gpu.compute_s is None and gpu.tok_s == pytest.approx(
-        (1 / gpu.io_s[1], 1 / gpu.io_s[0]))
+    assert gpu.host_s == pytest.approx((93 * 0.2e-3, 93 * 5.4e-3))
+    assert gpu.compute_s == pytest.approx(tuple(
+        e + r + h for e, r, h in zip(gpu.expert_s, gpu.resident_s, gpu.host_s)))
+    cached, partial = gpu.tok_s_at(0.0), gpu.tok_s_at(gpu.miss_k3like)
+    assert gpu.tok_s[1] == pytest.approx(partial[1])  # the high end: K3-like routes
+    assert cached == pytest.approx((1 / gpu.compute_s[1], 1 / gpu.compute_s[0]))
+    assert partial[0] < cached[0] and partial[1] <= cached[1]
     whole = plan_for(k3, memory_budget="1TiB", resident_dtype="int4")
     e = estimate_decode(whole, k3, 7.0)
     assert whole.cacheable_share == 1 and e.io_s == (0.0, 0.0) and e.miss_k3like == 0

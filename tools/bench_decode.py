@@ -42,6 +42,15 @@ lazily that is ~1 s for this slice's slots, which a 16-token decode would otherw
 configuration whose decode beats either bound is marked INVALID=ratio_above_1 and the run exits
 1: a bound the run beats was measured wrong, it is not a result.
 
+`--kernels cuda` runs the same method on the GPU: the trunk and the experts' device slots on the
+GPU, reads staged through pinned memory (offload/device_io.py). The compute bound then takes
+`expert_ms` from the CUDA-event time of one layer's `moe_layer` launch set over top-k records in
+device slots (divided by top-k), and each line ends with `host_ms_per_token`: decode time per
+token outside the expert launch sets' CUDA-event time and outside read stalls (the trunk's GPU
+time is in it: an upper bound on the host's share). `kernel_share` is the launch sets'
+CUDA-event time; `overlap_share` is 0 (not counted on the GPU). Without a usable GPU it stops
+with one line naming why.
+
 `--routes TRACE` takes the decode routes from a route trace instead of the slice's random
 routers, whose picks are nearly uniform: anything `mtplx profile` reads (FORMAT.md "Route traces"
 JSONL, e.g. the trained model's tests/data/kjv-routes.jsonl; plain route lists; an integer .npy;
@@ -96,6 +105,7 @@ from mtplx_runtime.artifact.manifest import MANIFEST_NAME, load_manifest
 from mtplx_runtime.engine.generate import GenerationStats, generate_step
 from mtplx_runtime.engine.presets import PresetError, add_config_arg, parse_args
 from mtplx_runtime.fixtures.k3_slice import make_k3_slice
+from mtplx_runtime.formats.record import align_up
 from mtplx_runtime.formats.resident_layouts import RESIDENT_DTYPES
 from mtplx_runtime.kernels import name_of, select_backend
 from mtplx_runtime.offload.bank_reader import DEFAULT_READ_DEPTH
@@ -182,19 +192,25 @@ def rates_fields(rates: dict[int, float]) -> str:
             f"random_read_best_depth={best}")
 
 
+def first_records(art: Path, model) -> tuple[list, object]:
+    """The bytes of a layer's first top-k records, read and checked into host buffers, and the
+    bank's record layout."""
+    cfg = model.cfg
+    with StreamingExpertProvider(art, cfg, model.dtype, compute_bytes=1, lookahead=0,
+                                 kernels="reference") as prov:
+        bufs = [aligned_buffer(prov.stride_bytes) for _ in range(cfg.num_experts_per_token)]
+        for e, buf in enumerate(bufs):
+            part, off, length, check = prov.fill.locate((cfg.moe_layers[0], e))
+            prov.reader.read_into(part, off, length, buf, digest=check).result()
+        return bufs, prov.layout
+
+
 def expert_seconds(art: Path, model, kernels, repeats: int = 3) -> float:
     """Median time of one expert at T=1 the way decode computes it: the kernel backend's
     expert_mlp, one call per expert, on the bytes of a layer's first top-k records as read into
     slots (host slots: the cpu / reference path), each record once per repeat."""
     cfg = model.cfg
-    k = cfg.num_experts_per_token
-    with StreamingExpertProvider(art, cfg, model.dtype, compute_bytes=1, lookahead=0,
-                                 kernels="reference") as prov:
-        bufs = [aligned_buffer(prov.stride_bytes) for _ in range(k)]
-        for e, buf in enumerate(bufs):
-            part, off, length, check = prov.fill.locate((cfg.moe_layers[0], e))
-            prov.reader.read_into(part, off, length, buf, digest=check).result()
-        layout = prov.layout
+    bufs, layout = first_records(art, model)
     args = dict(shapes=cfg.expert_shapes, beta=cfg.activation_situ_beta,
                 beta_lin=cfg.activation_situ_linear_beta)
     r = torch.randn(1, cfg.routed_expert_hidden_size).to(model.dtype)
@@ -206,6 +222,44 @@ def expert_seconds(art: Path, model, kernels, repeats: int = 3) -> float:
             kernels.expert_mlp(r, ids, w, {0: 0}, {0: buf}, layout, **args)
             times.append(time.perf_counter() - t0)
     return statistics.median(times[len(bufs):])  # the first pass warms the pool and caches
+
+
+def cuda_layer_seconds(art: Path, model, kernels, launches: int = 50) -> float:
+    """CUDA-event time of one MoE layer's launch set at T=1 as decode makes it: `moe_layer` for
+    all top-k experts on a layer's first top-k records in device slots (repacked), from a
+    preallocated workspace, `launches` back to back after a warm-up."""
+    from mtplx_runtime.offload.slots import SlotTier
+
+    cfg = model.cfg
+    k, dev = cfg.num_experts_per_token, torch.device("cuda")
+    bufs, layout = first_records(art, model)
+    tier = SlotTier("bench", layout.logical_bytes, k * align_up(layout.logical_bytes),
+                    device="cuda")
+    for e, buf in enumerate(bufs):
+        tier.view(e).set(buf[:tier.record_bytes])
+        kernels.repack(layout, tier.view(e))
+    slot_of = torch.full((cfg.num_experts,), -1, dtype=torch.int32, device=dev)
+    slot_of[:k] = torch.arange(k, dtype=torch.int32, device=dev)
+    ids = torch.arange(k, device=dev).unsqueeze(0)  # [1, K]
+    w = torch.full((1, k), 1.0 / k, device=dev)
+    x = torch.randn(1, cfg.routed_expert_hidden_size, device=dev).to(model.dtype)
+    ws = kernels.workspace(1, k, cfg.expert_shapes, model.dtype, dev)
+    out = torch.empty(1, cfg.routed_expert_hidden_size, device=dev)
+
+    def launch():
+        kernels.moe_layer(x, ids, w, slot_of, tier.address(0), tier.slot_bytes, layout,
+                          cfg.expert_shapes, ws, out, beta=cfg.activation_situ_beta,
+                          beta_lin=cfg.activation_situ_linear_beta)
+
+    for _ in range(3):  # NVRTC compiles on the first call
+        launch()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(launches):
+        launch()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / launches
 
 
 class NoRoutedExperts:
@@ -365,7 +419,7 @@ class GuessHook:
 def replay_step(model, state, routes: np.ndarray, tok: int) -> torch.Tensor:
     """One decode forward with every MoE layer's experts forced to `routes` [layers, top_k]."""
     for moe, ids in zip(model.moe_blocks(), routes):
-        moe.forced_ids = torch.from_numpy(ids).unsqueeze(0)  # [1, top_k]
+        moe.forced_ids = torch.from_numpy(ids).unsqueeze(0).to(moe.router.device)  # [1, top_k]
     return model.decode(tok, state)
 
 
@@ -419,15 +473,16 @@ def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens:
             for _ in generate_step(rt.model, PROMPT, max_tokens=tokens + 1, stats=stats):
                 if before is None:  # prefill done, no decode forward yet
                     before = snapshot(rt.provider)
-                    prefill = np.stack([m.last_ids.numpy() for m in moes], axis=1)  # [P, L, K]
+                    prefill = np.stack([m.last_ids.cpu().numpy() for m in moes],
+                                       axis=1)  # [P, L, K]
                 else:  # a decode forward ran since the last yield: keep its routes
-                    taken.append([m.last_ids[0].numpy() for m in moes])
+                    taken.append([m.last_ids[0].cpu().numpy() for m in moes])
         else:
             hook = GuessHook(rt.provider, [m.layer for m in moes], guesses or {})
             state = rt.model.new_state()
             logits = rt.model.prefill(PROMPT, state)[-1]
             before = snapshot(rt.provider)
-            prefill = np.stack([m.last_ids.numpy() for m in moes], axis=1)  # [P, L, K]
+            prefill = np.stack([m.last_ids.cpu().numpy() for m in moes], axis=1)  # [P, L, K]
             for i, step in enumerate(routes[:tokens]):
                 hook.step = i
                 t0 = time.perf_counter()
@@ -458,6 +513,7 @@ def run_config(art: Path, paths: list[Path], lookahead: int, slots: int, tokens:
             "stall_share": d["stall_ms"] / 1e3 / stats.decode_s,
             "kernel_share": d["kernel_ms"] / 1e3 / stats.decode_s,
             "overlap_share": d["overlap_ms"] / 1e3 / stats.decode_s,
+            "host_ms_per_token": (stats.decode_s * 1e3 - d["kernel_ms"] - d["stall_ms"]) / n,
             "drive_busy_share": d["busy_ms"] / 1e3 / stats.decode_s,
             "check_share": d["check_s"] / stats.decode_s,
             "checks": "/".join(str(checks.get(k, 0)) for k in ("xxh3", "sha256"))}
@@ -547,9 +603,12 @@ def main(argv=None) -> int:
         return 2
     if a.read_depth < 1 or a.sample_mib < 1 or min(a.decode_depth) < 1:
         ap.error("--read-depth, --decode-depth and --sample-mib must be >= 1")
-    kernels = select_backend(a.kernels)
-    if kernels.DEVICE != "cpu":
-        ap.error("bench_decode runs the model on the CPU: use --kernels cpu or reference")
+    try:
+        kernels = select_backend(a.kernels)
+    except (RuntimeError, ValueError) as e:  # e.g. --kernels cuda on a machine without one
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
+    on_gpu = kernels.DEVICE == "cuda"
     resident_dtypes = a.resident_dtype.split(",")
     if not set(resident_dtypes) <= set(RESIDENT_DTYPES):
         ap.error(f"--resident-dtype takes a comma list of {', '.join(RESIDENT_DTYPES)}, not "
@@ -591,10 +650,14 @@ def main(argv=None) -> int:
         for rep in range(a.repeats):
             # The disk's rate and the kernels' speed drift: both are measured every round.
             disk, rates = disk_rates(art, paths, a.depths, a.sample_mib << 20)
-            t_exp = expert_seconds(art, model, kernels)
+            if on_gpu:
+                t_exp = cuda_layer_seconds(art, model, kernels) / k
+                how_timed = "a layer's launch set / top-k, T=1, bf16, CUDA events"
+            else:
+                t_exp = expert_seconds(art, model, kernels)
+                how_timed = "one expert, T=1, bf16 model, one call each"
             print(f"# round={rep} raw_odirect_seq_gbps={disk / 1e9:.3f} {rates_fields(rates)} "
-                  f"expert_ms={t_exp * 1e3:.2f} (one expert, T=1, bf16 model, one call each)",
-                  flush=True)
+                  f"expert_ms={t_exp * 1e3:.3f} ({how_timed})", flush=True)
             done = []  # (resident dtype, lookahead, decode depth, verify, result)
             # Odd rounds run lookahead 1 before 0 and the decode depths in reverse, so neither
             # side of a pair always runs first (the VM's disk and CPU drift within a round).
@@ -651,6 +714,7 @@ def main(argv=None) -> int:
                       f"kernel_share={r['kernel_share']:.3f} "
                       f"overlap_share={r['overlap_share']:.3f} "
                       f"drive_busy_share={r['drive_busy_share']:.3f}"
+                      + (f" host_ms_per_token={r['host_ms_per_token']:.2f}" if on_gpu else "")
                       + (" INVALID=ratio_above_1" if ratio > 1.0 else "")
                       + " " + route_fields(r, trace, la, how, a.slots_per_layer, a.experts),
                       flush=True)

@@ -1,6 +1,6 @@
 """The one short device validation: run it first on any machine with a GPU (about 3 min).
 
-    python tools/gpu_check.py [--skip-timing] [--skip-generate]
+    python tools/gpu_check.py [--skip-timing] [--skip-generate] [--skip-decode]
 
 Steps, each reported on its own lines, then one summary line:
   env       device, CUDA / cupy / torch / kvikio versions, kvikio GDS or compat (POSIX) mode
@@ -23,6 +23,9 @@ Steps, each reported on its own lines, then one summary line:
             of moe_layer replayed, CUDA events) and the whole call's (moe_layer from Python, the
             same events around back-to-back calls) side by side; goals are reported, not enforced
   generate  `mtplx generate --kernels cuda` vs `--kernels reference` on a tiny streamed model
+  decode    tools/bench_decode.py --kernels cuda on a small K3-geometry slice (2 MoE layers of
+            DECODE_EXPERTS real-size t158 experts, DECODE_SLOTS slots per layer, cold drive):
+            its lines as they come (tok/s against its bounds, host_ms_per_token)
 Exit status: 0 all passed, 1 any failure (a kernel mismatch included), 2 no GPU (nothing run).
 """
 
@@ -46,6 +49,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the working tree's package an
 from check_cuda import expected_kernels  # noqa: E402  (after the path fix)
 
 from mtplx_runtime.kernels import cuda  # noqa: E402  (imports no cupy)
+from mtplx_runtime.offload.device_io import gds_status  # noqa: E402  (imports no kvikio)
 
 K3 = {"gate": (3072, 3584), "up": (3072, 3584), "down": (3584, 3072)}
 K3_EXPERTS, K3_TOPK = 896, 16
@@ -53,6 +57,7 @@ CODECS = [("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4)]
 DECODE_T, PREFILL_T = (1, 8), (64, 512, 4096)
 MATMUL_FLOPS = 790e12  # bf16 dense, measured on these H200s (device notes): the compute roofline
 NO_GPU = 2
+DECODE_EXPERTS, DECODE_SLOTS, DECODE_TOKENS = 128, 32, 32
 
 
 def _first(*getters):
@@ -67,18 +72,17 @@ def _first(*getters):
 
 
 def kvikio_line() -> str:
+    """kvikio's version and mode, and whether expert reads use it (offload/device_io.gds_status:
+    only where cuFile reports GDS; the staged path otherwise)."""
     try:
         import kvikio
         import kvikio.defaults as d
     except Exception as e:
-        return f"kvikio: not available ({type(e).__name__}: {e}); expert reads use POSIX"
+        return f"kvikio: not available ({type(e).__name__}: {e}); expert reads are staged"
     mode = _first(lambda: d.get("compat_mode"), lambda: d.compat_mode())
-    preferred = _first(lambda: d.is_compat_mode_preferred())
-    gds = _first(lambda: kvikio.cufile_driver.get("is_gds_available"),
-                 lambda: kvikio.DriverProperties().is_gds_available)
-    uses = "GDS" if preferred is False and gds is True else "compat mode (POSIX, bounce buffers)"
-    return (f"kvikio {getattr(kvikio, '__version__', '?')}: compat_mode={mode} "
-            f"compat_preferred={preferred} gds_available={gds} -> {uses}")
+    gds, why = gds_status()
+    return (f"kvikio {getattr(kvikio, '__version__', '?')}: compat_mode={mode} -> "
+            + ("GDS reads for unverified records" if gds else f"staged reads ({why})"))
 
 
 def env() -> bool:
@@ -330,10 +334,25 @@ def generate() -> bool:
     return True
 
 
+def decode() -> bool:
+    with tempfile.TemporaryDirectory(dir="/work" if Path("/work").is_dir() else None) as d:
+        cmd = [sys.executable, str(ROOT / "tools" / "bench_decode.py"), "--kernels", "cuda",
+               "--layers", "2", "--experts", str(DECODE_EXPERTS), "--tokens", str(DECODE_TOKENS),
+               "--slots-per-layer", str(DECODE_SLOTS), "--depths", "4,16", "--sample-mib", "64",
+               "--dir", d]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    for line in p.stdout.splitlines():
+        print(f"decode {line}")
+    if p.returncode:
+        print(f"decode: rc {p.returncode}\n{p.stderr[-3000:]}")
+    return p.returncode == 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--skip-generate", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
     args = ap.parse_args(argv)
     why = cuda.unavailable_reason()
     if why is None and not torch.cuda.is_available():
@@ -344,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = [("env", env), ("compile", compile_all), ("tests", tests), ("residents", residents)]
     steps += [] if args.skip_timing else [("timing", timing)]
     steps += [] if args.skip_generate else [("generate", generate)]
+    steps += [] if args.skip_decode else [("decode", decode)]
     results, t_all = [], time.perf_counter()
     for name, step in steps:
         t0 = time.perf_counter()

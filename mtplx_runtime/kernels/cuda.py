@@ -171,14 +171,16 @@ def segment_offsets(layout) -> dict[str, int]:
 
 # ---- Slots: the repack when a record lands --------------------------------------------------
 
-def repack(layout, view) -> None:
+def repack(layout, view, stream=None) -> None:
     """Repack the record in device slot `view` (cupy uint8, the record's bytes as read) in place
     into the layout the kernels read (native/codecs.cuh: t158 by bands of 16 rows, ct-int3 by
     groups; same size). Once per fill, after the record's check and before any kernel reads it:
-    a second call would scramble it. The bytes must have landed (the stream that wrote them
-    synchronized): it runs on a non-blocking stream of the calling thread, and returns when done
-    (the fill pipeline's `repack` step, on its reader threads). A no-op for mxfp4 and ct-int4.
-    The fill pipeline calls it for every record (offload/fill.py)."""
+    a second call would scramble it. A no-op for mxfp4 and ct-int4. The fill pipeline calls it
+    for every record (offload/fill.py).
+    stream None: the bytes must have landed (the stream that wrote them synchronized); it runs
+    on a non-blocking stream of the calling thread and returns when done. stream (a
+    torch.cuda.Stream): enqueued there after whatever wrote the bytes on that stream (the fill's
+    copy stream), and returns at once: the caller's event after it orders the kernels."""
     require()
     key = kernel_key(layout)
     source, prefix, _ = KERNELS[key]
@@ -188,7 +190,7 @@ def repack(layout, view) -> None:
     base = int(view.data.ptr)
     assert base % 4096 == 0 and view.size >= layout.logical_bytes, "a whole, aligned slot"
     off = segment_offsets(layout)
-    s = _thread_stream()
+    s = _thread_stream() if stream is None else _cupy_stream(stream.cuda_stream)
     for proj in ("gate", "up", "down"):
         rows, cols = projection_shape(layout, proj)
         packed = base + off[f"{proj}.packed"]
@@ -201,7 +203,8 @@ def repack(layout, view) -> None:
             groups = rows * (cols // 64)
             kernel(source, entry)((-(-groups // 256),), (256,), (packed, np.int64(groups)),
                                    stream=s)
-    s.synchronize()
+    if stream is None:
+        s.synchronize()
 
 
 _local = threading.local()

@@ -10,14 +10,17 @@ It does NO I/O. A caller (the prefetcher) asks `lookup`, `reserve`s a slot for e
 
 Keys are ExpertKey = (layer, expert). An entry is *loading* between reserve and commit and is
 never a victim then; a pinned entry (the current step's experts) is never a victim either.
-Every public method takes one lock: the prefetcher commits from I/O threads.
+Every public method takes one lock: the prefetcher commits from I/O threads. Two hooks serve
+device slots: `on_slot(key, slot | None)` hears every ready key entering or leaving a compute
+slot (offload/slot_table.py keeps the kernels' table with it), and `mover` copies a record
+between tiers (default `slots.copy_slot`, synchronous; on the GPU an enqueue on a copy stream).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import asdict, dataclass
 
 from .policy import Scope, _LazyHeap, make_policy
@@ -98,14 +101,21 @@ class ExpertCache:
     (host and transient are off at 0). scope: 'layer' (each of `layers` gets an equal share of
     the device and host slots) or 'global' (one shared capacity). policy: 'lru' or 'freq'
     (decayed frequency, `decay` per access, `admission`). device: 'cpu', 'cuda' or 'auto' (GPU
-    memory when cupy sees one; the host tier is then CUDA-pinned).
+    memory when cupy sees one; the host tier is then CUDA-pinned). on_slot(key, slot | None):
+    called under the lock whenever a ready key enters a compute slot (commit, promotion) or
+    leaves one (eviction, demotion, a reclaimed transient entry). mover(dst_tier, dst_slot,
+    src_tier, src_slot): the copy of a demotion or promotion (default `copy_slot`), called under
+    the lock, so it only enqueues on a GPU.
     """
 
     def __init__(self, record_bytes: int, compute_bytes: int, host_bytes: int = 0, *,
                  scope: str = "layer", policy: str = "lru", layers: Iterable[int] | None = None,
                  transient_bytes: int = 0, decay: float = 0.99, admission: bool = True,
-                 device: str = "auto", alignment: int = 4096):
+                 device: str = "auto", alignment: int = 4096,
+                 on_slot: Callable[[ExpertKey, int | None], None] | None = None,
+                 mover: Callable = copy_slot):
         layers = sorted(set(layers)) if layers is not None else None
+        self._on_slot, self._move = on_slot, mover
         self.record_bytes = int(record_bytes)
         self.scope_kind, self.policy_name = scope, policy
         self._compute = SlotTier("compute", record_bytes, compute_bytes, alignment, device=device)
@@ -171,6 +181,22 @@ class ExpertCache:
                 misses.append(key)
         return hits, misses
 
+    def count_hits(self, keys: Iterable[ExpertKey], *, transient: bool = False) -> None:
+        """Count `keys` as the compute-tier hits they were when a forward computed them without
+        a `lookup` (a layer whose experts all held slots, its route read back afterwards): the
+        counters and the replacement order as `lookup` would have left them, no promotion; a
+        key that left its slot since still counts as the hit it was."""
+        with self._lock:
+            for key in keys:
+                key = (int(key[0]), int(key[1]))
+                c = self._counters[key[0]]["compute"]
+                c.lookups += 1
+                c.hits += 1
+                if not transient:
+                    self._scope.policy(key).touch(key)
+                if key in self._transients:
+                    self._transients.move_to_end(key)
+
     def __contains__(self, key) -> bool:
         with self._lock:
             return tuple(key) in self._entries
@@ -221,6 +247,7 @@ class ExpertCache:
             if e is None or e.ready:
                 raise ValueError(f"commit: {tuple(key)} is not loading")
             e.ready = True
+            self._entered(tuple(key), e)
 
     def abort(self, key: ExpertKey) -> None:
         """A load failed or was cancelled: free the reserved slot."""
@@ -357,8 +384,17 @@ class ExpertCache:
                 return k
         return None
 
+    def _entered(self, key, e: _Entry) -> None:
+        if self._on_slot is not None and e.tier == "compute":
+            self._on_slot(key, e.slot)
+
+    def _left(self, key, e: _Entry) -> None:
+        if self._on_slot is not None and e.tier == "compute" and e.ready:
+            self._on_slot(key, None)
+
     def _drop(self, key, e: _Entry, count: bool = False) -> None:
         """Forget `key` and free its slot (no demotion)."""
+        self._left(key, e)
         self._tiers[e.tier].release(e.slot)
         del self._entries[key]
         if e.transient:
@@ -383,7 +419,8 @@ class ExpertCache:
         if hslot is None:
             self._drop(victim, e)
             return
-        copy_slot(self._host, hslot, self._compute, e.slot)
+        self._move(self._host, hslot, self._compute, e.slot)
+        self._left(victim, e)
         self._scope.policy(victim).remove(victim)
         self._compute.release(e.slot)
         e.tier, e.slot = "host", hslot
@@ -405,10 +442,11 @@ class ExpertCache:
         if placed is None:
             return SlotRef(key, "host", e.slot)
         tier, slot, is_transient = placed
-        copy_slot(self._tiers[tier], slot, self._host, e.slot)
+        self._move(self._tiers[tier], slot, self._host, e.slot)
         self._host_scope.policy(key).remove(key)
         self._host.release(e.slot)
         e.tier, e.slot, e.transient = tier, slot, is_transient
+        self._entered(key, e)
         if is_transient:
             self._transients[key] = None
         else:

@@ -5,18 +5,21 @@
             kvikio), or a pinned staging buffer (device slots without kvikio)
     read    reader.read_into: O_DIRECT/preadv (offload/bank_reader), kvikio (offload/device_io)
     check   the record's digest on host bytes: SHA-256 first, a learned XXH3 after
-    transfer  staged: the checked bytes into the device slot (once no kernel reads it)
+    transfer  staged: the checked bytes into the device slot, enqueued on the copy stream after
+            the last kernel launch that read the slot (offload/device_io.Staging)
     repack  the kernel backend's own layout of the record, in its slot, for a backend that has
-            one (the CUDA kernels' t158 and ct-int3: kernels/cuda.py `repack`)
-    commit  the cache entry becomes a hit
+            one (the CUDA kernels' t158 and ct-int3: kernels/cuda.py `repack`, enqueued on the
+            same copy stream)
+    commit  the cache entry becomes a hit (on the GPU the slot table's entry, with the copy
+            stream's event the layer's next launch waits on); staged, this thread then waits
+            until the copy has left the staging buffer, which goes back to the pool
 
 The prefetcher (offload/prefetch.py) runs these steps in this order for every read, whatever
 the reader and the tier: `land` and `read` when the drive has room for the read, the last three
 on the reader's thread once the bytes are in, after it has handed the drive its next read. Only
 `commit` makes a slot a hit, and only after its bytes passed `check`: no kernel ever reads bytes
-that were not checked (with verification on). A device-side slot table, or a copy stream with
-an event the kernels wait on, belongs in `transfer` and `commit`; a layout of the kernels' own
-in `repack`.
+that were not checked (with verification on), and on the GPU no kernel runs before the copy
+and repack it reads have (the event `commit` records, offload/slot_table.py).
 """
 
 from __future__ import annotations
@@ -96,18 +99,20 @@ class Fill:
                                  "SHA-256")
             return
         host = job.landing[:job.length]
-        if not isinstance(host, np.ndarray):  # device memory (kvikio): checked on a host copy
-            host = host.get()
+        if not isinstance(host, np.ndarray):  # a copy back would cross PCIe a second time
+            raise ValueError("records are verified, but this one was read into device memory "
+                             "(kvikio): verified reads go through host staging")
         why = check_digest(job.digest, memoryview(host))
         if why is not None:
             raise RecordHashError(f"{self.reader.parts[job.part][0]}: part {job.part} bytes at "
                                   f"offset {job.offset} length {job.length} {why}")
 
     def transfer(self, job) -> None:
-        """Staged: the checked bytes into the device slot (nothing else: the read landed there)."""
+        """Staged: the checked bytes into the device slot, enqueued (nothing else: the read
+        landed there)."""
         if self.staging is not None:
             self.staging.place(job.landing[:job.length],
-                               self.cache.buffer(job.slot)[:job.length])
+                               self.cache.buffer(job.slot)[:job.length], job.slot.slot)
 
     def repack(self, job) -> None:
         """The backend's layout of the checked bytes, in place in the slot (nothing without a
@@ -116,8 +121,11 @@ class Fill:
             self._repack(self.cache.buffer(job.slot)[:job.length])
 
     def commit(self, job) -> None:
-        """The slot is a hit for every lookup from now on."""
+        """The slot is a hit for every lookup from now on; staged, then wait (this thread) until
+        its copy has left the staging buffer, so `release` hands back a free one."""
         self.cache.commit(job.key)
+        if self.staging is not None:
+            self.staging.drain(job.landing)
 
     def release(self, job) -> None:
         """The job's landing is free again (its staging buffer back to the pool)."""

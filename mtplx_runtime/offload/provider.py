@@ -8,6 +8,13 @@
                  (`claim`) or one opened now -> kernel backend on each slot's bytes as it
                  lands -> fp32 sum
 
+On the GPU the route stays on the device: hint copies it to pinned host memory behind an event
+(offload/device_io.HostIds) and waits for it only when the layer has an expert without a
+compute slot (the one host wait of such a layer, then the steps above); a layer whose experts
+all hold slots launches `moe_layer` on the device slot table's row at once (offload/
+slot_table.py) and its route is accounted later, in order, before any cache decision that
+follows it (hits, replacement order, guesses, warm counts). Each window is one launch set.
+
 The ExpertCache owns the slots, the Prefetcher schedules every read and the fill pipeline
 (offload/fill.py) moves its bytes, the kernel backend (mtplx_runtime/kernels, chosen once at
 construction) computes; this module looks experts up, pins them and computes, for the model's
@@ -24,6 +31,7 @@ import contextlib
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -37,12 +45,15 @@ from ..formats.record import ALIGNMENT, align_up
 from ..kernels import select_backend
 from ..kernels.reference import ExpertWeights, decode_record
 from .bank_reader import DEFAULT_DECODE_DEPTH, DEFAULT_READ_DEPTH, from_manifest
+from .buffers import aligned_buffer
 from .cache import ExpertCache
-from .device_io import SlotGuard, device_reads
+from .device_io import CudaStreams, HostIds, device_reads, tier_mover
 from .digests import RecordDigests
 from .fill import Fill
 from .lookahead import LookaheadScore, predicted_keys
 from .prefetch import Prefetcher, Window
+from .slot_table import SlotTable
+from .slots import copy_slot
 from .warm import WarmStart
 
 # A lookahead depth's guesses are read once GUESS_MIN_PAIRS scored layers show them naming the
@@ -82,6 +93,8 @@ class StreamingExpertProvider:
     kernels: the expert kernel backend `run_experts` computes with: a name ('reference' | 'cpu'
     | 'cuda'), a backend module, or None ($MTPLX_KERNELS, else the best available;
     `kernels.select_backend`). Chosen once, here.
+    streams: with a device backend (`DEVICE == "cuda"`), its streams and events
+    (offload.device_io.CudaStreams, made here when None; tests pass a fake).
     """
 
     def __init__(self, bank: BankExpertLayout | str | os.PathLike, cfg,
@@ -90,7 +103,8 @@ class StreamingExpertProvider:
                  lookahead: int = 1, read_depth: int = DEFAULT_READ_DEPTH,
                  decode_depth: int = DEFAULT_DECODE_DEPTH, max_inflight_bytes: int | None = None,
                  direct: bool | str = "auto", verify_sha256: bool = True, device: str = "cpu",
-                 timeout_s: float = 120.0, kernels: str | ModuleType | None = None):
+                 timeout_s: float = 120.0, kernels: str | ModuleType | None = None,
+                 streams=None):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
         if decode_depth < 1:
@@ -114,13 +128,20 @@ class StreamingExpertProvider:
         # CUDA kernels address slots as base + index * stride of ONE device buffer, so on the
         # GPU prefill shares the compute tier instead of a separate transient pool.
         self.on_gpu = self.kernels.DEVICE == "cuda"
+        self.streams = self.table = None
+        hooks = dict(device="cpu", on_slot=None, mover=copy_slot)
         if self.on_gpu:
             transient_bytes = 0
+            self.streams = streams if streams is not None else CudaStreams()
+            # slot_of[layer, expert] on the device, kept with the cache's compute tier
+            self.table = SlotTable(layers, cfg.num_experts, self.streams)
+            hooks = dict(device=self.streams.slot_memory, on_slot=self.table.on_slot,
+                         mover=tier_mover(self.streams, self.table))
         elif transient_bytes is None:
             transient_bytes = max(cfg.num_experts_per_token, 4) * align_up(self.stride_bytes)
         self.cache = ExpertCache(self.stride_bytes, compute_bytes, host_bytes, scope=scope,
                                  policy=policy, layers=layers, transient_bytes=transient_bytes,
-                                 device="cuda" if self.on_gpu else "cpu")
+                                 **hooks)
         self._transient_slots = self.cache.capacity()["transient"]
         self.verify_sha256 = verify_sha256
         self.digests = RecordDigests(bank.root, self.manifest) if verify_sha256 else None
@@ -136,17 +157,22 @@ class StreamingExpertProvider:
         # only reads: the fill pipeline checks what it read (offload/fill.py).
         reader = from_manifest(bank.root, self.manifest, direct=direct, read_depth=read_depth,
                                max_open_files=max(64, len(self.manifest.sidecar.parts)))
-        self.guard = SlotGuard()  # CUDA events of the kernels reading each compute slot
+        self._host_reader = reader  # `experts` on the GPU reads host copies through it
         staging = None
         if self.on_gpu:
-            reader, staging = device_reads(reader, staging_bytes=self.stride_bytes,
-                                           guard=self.guard, threads=read_depth)
+            reader, staging = device_reads(
+                reader, staging_bytes=self.stride_bytes, table=self.table, streams=self.streams,
+                tier=self.cache.tier("compute"), threads=read_depth, verified=verify_sha256)
         self.reader = reader
         # A backend whose kernels read records in a layout of their own defines
-        # repack(layout, buf): the fill pipeline applies it to every record it reads.
+        # repack(layout, buf): the fill pipeline applies it to every record it reads (on the
+        # GPU enqueued on the copy stream, behind the record's copy).
         repack = getattr(self.kernels, "repack", None)
+        if repack is not None:
+            repack = (partial(repack, self.layout, stream=self.streams.copy) if self.on_gpu
+                      else partial(repack, self.layout))
         self.fill = Fill(reader, bank, self.cache, digests=self.digests, staging=staging,
-                         repack=partial(repack, self.layout) if repack is not None else None)
+                         repack=repack)
         if max_inflight_bytes is None:
             # Room for the whole read depth, and for a window's misses beside the guesses.
             span = max(read_depth, 2 * cfg.num_experts_per_token * max(1, self.lookahead))
@@ -168,6 +194,15 @@ class StreamingExpertProvider:
         self.prefill_uses = 0     # (token, expert) pairs in multi-token calls
         self.prefill_unique = 0   # distinct experts read for them
         self.warm: WarmStart | None = None  # set by start_warm: counts uses, its reads queued
+        # The GPU path: this forward's routes on their way to the host, by layer, until
+        # run_experts; routes computed without a wait, accounted in order later; moe_layer's
+        # buffers per dtype; the CUDA events around each launch set not yet summed.
+        self._routes: dict[int, HostIds] = {}
+        self._pending: deque[HostIds] = deque()
+        self._buffers: dict = {}
+        self._timed: deque = deque()
+        self.route_wait_ms = 0.0  # GPU: time forwards waited for a route's ids (host waits)
+        self.launches = 0         # GPU: launch sets (moe_layer calls)
         self._closed = False
 
     # ---- the ExpertProvider contract -----------------------------------------------------
@@ -175,7 +210,10 @@ class StreamingExpertProvider:
     def begin_forward(self, tokens: int) -> None:
         """A prompt's forward (tokens > 1) holds the warm start's reads from its first layer
         until its last MoE layer's experts are computed, so its reads and checks get the drive
-        and the cores; a one-token forward releases the hold (`Prefetcher.hold_prompt`)."""
+        and the cores; a one-token forward releases the hold (`Prefetcher.hold_prompt`). On the
+        GPU, the routes of the forwards before whose copies have landed are accounted first."""
+        if self.on_gpu:
+            self._account_pending(block=False)
         if tokens > 1:
             self.prefetcher.hold_prompt()
         else:
@@ -192,7 +230,11 @@ class StreamingExpertProvider:
     def experts(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertWeights]:
         """Weights of experts `ids` (distinct) of `layer`, decoded from their slots (the
         reference codec decode, as ResidentExpertProvider). Blocks until every read has landed;
-        the model itself computes through `run_experts` instead."""
+        the model itself computes through `run_experts` instead. On the GPU, whose slots hold
+        records in the kernels' layout (`repack`), each record is read from the bank into host
+        memory and checked there instead; the cache is not touched."""
+        if self.on_gpu:
+            return {int(e): self.decode(self._read_host((int(layer), int(e)))) for e in ids}
         keys = [(int(layer), int(e)) for e in ids]
         room = self._room(layer)
         out = {}
@@ -221,6 +263,8 @@ class StreamingExpertProvider:
         """
         if self._closed:
             raise RuntimeError("StreamingExpertProvider is closed")
+        if self.on_gpu:
+            return self._run_device(layer, x, ids, weights)
         keys = self._keys(layer, ids)
         if self.warm is not None:
             self.warm.add(layer, ids)
@@ -357,28 +401,160 @@ class StreamingExpertProvider:
         return acc
 
     def _kernel_call(self, x, ids, weights, refs: Mapping, acc: torch.Tensor) -> torch.Tensor:
-        """The kernel backend on rows whose every pick is one of `refs` (or -1): acc [n, R] fp32
-        plus their products, on acc's device."""
-        args = (x, ids, weights)
-        if self.on_gpu:  # slot indices into the one device buffer; tensors on the GPU
-            slots = {k[1]: ref.slot for k, ref in refs.items()}
-            storage = self.cache.tier("compute")
-            dev = args[0].device if args[0].is_cuda else torch.device("cuda")
-            args = tuple(a.to(dev) for a in args)
-            part = self.kernels.expert_mlp(*args, slots, storage, self.layout,
-                                           acc=acc.to(dev), **self._kernel_args)
-            event = torch.cuda.Event()
-            event.record()  # after the kernels on torch's current stream: guards their slots
-            self.guard.mark([storage.view(s) for s in slots.values()], event)
-        else:  # host slots: the backends take {expert: record bytes}
-            storage = {k[1]: self.cache.buffer(ref) for k, ref in refs.items()}
-            t0, busy0 = time.monotonic(), self.prefetcher.busy_seconds()
-            part = self.kernels.expert_mlp(*args, {e: e for e in storage}, storage,
-                                           self.layout, acc=acc, **self._kernel_args)
-            # busy read inside the kernel's own interval, so the overlap never exceeds it
-            self.kernel_overlap_ms += (self.prefetcher.busy_seconds() - busy0) * 1e3
-            self.kernel_ms += (time.monotonic() - t0) * 1e3
-        return part.to(acc.device)
+        """The kernel backend on host slots, rows whose every pick is one of `refs` (or -1): acc
+        [n, R] fp32 plus their products (the backends take {expert: record bytes})."""
+        storage = {k[1]: self.cache.buffer(ref) for k, ref in refs.items()}
+        t0, busy0 = time.monotonic(), self.prefetcher.busy_seconds()
+        part = self.kernels.expert_mlp(x, ids, weights, {e: e for e in storage}, storage,
+                                       self.layout, acc=acc, **self._kernel_args)
+        # busy read inside the kernel's own interval, so the overlap never exceeds it
+        self.kernel_overlap_ms += (self.prefetcher.busy_seconds() - busy0) * 1e3
+        self.kernel_ms += (time.monotonic() - t0) * 1e3
+        return part
+
+    # ---- the GPU path: device slots, the route kept on the device ---------------------------
+
+    def _run_device(self, layer: int, x, ids, weights) -> torch.Tensor:
+        """run_experts on device slots: a layer whose experts all hold slots launches at once on
+        the slot table (no host wait; its route accounted later); otherwise the route's copy is
+        waited for (unless the hint did), the windows are read and each is one launch set."""
+        T = ids.shape[0]
+        rec = self._routes.pop(int(layer), None)
+        if rec is None:  # no hint for this route
+            rec = HostIds(self.streams, layer, ids, {})
+        try:
+            out = None
+            if not rec.taken:
+                out = self._launch(layer, x, ids, weights, whole=True)
+                if out is not None:
+                    rec.taken = True
+                    self._pending.append(rec)
+                else:
+                    self._take(rec)
+            if out is None:
+                keys = self._keys(layer, rec.ids)
+                if self.warm is not None:
+                    self.warm.add(layer, rec.ids)
+                out = self._device_sum(layer, x, ids, weights, keys)
+                self._spec_keys.difference_update(keys)
+        except BaseException:
+            if T > 1:
+                self.prefetcher.release_prompt()  # a failed prompt must not hold the warm
+            raise
+        if T > 1 and layer == self._last_layer:
+            self.prefetcher.release_prompt()
+        return out
+
+    def _take(self, rec: HostIds) -> list[ExpertKey]:
+        """The layer's one host wait: its route's ids, then every route accounted that was
+        computed before it (their copies came first on the stream), then its guesses scored and
+        kept (returned), as on the host."""
+        t0 = time.monotonic()
+        rec.wait()
+        self.route_wait_ms += (time.monotonic() - t0) * 1e3
+        rec.taken = True
+        self._account_pending(block=True, current=rec.layer)
+        return self._keep_guesses(rec.layer, rec.ids, rec.predicted)
+
+    def _device_sum(self, layer: int, x, ids, weights, keys: list[ExpertKey]) -> torch.Tensor:
+        """Windows of `keys` (ascending ids, each fitting the layer's slots): every read of a
+        window landed, then one launch set for it, the sum carried in `out` from one window to
+        the next (the reference's order). The first decode window is the one the hint opened."""
+        T = x.shape[0]
+        if T > 1:
+            self.prefill_uses += int((ids >= 0).sum())
+            self.prefill_unique += len(keys)
+        room = self._room(layer)
+        out = None
+        for i in range(0, len(keys), room):
+            window = keys[i:i + room]
+            opened = ((self.prefetcher.claim(layer, window) or self._open_decode(window))
+                      if T == 1 else self._open(window, self._transient_slots > 0))
+            with opened as win:
+                for _ in self._batches(win):  # stall counted there
+                    pass
+                out = self._launch(layer, x, ids, weights,
+                                   window=window if len(keys) > room else None, acc=i > 0)
+        if out is None:  # no pick at all
+            return torch.zeros_like(x)
+        return out
+
+    def _launch(self, layer: int, x, ids, weights, *, window: list[ExpertKey] | None = None,
+                acc: bool = False, whole: bool = False) -> torch.Tensor | None:
+        """One launch set of `moe_layer` on the layer's slot-table row, into the provider's
+        buffers: every pick (or only those of `window`'s id range, the rest masked to -1 on the
+        device) added to the previous window's sum (`acc`) or to 0. `whole`: only if every
+        expert of the layer holds a slot, else None and nothing launched. Returns the sum in
+        x.dtype, a tensor of its own."""
+        T = x.shape[0]
+        ws, buf = self._workspace(T, x.dtype)
+        out = buf[:T]  # [T, R] fp32, the running sum of this layer's windows
+        if window is not None:  # the window's experts are exactly the picks in its id range
+            ids = torch.where((ids >= window[0][1]) & (ids <= window[-1][1]), ids, -1)
+        tier = self.cache.tier("compute")
+        with self.table.launch(layer, whole=whole) as row:
+            if row is None:
+                return None
+            start = self.streams.compute_event(timing=True)
+            self.kernels.moe_layer(x, ids, weights, row, tier.address(0), tier.slot_bytes,
+                                   self.layout, self.cfg.expert_shapes, ws, out,
+                                   acc=out if acc else None, beta=self._kernel_args["beta"],
+                                   beta_lin=self._kernel_args["beta_lin"])
+            self._timed.append((start, self.streams.compute_event(timing=True)))
+        self.launches += 1
+        # a copy: the buffer is the next layer's
+        return out.to(x.dtype) if x.dtype != out.dtype else out.clone()
+
+    def _workspace(self, T: int, dtype: torch.dtype):
+        """(Workspace, out fp32 [>= T, R]) for `moe_layer`, kept per dtype and grown to the
+        largest T asked for (a decode step's, then a prefill chunk's)."""
+        have = self._buffers.get(dtype)
+        if have is None or have[0].tokens < T:
+            R = self.cfg.routed_expert_hidden_size
+            dev = self.streams.device
+            have = self._buffers[dtype] = (
+                self.kernels.workspace(T, self.cfg.num_experts_per_token, self.cfg.expert_shapes,
+                                       dtype, dev),
+                torch.empty(T, R, dtype=torch.float32, device=dev))
+        return have
+
+    def _account_pending(self, *, block: bool, current: int | None = None) -> None:
+        """Account the routes computed without a wait, in order: all of them (`block`: waiting
+        for their copies), else those whose copies have landed. A layer's route is accounted as
+        its lookup would have been (hits, replacement order, used guesses), its guesses scored
+        and kept, and read only for layers after `current` (the layer about to compute; None:
+        none read, their layers have run), its picks counted for the warm start. Then the
+        launch sets' CUDA-event times that are done go into kernel_ms."""
+        while self._pending and (block or self._pending[0].ready()):
+            rec = self._pending.popleft()
+            rec.wait()  # no wait when ready
+            keys = self._keys(rec.layer, rec.ids)
+            self._keep_guesses(rec.layer, rec.ids, rec.predicted)
+            guesses, self._guesses = self._guesses, []
+            if current is not None:
+                self._guesses = [k for k in guesses if k[0] > current]
+                self._speculate()
+            prefill = rec.ids.shape[0] > 1
+            if prefill:
+                self.prefill_uses += int((rec.ids >= 0).sum())
+                self.prefill_unique += len(keys)
+            self.cache.count_hits(keys, transient=prefill and self._transient_slots > 0)
+            self.prefetcher.note_used(keys)
+            if self.warm is not None:
+                self.warm.add(rec.layer, rec.ids)
+            self._spec_keys.difference_update(keys)
+        while self._timed and (block or self._timed[0][1].query()):
+            start, end = self._timed.popleft()
+            end.synchronize()
+            self.kernel_ms += start.elapsed_time(end)
+
+    def _read_host(self, key: ExpertKey):
+        """Record `key` read from the bank into host memory and checked (when verified)."""
+        ext = self.fill.locate(key)
+        buf = aligned_buffer(align_up(ext.length))[:ext.length]
+        self._host_reader.read_into(ext.part, ext.offset, ext.length, buf,
+                                    digest=ext.check).result(self.timeout_s)
+        return buf
 
     def decode(self, buf) -> ExpertWeights:
         """Record bytes -> ExpertWeights: the reference decode, as ResidentExpertProvider."""
@@ -397,28 +573,43 @@ class StreamingExpertProvider:
         window then starts reading here, so its reads overlap what the block computes before
         `run_experts` (the latent projection, the shared expert): the prefetcher holds it until
         run_experts claims it. A window held from an earlier hint whose run_experts never came
-        is closed first (its pins go). Returns the kept keys."""
+        is closed first (its pins go). Returns the kept keys.
+        On the GPU (`actual` on the device) all of this waits for the route's copy to the host,
+        which only a one-token step of a layer with an expert outside the compute slots does
+        here; otherwise run_experts decides, and a layer it computes without a wait has its
+        guesses scored and kept later (`_account_pending`), returning [] here."""
         self.prefetcher.release_reserved()
-        keys = self._keep_guesses(layer, actual, predicted)
+        self._note_predictions(layer, predicted)
+        if self.on_gpu:
+            rec = self._routes[int(layer)] = HostIds(self.streams, layer, actual, predicted)
+            if actual.shape[0] != 1 or self._closed or self.table.fully_resident(layer):
+                return []
+            keys = self._take(rec)
+            actual = rec.ids
+        else:
+            keys = self._keep_guesses(layer, actual, predicted)
         if actual.shape[0] == 1 and not self._closed:
             window = self._keys(layer, actual)[:self._room(layer)]
             self.prefetcher.reserve(layer, window, self._open_decode(window))
         return keys
+
+    def _note_predictions(self, layer: int, predicted: Mapping[int, torch.Tensor]) -> None:
+        """This forward's guesses by target layer and depth, for the route trace."""
+        if layer == self._first_layer:
+            self.last_predictions = {}  # a new forward: the trace wants this forward's guesses
+        for depth, target in enumerate(sorted(predicted), 1):
+            self.last_predictions.setdefault(target, {})[depth] = predicted[target]
 
     def _keep_guesses(self, layer: int, actual: torch.Tensor,
                       predicted: Mapping[int, torch.Tensor]) -> list[ExpertKey]:
         """`hint`'s scoring and guess keeping: the guesses to read after this layer's misses."""
         self.score.add_actual(layer, actual)
         self._guesses = []  # an earlier hint's guesses not read by now are for a past layer
-        if layer == self._first_layer:
-            self.last_predictions = {}  # a new forward: the trace wants this forward's guesses
         if not predicted:
             return []
         targets = sorted(predicted)
         preds = [predicted[t] for t in targets]  # [T, K] each
         self.score.add_predictions(targets, preds)
-        for depth, (target, p) in enumerate(zip(targets, preds), 1):
-            self.last_predictions.setdefault(target, {})[depth] = p
         reading = self.guessing_depths(len(targets))
         keys = predicted_keys([t for d, t in enumerate(targets, 1) if d in reading],
                               [p for d, p in enumerate(preds, 1) if d in reading])
@@ -450,8 +641,13 @@ class StreamingExpertProvider:
         """Cache counters per layer and tier, totals, prefetch counters, lookahead scores per
         depth and the depths whose guesses are read (`guessing_depths`), stall time, time in the
         host kernels and the part of it that reads overlapped (`kernel_ms`, `kernel_overlap_ms`;
-        GPU runs count neither), the prefill dedup factor (expert uses / unique experts) and the
-        warm start (`offload.warm.WarmStart.stats`; None without one)."""
+        on the GPU `kernel_ms` is the launch sets' CUDA-event time and no overlap is counted),
+        the prefill dedup factor (expert uses / unique experts), the warm start
+        (`offload.warm.WarmStart.stats`; None without one) and on the GPU `device`: launch sets,
+        route waits (host waits for a route's ids, ms) and slot-table rows copied. A GPU run's
+        routes computed without a wait are accounted first (a host sync)."""
+        if self.on_gpu and not self._closed:
+            self._account_pending(block=True)
         totals = self.cache.totals()
         dev = totals["compute"]
         return {
@@ -469,6 +665,8 @@ class StreamingExpertProvider:
                                          if self.prefill_unique else 0.0)},
             "checks": self.digests.stats() if self.digests is not None else None,
             "warm": self.warm.stats() if self.warm is not None else None,
+            "device": ({"launches": self.launches, "route_wait_ms": self.route_wait_ms,
+                        "table_uploads": self.table.uploads} if self.on_gpu else None),
         }
 
     def close(self) -> None:
@@ -476,7 +674,11 @@ class StreamingExpertProvider:
         write the warm-start counts. Idempotent."""
         if self._closed:
             return
-        self._closed = True
+        try:
+            if self.on_gpu:  # the warm counts want every route
+                self._account_pending(block=True)
+        finally:
+            self._closed = True
         try:
             self.prefetcher.shutdown(cancel_pending=True, timeout=self.timeout_s)
         finally:
@@ -491,7 +693,6 @@ class StreamingExpertProvider:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
 
 
 def _unaligned_record(manifest) -> str | None:

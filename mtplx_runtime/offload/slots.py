@@ -108,6 +108,22 @@ class SlotTier:
         self._is_free[slot] = True
         self._free.append(slot)
 
+    def address(self, slot: int) -> int:
+        """The address of the slot's first byte (device memory for a cuda tier)."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"{self.name}: slot {slot} out of range [0, {self.num_slots})")
+        base = (self.data.data.ptr if self.device == "cuda"
+                else self.data.__array_interface__["data"][0])
+        return int(base) + slot * self.slot_bytes
+
+    def slot_at(self, address: int) -> int:
+        """The slot whose first byte is at `address` (ValueError for any other address)."""
+        if self.num_slots:
+            slot, rest = divmod(address - self.address(0), self.slot_bytes)
+            if not rest and 0 <= slot < self.num_slots:
+                return slot
+        raise ValueError(f"{self.name}: address {address:#x} is no slot's start")
+
     def view(self, slot: int):
         """The slot's first `record_bytes` bytes, uint8, starting on an `alignment` boundary."""
         if not 0 <= slot < self.num_slots:
