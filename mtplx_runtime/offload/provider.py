@@ -375,7 +375,8 @@ class StreamingExpertProvider:
     def _batches(self, win: Window) -> Iterator[dict]:
         """{key: SlotRef} batches of a window: its hits first, then its misses as they land,
         those found landed together as one batch (a drive may complete its queue in waves:
-        BENCHMARKS.md "Reads land in waves"); time blocked waiting is the stall."""
+        benchmarks log, "On a Zen 3 VM again: reads land in waves"); time blocked waiting is
+        the stall."""
         if win.hits:
             yield win.hits
         landing = self.prefetcher.landed(win.futures, self.timeout_s)
