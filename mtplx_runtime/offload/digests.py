@@ -46,6 +46,7 @@ __all__ = ["RecordCheck", "RecordDigests", "fast_hash"]
 # Tags of the seeded XXH3. Earlier versions' files are ignored, so each record pays SHA-256 once
 # more: `MTPLXXHK` (tags of the unseeded XXH3) and `MTPLXXH3` (the unseeded XXH3 itself).
 MAGIC = b"MTPLXXHS"
+EARLIER = (b"MTPLXXHK", b"MTPLXXH3")
 SUFFIX = ".xxh3"  # files of the earlier XXH64 checks (.xxh64) are not read
 SAVE_EVERY = 1024  # newly learned values between saves, so a killed process keeps most of them
 log = logging.getLogger(__name__)
@@ -166,6 +167,10 @@ class RecordDigests:
                                 what="record checksum file")
         except InputError as e:
             log.warning("ignoring the record checksums %s: %s", self._path, e)
+            return
+        if data[:8] in EARLIER:  # expected once after an upgrade: said, not warned
+            log.info("record checksums %s are an earlier version's: each record is checked by "
+                     "SHA-256 once more and learned again", self._path)
             return
         if (len(data) != 16 + 8 * n or data[:8] != MAGIC
                 or int.from_bytes(data[8:16], "little") != n):
