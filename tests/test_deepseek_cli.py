@@ -58,7 +58,7 @@ def test_inspect_and_plan(built, capsys):
     assert main(["plan", str(art), "--memory-budget", "2GiB", "--kernels", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "routed layers x 8 experts, top-2" in out
-    assert "KDA state" in out and " 0 " in out.split("KDA state", 1)[1].split("\n", 1)[0]
+    assert "MLA latent cache" in out and "KDA state" not in out  # MLA only: no recurrent state
 
 
 def test_resident_and_streamed_ids_agree(built):

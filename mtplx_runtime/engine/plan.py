@@ -772,7 +772,9 @@ def format_plan(plan: MemoryPlan) -> str:
         "headroom": "page cache and kernel memory beside the RSS, so a hard limit never "
                     "reclaims" if p.items["headroom"] else "none on a GPU",
     }
-    rows = [(LABELS[n], p.items[n], notes[n]) for n in ITEMS]
+    # A model without recurrent layers (the DeepSeek-V3 family: MLA only) has no KDA row.
+    rows = [(LABELS[n], p.items[n], notes[n]) for n in ITEMS
+            if n != "kda_state" or p.items[n]]
     rows += [("compute-tier slots", p.compute_slots * p.record_stride,
               f"{p.compute_slots} slots x {p.record_stride:,} B"),
              ("slack", p.slack_bytes, "unused")]
