@@ -213,6 +213,22 @@ def test_bad_listen_address_is_one_line(art, monkeypatch, capfd, argv, message):
     assert err.startswith(f"mtplx serve: error: {message}"), err
 
 
+def test_a_model_without_a_chat_format_serves_chats_without_thinking(art, capsys):
+    """As `mtplx chat`: a model trained on plain text never closes a think channel nor ends a
+    reply, so by default chats do not think and replies stop at 256 tokens (said once);
+    --thinking and --max-tokens still choose."""
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    for flags, thinking, max_tokens in (([], False, 256), (["--thinking"], True, 256),
+                                        (["--max-tokens", "9"], False, 9)):
+        app, engine, rt = build(parser.parse_args(["--model", str(art), "--dtype", "float32",
+                                                   *flags]))
+        engine.close()
+        rt.close()
+        assert (app.cfg.thinking, app.cfg.default_max_tokens) == (thinking, max_tokens), flags
+        assert "has no chat format" in capsys.readouterr().err
+
+
 def test_kernels_cuda_without_cupy_names_the_gpu_extra(art, monkeypatch, capfd):
     monkeypatch.setitem(sys.modules, "cupy", None)  # as if cupy were not installed
     code, events = _serve_main(["--model", str(art), "--port", "0", "--kernels", "cuda"],
@@ -376,7 +392,7 @@ def test_over_long_request_names_the_context_setting(server, path, field):
     else:
         from mtplx_runtime.engine.chat import render_chat
 
-        n = len(render_chat(tok, body["messages"], thinking=True))
+        n = len(render_chat(tok, body["messages"], thinking=server["app"].cfg.thinking))
     assert err["message"] == (
         f"the prompt has {n} tokens and max_tokens asks for 12; the server's --context is 4096 "
         "(tokens of prompt + reply): shorten the prompt, lower max_tokens, or start the server "

@@ -241,10 +241,11 @@ def build(args: argparse.Namespace):
     """(app, engine, runtime) from parsed flags; raises cli.common.CliError on bad flags."""
     from ..server.app import App, ServerConfig
     from ..server.worker import Engine
-    from .common import load_runtime
+    from .common import chat_defaults, load_runtime
 
     check_args(args)
     rt = load_runtime(args)
+    chat_defaults(args, PROG)  # a model without a chat format: no thinking, bounded replies
     engine = Engine(rt, max_queue=args.max_queue, top_k=args.top_k,
                     prefill_chunk=args.prefill_chunk)
     cfg = ServerConfig(model_id=model_id(args), api_key=api_key(args),
