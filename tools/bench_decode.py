@@ -48,8 +48,10 @@ GPU, reads staged through pinned memory (offload/device_io.py). The compute boun
 device slots (divided by top-k), and each line ends with `host_ms_per_token`: decode time per
 token outside the expert launch sets' CUDA-event time and outside read stalls (the trunk's GPU
 time is in it: an upper bound on the host's share). `kernel_share` is the launch sets'
-CUDA-event time; `overlap_share` is 0 (not counted on the GPU). Without a usable GPU it stops
-with one line naming why.
+CUDA-event time; `overlap_share` is 0 (not counted on the GPU). Each round's header also gives
+the pinned host -> device copy rate of a layer's top-k records, alone and while launch sets
+run (`h2d_gbps_alone`, `h2d_gbps_beside_kernels`); the I/O bound takes the smaller of the
+drive's rate and the second. Without a usable GPU it stops with one line naming why.
 
 `--routes TRACE` takes the decode routes from a route trace instead of the slice's random
 routers, whose picks are nearly uniform: anything `mtplx profile` reads (FORMAT.md "Route traces"
@@ -224,10 +226,13 @@ def expert_seconds(art: Path, model, kernels, repeats: int = 3) -> float:
     return statistics.median(times[len(bufs):])  # the first pass warms the pool and caches
 
 
-def cuda_layer_seconds(art: Path, model, kernels, launches: int = 50) -> float:
-    """CUDA-event time of one MoE layer's launch set at T=1 as decode makes it: `moe_layer` for
-    all top-k experts on a layer's first top-k records in device slots (repacked), from a
-    preallocated workspace, `launches` back to back after a warm-up."""
+def cuda_layer_costs(art: Path, model, kernels, launches: int = 50
+                     ) -> tuple[float, float, float]:
+    """(seconds, copy_alone, copy_beside): CUDA-event time of one MoE layer's launch set at T=1
+    as decode makes it (`moe_layer` for all top-k experts on a layer's first top-k records in
+    device slots, repacked, from a preallocated workspace, `launches` back to back after a
+    warm-up), and the pinned host -> device copy rate of those records' bytes in B/s, alone and
+    while the launch sets run (`cuda_copy_rates`)."""
     from mtplx_runtime.offload.slots import SlotTier
 
     cfg = model.cfg
@@ -259,7 +264,35 @@ def cuda_layer_seconds(art: Path, model, kernels, launches: int = 50) -> float:
         launch()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3 / launches
+    alone, beside = cuda_copy_rates(k * tier.slot_bytes, launch, launches)
+    return start.elapsed_time(end) / 1e3 / launches, alone, beside
+
+
+def cuda_copy_rates(nbytes: int, launch, launches: int, copies: int = 3) -> tuple[float, float]:
+    """B/s of `nbytes` copied from pinned host memory to the device on a stream of their own
+    (as staged reads reach their slots), alone and while the compute stream runs `launches`
+    of `launch`: the second is the rate reads can land at while the kernels run."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+
+    def timed() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            for _ in range(copies):
+                dst.copy_(src, non_blocking=True)
+            end.record(stream)
+        end.synchronize()
+        return copies * nbytes / (start.elapsed_time(end) / 1e3)
+
+    timed()  # the first copy maps the pinned pages
+    alone = timed()
+    for _ in range(launches):  # enqueued on the compute stream: the copies run beside them
+        launch()
+    beside = timed()
+    torch.cuda.synchronize()
+    return alone, beside
 
 
 class NoRoutedExperts:
@@ -650,14 +683,18 @@ def main(argv=None) -> int:
         for rep in range(a.repeats):
             # The disk's rate and the kernels' speed drift: both are measured every round.
             disk, rates = disk_rates(art, paths, a.depths, a.sample_mib << 20)
+            copy_beside, copy_note = float("inf"), ""
             if on_gpu:
-                t_exp = cuda_layer_seconds(art, model, kernels) / k
+                t_layer, copy_alone, copy_beside = cuda_layer_costs(art, model, kernels)
+                t_exp = t_layer / k
                 how_timed = "a layer's launch set / top-k, T=1, bf16, CUDA events"
+                copy_note = (f" h2d_gbps_alone={copy_alone / 1e9:.2f} "
+                             f"h2d_gbps_beside_kernels={copy_beside / 1e9:.2f}")
             else:
                 t_exp = expert_seconds(art, model, kernels)
                 how_timed = "one expert, T=1, bf16 model, one call each"
             print(f"# round={rep} raw_odirect_seq_gbps={disk / 1e9:.3f} {rates_fields(rates)} "
-                  f"expert_ms={t_exp * 1e3:.3f} ({how_timed})", flush=True)
+                  f"expert_ms={t_exp * 1e3:.3f} ({how_timed}){copy_note}", flush=True)
             done = []  # (resident dtype, lookahead, decode depth, verify, result)
             # Odd rounds run lookahead 1 before 0 and the decode depths in reverse, so neither
             # side of a pair always runs first (the VM's disk and CPU drift within a round).
@@ -684,9 +721,10 @@ def main(argv=None) -> int:
             at_depth = {d: max(v, end_rates.get(d, 0.0)) for d, v in rates.items()}
             for rd, la, dd, verify, r in done:
                 # The drive's best random-read rate at the record size, not its sequential
-                # rate: decode reads whole records in random order.
-                io_bound = (best / r["bytes_per_token"] if r["bytes_per_token"]
-                            else float("inf"))
+                # rate: decode reads whole records in random order; on the GPU no faster than
+                # staged bytes reach the device while kernels run.
+                io_bound = (min(best, copy_beside) / r["bytes_per_token"]
+                            if r["bytes_per_token"] else float("inf"))
                 # Free reads leave the trunk and every routed expert to compute.
                 compute_bound = 1.0 / (r["trunk_s"] + a.layers * k * t_exp)
                 ratio = r["tok_s"] / min(io_bound, compute_bound)
