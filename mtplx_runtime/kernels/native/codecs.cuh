@@ -290,27 +290,31 @@ struct MXFP4 : Nibbles<MXFP4> {
   }
 };
 
-// ct-int4, symmetric (FORMAT.md "ct-int"): codes u = q + 8, one bf16 scale per 64 columns (a
-// lane's 32 columns share one). Weight = bf16_rne(q * scale): (128 + u) - 136 = q exactly, then
-// one rounded bf16 product, the reference's dequant bit for bit.
-struct CtInt4 : Nibbles<CtInt4> {
+// ct-int4, symmetric (FORMAT.md "ct-int"): codes u = q + 8, one bf16 scale per GROUP columns
+// (64: K3; 32: Kimi K2 Thinking). A lane's 32 columns start at a multiple of 32, so they share
+// one scale either way. Weight = bf16_rne(q * scale): (128 + u) - 136 = q exactly, then one
+// rounded bf16 product, the reference's dequant bit for bit.
+template <int GROUP>
+struct CtInt4 : Nibbles<CtInt4<GROUP>> {
+  static_assert(GROUP % 32 == 0, "a lane's 32 columns must lie in one scale group");
+  using N = Nibbles<CtInt4<GROUP>>;
   struct Raw {
     u32 q[2][4];
     u32 s2[2];
     bool has;
   };
   static MTPLX_HD void load(Raw& w, const Mat& m, int tile, int chunk, int lane) {
-    const int c0 = col0(chunk, lane);
-    if (!load_codes(w, m, tile, c0, lane)) return;
+    const int c0 = N::col0(chunk, lane);
+    if (!N::load_codes(w, m, tile, c0, lane)) return;
     const u16* sc = reinterpret_cast<const u16*>(m.scale);
 #pragma unroll
     for (int rho = 0; rho < 2; ++rho) {
       const long long r = 16LL * tile + (lane >> 2) + 8 * rho;
-      w.s2[rho] = bf16x2_splat(sc[r * (m.cols / 64) + c0 / 64]);
+      w.s2[rho] = bf16x2_splat(sc[r * (m.cols / GROUP) + c0 / GROUP]);
     }
   }
   static MTPLX_HD u32 pair(const Raw& w, int rho, int word, int jj) {
-    const u32 v = nib(w.q[rho][word], jj) | 0x43004300u;
+    const u32 v = N::nib(w.q[rho][word], jj) | 0x43004300u;
     return bf16x2_mul(bf16x2_add(v, MTPLX_BF16X2_NEG136), w.s2[rho]);
   }
 };
@@ -442,6 +446,52 @@ struct Fp8Res : Bytes8<Fp8Res> {
   static MTPLX_HD u32 pair(u32 word, u32 sel) {
     const u32 v = prmt(word, 0u, sel);
     return bf16x2_mul((v & 0x80008000u) | ((v >> 4) & 0x07F007F0u), MTPLX_BF16X2_2P120);
+  }
+};
+
+// ---- fp8-block experts (FORMAT.md "fp8-block"), records as stored ---------------------------
+//
+// e4m3 bytes row-major [rows, cols] and fp32 scale_inv [ceil(rows / 128), ceil(cols / 128)]. A
+// lane loads 16 bytes of each of its two rows as the fp8 residents do (lane q: columns 16q ..
+// 16q+15 of a 64-column chunk; cols % 16 == 0, cuda.unsupported). 16 divides 128, so a 16-row
+// tile lies in one row block and a lane's 16 columns in one column block: one scale per lane and
+// chunk. Weight = bf16_rne(fp32(e4m3) * s): the pair made exact bf16 (Fp8Res), each half widened
+// to fp32 (exact), multiplied by s in fp32, the pair rounded once: the reference's value bit for
+// bit (scaling the fp32 sums instead would skip that rounding).
+struct Fp8Block {
+  static constexpr int KC = 64, MMAS = 4, UNIT = 1;
+  static constexpr bool POST = false;
+  static MTPLX_HD int units(int, int) { return MMAS; }
+  struct Raw {
+    u32 q[2][4];
+    float s;
+    bool has;
+  };
+  static MTPLX_HD void load(Raw& w, const Mat& m, int tile, int chunk, int lane) {
+    const int c0 = chunk * KC + 16 * (lane & 3);
+    w.has = c0 < m.cols;
+    if (!w.has) return;
+#pragma unroll
+    for (int rho = 0; rho < 2; ++rho) {
+      const long long r = 16LL * tile + (lane >> 2) + 8 * rho;
+      const uint4 v = *reinterpret_cast<const uint4*>(m.packed + r * m.cols + c0);
+      w.q[rho][0] = v.x, w.q[rho][1] = v.y, w.q[rho][2] = v.z, w.q[rho][3] = v.w;
+    }
+    const float* sc = reinterpret_cast<const float*>(m.scale);
+    w.s = sc[(long long)(tile >> 3) * ((m.cols + 127) / 128) + c0 / 128];  // 8 tiles a block
+  }
+  static MTPLX_HD int col(int m, int q, int i) { return 16 * q + 4 * m + i; }
+  static MTPLX_HD u32 pair(u32 word, u32 sel, float s) {
+    const u32 v = Fp8Res::pair(word, sel);  // bf16 e4m3 values, exact
+    return bf16x2_pack_rn(f32_mul_rn(bits_f32(v << 16), s),
+                          f32_mul_rn(bits_f32(v & 0xFFFF0000u), s));
+  }
+  static MTPLX_HD void frags(const Raw& w, int m, const Ctx&, u32 (&a)[1][4]) {
+#pragma unroll
+    for (int rho = 0; rho < 2; ++rho) {
+      a[0][rho] = w.has ? pair(w.q[rho][m], Fp8Res::SEL_LO, w.s) : 0u;      // bytes 0, 1
+      a[0][2 + rho] = w.has ? pair(w.q[rho][m], Fp8Res::SEL_HI, w.s) : 0u;  // bytes 2, 3
+    }
   }
 };
 
