@@ -8,7 +8,8 @@ check: tests/test_cuda_kernels.py, `-m cuda`.
 
 Shapes: K3's (one 16-row tile of gate [.., 3584] and down [.., 3072]) and odd ones whose last
 column chunk is partial (t158 and ct-int3 chunks hold 256 columns, the 4-bit ones 128, int8/fp8
-64), so the byte-by-byte t158 path and lanes without columns run too.
+and fp8-block 64), so the byte-by-byte t158 path and lanes without columns run too; fp8-block also
+over several 128 x 128 scale blocks, partial ones included.
 """
 
 from __future__ import annotations
