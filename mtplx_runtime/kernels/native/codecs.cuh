@@ -399,7 +399,8 @@ MTPLX_HD void ctint3_repack_group(const u32 (&in)[6], u32 (&out)[6]) {
 // ---- Residents (FORMAT.md "Quantized residents"): int8, fp8 (one scale per row, applied to the
 // fp32 sums) and int4 (scale and zero per 32 inputs, folded). Row-major as stored: a lane loads 16
 // bytes of each row (16 columns of int8/fp8, lane q: columns 16q .. 16q+15 of a 64-column chunk;
-// 32 of int4, as Nibbles). MMA m takes bytes 4m .. 4m+3 of the lane's 16.
+// 32 of int4, as Nibbles). MMA m takes bytes 4m .. 4m+3 of the lane's 16. (Bytes8 also carries
+// the fp8-block experts below.)
 template <class D>  // the codec: D::pair(word, selector) turns two bytes into a bf16 pair
 struct Bytes8 {
   static constexpr int KC = 64, MMAS = 4, UNIT = 1;
@@ -409,23 +410,37 @@ struct Bytes8 {
     u32 q[2][4];
     bool has;
   };
-  static MTPLX_HD void load(Raw& w, const Mat& m, int tile, int chunk, int lane) {
+  // The lane's 16 bytes of both rows, when it holds columns of this chunk (raw.has); returns the
+  // lane's first column.
+  template <class R>
+  static MTPLX_HD int load_bytes(R& w, const Mat& m, int tile, int chunk, int lane) {
     const int c0 = chunk * KC + 16 * (lane & 3);
     w.has = c0 < m.cols;
-    if (!w.has) return;
+    if (!w.has) return c0;
 #pragma unroll
     for (int rho = 0; rho < 2; ++rho) {
       const long long r = 16LL * tile + (lane >> 2) + 8 * rho;
       const uint4 v = *reinterpret_cast<const uint4*>(m.packed + r * m.cols + c0);
       w.q[rho][0] = v.x, w.q[rho][1] = v.y, w.q[rho][2] = v.z, w.q[rho][3] = v.w;
     }
+    return c0;
+  }
+  static MTPLX_HD void load(Raw& w, const Mat& m, int tile, int chunk, int lane) {
+    load_bytes(w, m, tile, chunk, lane);
   }
   static MTPLX_HD int col(int m, int q, int i) { return 16 * q + 4 * m + i; }
-  static MTPLX_HD void frags(const Raw& w, int m, const Ctx&, u32 (&a)[1][4]) {
+  // The bf16 pair of bytes `sel` picks from word m of row rho (a codec with a scale in its Raw
+  // defines its own).
+  template <class R>
+  static MTPLX_HD u32 pair_of(const R& w, int rho, int m, u32 sel) {
+    return D::pair(w.q[rho][m], sel);
+  }
+  template <class R>
+  static MTPLX_HD void frags(const R& w, int m, const Ctx&, u32 (&a)[1][4]) {
 #pragma unroll
     for (int rho = 0; rho < 2; ++rho) {
-      a[0][rho] = w.has ? D::pair(w.q[rho][m], D::SEL_LO) : 0u;      // bytes 0, 1
-      a[0][2 + rho] = w.has ? D::pair(w.q[rho][m], D::SEL_HI) : 0u;  // bytes 2, 3
+      a[0][rho] = w.has ? D::pair_of(w, rho, m, D::SEL_LO) : 0u;      // bytes 0, 1
+      a[0][2 + rho] = w.has ? D::pair_of(w, rho, m, D::SEL_HI) : 0u;  // bytes 2, 3
     }
   }
 };
@@ -458,40 +473,23 @@ struct Fp8Res : Bytes8<Fp8Res> {
 // chunk. Weight = bf16_rne(fp32(e4m3) * s): the pair made exact bf16 (Fp8Res), each half widened
 // to fp32 (exact), multiplied by s in fp32, the pair rounded once: the reference's value bit for
 // bit (scaling the fp32 sums instead would skip that rounding).
-struct Fp8Block {
-  static constexpr int KC = 64, MMAS = 4, UNIT = 1;
-  static constexpr bool POST = false;
-  static MTPLX_HD int units(int, int) { return MMAS; }
+struct Fp8Block : Bytes8<Fp8Block> {
+  static constexpr u32 SEL_LO = Fp8Res::SEL_LO, SEL_HI = Fp8Res::SEL_HI;
   struct Raw {
     u32 q[2][4];
     float s;
     bool has;
   };
   static MTPLX_HD void load(Raw& w, const Mat& m, int tile, int chunk, int lane) {
-    const int c0 = chunk * KC + 16 * (lane & 3);
-    w.has = c0 < m.cols;
+    const int c0 = load_bytes(w, m, tile, chunk, lane);
     if (!w.has) return;
-#pragma unroll
-    for (int rho = 0; rho < 2; ++rho) {
-      const long long r = 16LL * tile + (lane >> 2) + 8 * rho;
-      const uint4 v = *reinterpret_cast<const uint4*>(m.packed + r * m.cols + c0);
-      w.q[rho][0] = v.x, w.q[rho][1] = v.y, w.q[rho][2] = v.z, w.q[rho][3] = v.w;
-    }
     const float* sc = reinterpret_cast<const float*>(m.scale);
     w.s = sc[(long long)(tile >> 3) * ((m.cols + 127) / 128) + c0 / 128];  // 8 tiles a block
   }
-  static MTPLX_HD int col(int m, int q, int i) { return 16 * q + 4 * m + i; }
-  static MTPLX_HD u32 pair(u32 word, u32 sel, float s) {
-    const u32 v = Fp8Res::pair(word, sel);  // bf16 e4m3 values, exact
-    return bf16x2_pack_rn(f32_mul_rn(bits_f32(v << 16), s),
-                          f32_mul_rn(bits_f32(v & 0xFFFF0000u), s));
-  }
-  static MTPLX_HD void frags(const Raw& w, int m, const Ctx&, u32 (&a)[1][4]) {
-#pragma unroll
-    for (int rho = 0; rho < 2; ++rho) {
-      a[0][rho] = w.has ? pair(w.q[rho][m], Fp8Res::SEL_LO, w.s) : 0u;      // bytes 0, 1
-      a[0][2 + rho] = w.has ? pair(w.q[rho][m], Fp8Res::SEL_HI, w.s) : 0u;  // bytes 2, 3
-    }
+  static MTPLX_HD u32 pair_of(const Raw& w, int rho, int m, u32 sel) {
+    const u32 v = Fp8Res::pair(w.q[rho][m], sel);  // bf16 e4m3 values, exact
+    return bf16x2_pack_rn(f32_mul_rn(bits_f32(v << 16), w.s),
+                          f32_mul_rn(bits_f32(v & 0xFFFF0000u), w.s));
   }
 };
 
