@@ -8,7 +8,8 @@ check: tests/test_cuda_kernels.py, `-m cuda`.
 
 Shapes: K3's (one 16-row tile of gate [.., 3584] and down [.., 3072]) and odd ones whose last
 column chunk is partial (t158 and ct-int3 chunks hold 256 columns, the 4-bit ones 128, int8/fp8
-64), so the byte-by-byte t158 path and lanes without columns run too.
+and fp8-block 64), so the byte-by-byte t158 path and lanes without columns run too; fp8-block also
+over several 128 x 128 scale blocks, partial ones included.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from mtplx_runtime.formats.resident_quant import encode_fp8, encode_int4, encode
 
 ROOT = Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "mtplx_runtime" / "kernels" / "native"
-CODEC_ID = {"t158": 0, "mxfp4": 1, "ct-int3": 2, "ct-int4": 3, "int8": 4, "fp8": 5, "int4": 6}
+CODEC_ID = {"t158": 0, "mxfp4": 1, "ct-int3": 2, "ct-int4": 3, "int8": 4, "fp8": 5, "int4": 6,
+            "ct-int4-g32": 7, "fp8-block": 8}
+EXPERT_CODECS = ["t158", "mxfp4", "ct-int3", "ct-int4", "ct-int4-g32", "fp8-block"]
 SHAPES = [(16, 3584), (16, 3072), (48, 192), (32, 832), (16, 64)]
 
 
@@ -74,6 +77,8 @@ def device_parts(lib, codec, parts, rows, cols):
         out_p, out_s = np.zeros_like(packed), np.zeros_like(scale)
         lib.mtplx_t158_repack(ptr(packed), ptr(scale), ptr(out_p), ptr(out_s), rows, cols)
         return out_p, out_s
+    if codec == "fp8-block":
+        return (np.ascontiguousarray(parts[k]) for k in ("weight", "weight_scale_inv"))
     packed = np.ascontiguousarray(parts["weight_packed"]).copy()
     if codec == "ct-int3":
         lib.mtplx_ctint3_repack(ptr(packed), rows, cols)
@@ -81,11 +86,25 @@ def device_parts(lib, codec, parts, rows, cols):
 
 
 def expert_codec(codec):
+    if codec == "ct-int4-g32":
+        return mode_codec("ct-int", 4, 32)
     return mode_codec("ct-int", int(codec[-1])) if codec.startswith("ct-int") else get_codec(codec)
 
 
+def kernel_weights(lib, codec, packed, scale, rows, cols):
+    """float64 [rows, cols]: the weights the kernel's A fragments hold, read back through the
+    MMA with unit activation vectors (one product per sum: exact), 32 columns a call."""
+    w = np.zeros((rows, cols))
+    for c0 in range(0, cols, 32):
+        n = min(32, cols - c0)
+        x = np.zeros((n, cols), np.float32)
+        x[np.arange(n), c0 + np.arange(n)] = 1.0
+        w[:, c0:c0 + n] = emulate(lib, codec, packed, scale, None, rows, cols, x, 1).T
+    return w
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{r}x{c}" for r, c in SHAPES])
-@pytest.mark.parametrize("codec", ["t158", "mxfp4", "ct-int3", "ct-int4"])
+@pytest.mark.parametrize("codec", EXPERT_CODECS)
 def test_expert_matrices_match_the_codec_decode(lib, codec, shape):
     """fp32 activations as three bf16 terms: within fp32 rounding of the float64 product with the
     reference decode; bf16 activations (one term): the same bound. Columns outside a partial
@@ -104,6 +123,29 @@ def test_expert_matrices_match_the_codec_decode(lib, codec, shape):
         want = x.astype(np.float64) @ w.T
         err = np.abs(y - want).max() / np.abs(want).max()
         assert err < 2e-6, (T, parts_n, err)
+
+
+@pytest.mark.parametrize("codec,shape", [("fp8-block", (272, 400)), ("fp8-block", (16, 7168)),
+                                         ("ct-int4-g32", (32, 2048)), ("ct-int4", (32, 832))])
+def test_kernel_weights_are_the_reference_decode_bit_for_bit(lib, codec, shape):
+    """The folded weights equal the codec's decode exactly: fp8-block's bf16_rne(e4m3 * s) with
+    the fp32 scale of each 128 x 128 block (272 rows: three row blocks, the last partial; 400
+    columns: a partial column block and a partial chunk), ct-int4's q * s per group of 32 or 64
+    columns. Blocks and groups get scales a factor 2^k apart, so reading a neighbour's scale, or
+    scaling the sums instead of rounding each weight, changes the values."""
+    rows, cols = shape
+    rng = np.random.default_rng(rows + cols)
+    c = expert_codec(codec)
+    group = 128 if codec == "fp8-block" else c.group_size
+    spread = 2.0 ** rng.integers(-3, 4, (-(-rows // 128) if codec == "fp8-block" else rows,
+                                         -(-cols // group)))
+    if codec == "fp8-block":
+        spread = np.repeat(spread, 128, axis=0)[:rows]
+    spread = np.repeat(spread, group, axis=1)[:, :cols]
+    parts = c.encode((rng.standard_normal(shape) * 0.05 * spread).astype(np.float32))
+    want = c.decode(parts, shape).astype(np.float64)
+    packed, scale = device_parts(lib, codec, parts, rows, cols)
+    np.testing.assert_array_equal(kernel_weights(lib, codec, packed, scale, rows, cols), want)
 
 
 def test_t158_bytes_243_and_up_and_the_padding_digit(lib):

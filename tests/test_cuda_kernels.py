@@ -30,8 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 R, I, E, K = 2112, 192, 8, 4  # latent, expert width, experts, top-k
 SHAPES = {"gate": (I, R), "up": (I, R), "down": (R, I)}
 K3 = {"gate": (3072, 3584), "up": (3072, 3584), "down": (3584, 3072)}
-CODECS = [("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4)]
-CODEC_IDS = ["t158", "mxfp4", "ctint3", "ctint4"]
+# (mode, bits, group size; None: the mode's default): every row of the codec table's cuda column
+CODECS = [("t158", None, None), ("mxfp4", None, None), ("ct-int", 3, None), ("ct-int", 4, None),
+          ("ct-int", 4, 32), ("fp8-block", None, None)]
+CODEC_IDS = ["t158", "mxfp4", "ctint3", "ctint4", "ctint4g32", "fp8block"]
 TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 5e-2)}  # (RMS, max) relative
 
 
@@ -123,9 +125,9 @@ def banks():
     if cuda.unavailable_reason() is not None:
         pytest.skip(cuda.unavailable_reason())
     out = {}
-    for m, b in CODECS:
-        layout, store = expert_banks.make_bank(m, b, R, I, E, seed=0, scale=0.1)
-        out[(m, b)] = (layout, store, device_tier(layout, store))
+    for m, b, g in CODECS:
+        layout, store = expert_banks.make_bank(m, b, R, I, E, seed=0, scale=0.1, group=g)
+        out[(m, b, g)] = (layout, store, device_tier(layout, store))
     return out
 
 
@@ -135,9 +137,9 @@ SLOTS = {e: E - 1 - e for e in range(E)}  # expert e in slot E-1-e (expert_banks
 @pytest.mark.cuda
 @pytest.mark.parametrize("T", [1, 5, 24, 40, 64, 512])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode,bits", CODECS, ids=CODEC_IDS)
-def test_cuda_matches_reference(banks, mode, bits, dtype, T):
-    layout, store, tier = banks[(mode, bits)]
+@pytest.mark.parametrize("mode,bits,group", CODECS, ids=CODEC_IDS)
+def test_cuda_matches_reference(banks, mode, bits, group, dtype, T):
+    layout, store, tier = banks[(mode, bits, group)]
     x, ids, w = routing(T)
     x = x.to(dtype)
     want = reference.expert_mlp(x, ids, w, SLOTS, store, layout, SHAPES)
@@ -156,12 +158,17 @@ def random_record(layout, rng):
     for seg in layout.segments:
         if seg.proj is None:
             continue
-        if seg.part in ("scales", "weight_scale"):
+        if seg.part == "weight_scale_inv":  # fp8-block: fp32 1e-4 .. 1e-3
+            a = (np.float32(1e-4) + rng.random(seg.shape, np.float32) * np.float32(9e-4))
+        elif seg.part in ("scales", "weight_scale"):
             if layout.mode == "mxfp4":  # E8M0: 2^-9 .. 2^-5
                 a = rng.integers(118, 123, seg.shape, dtype=np.uint8)
             else:  # bf16 bits of 0.004 .. 0.03
                 a = (np.float32(0.004) + rng.random(seg.shape, np.float32) * 0.026)
                 a = (a.view(np.uint32) >> 16).astype(np.uint16)
+        elif seg.part == "weight":  # fp8-block: any e4m3 byte but the NaNs 0x7F, 0xFF
+            a = rng.integers(0, 255, seg.shape, dtype=np.uint8)
+            a[(a & 0x7F) == 0x7F] = 0x7E
         else:
             a = rng.integers(0, 256, (seg.length,), dtype=np.uint8).view(
                 np.dtype(seg.dtype.replace("U8", "u1").replace("I32", "<i4"))).reshape(seg.shape)
@@ -181,26 +188,26 @@ def k3_banks():
         pytest.skip(cuda.unavailable_reason())
     rng = np.random.default_rng(2)
     out = {}
-    for m, b in CODECS:
-        layout = record_layout(SimpleNamespace(expert_shapes=K3), m, b)
+    for m, b, g in CODECS:
+        layout = record_layout(SimpleNamespace(expert_shapes=K3), m, b, g)
         store = np.stack([random_record(layout, rng) for _ in range(2)])
         experts = {e: reference.decode_record(store[1 - e], layout, K3, torch.float32)
                    for e in range(2)}
         decoded = {torch.float32: experts, torch.bfloat16: {  # codec values are bf16-exact
             e: reference.ExpertWeights(*(t.to(torch.bfloat16) for t in (w.gate, w.up, w.down)))
             for e, w in experts.items()}}
-        out[(m, b)] = (layout, device_tier(layout, store), decoded)
+        out[(m, b, g)] = (layout, device_tier(layout, store), decoded)
     return out
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("T", [1, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode,bits", CODECS, ids=CODEC_IDS)
-def test_k3_geometry(k3_banks, mode, bits, dtype, T):
+@pytest.mark.parametrize("mode,bits,group", CODECS, ids=CODEC_IDS)
+def test_k3_geometry(k3_banks, mode, bits, group, dtype, T):
     """K3's expert shapes (whole chunks and slices everywhere: the 8- and 16-byte load paths),
     2 experts, both picked by every token (T = 40: passes of 32 and 8 tokens)."""
-    layout, tier, decoded = k3_banks[(mode, bits)]
+    layout, tier, decoded = k3_banks[(mode, bits, group)]
     x, ids, w = routing(T, seed=3, experts=2, k=2, cols=3584)
     x = x.to(dtype)
     want = reference.routed_sum(x, ids, w, decoded[dtype])
@@ -210,10 +217,10 @@ def test_k3_geometry(k3_banks, mode, bits, dtype, T):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode,bits", CODECS, ids=CODEC_IDS)
-def test_decode_and_routed_grouping_agree(banks, mode, bits, dtype, monkeypatch):
+@pytest.mark.parametrize("mode,bits,group", CODECS, ids=CODEC_IDS)
+def test_decode_and_routed_grouping_agree(banks, mode, bits, group, dtype, monkeypatch):
     """The same experts, tokens and passes either way: bit-identical sums."""
-    layout, _, tier = banks[(mode, bits)]
+    layout, _, tier = banks[(mode, bits, group)]
     x, ids, w = routing(5, seed=2)
     args = (x.to(dtype).cuda(), ids.cuda(), w.cuda(), SLOTS, tier, layout, SHAPES)
     decode = cuda.expert_mlp(*args, acc=torch.zeros(5, R, device="cuda"))
@@ -226,7 +233,7 @@ def test_decode_and_routed_grouping_agree(banks, mode, bits, dtype, monkeypatch)
 @pytest.mark.parametrize("T", [1, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_acc_keyword(banks, dtype, T):
-    layout, store, tier = banks[("mxfp4", None)]
+    layout, store, tier = banks[("mxfp4", None, None)]
     x, ids, w = routing(T, seed=3)
     args = (x.to(dtype).cuda(), ids.cuda(), w.cuda(), (E - 1 - ids).cuda(), tier, layout, SHAPES)
     routed = cuda.expert_mlp(*args, acc=torch.zeros(T, R, device="cuda"))  # fp32 sum from 0
@@ -251,7 +258,7 @@ def test_acc_keyword(banks, dtype, T):
 def test_windows_of_experts_with_empty_picks(banks, T):
     """The streaming provider's windows: picks outside a window are -1 (skipped); two windows
     summed through acc equal one call (decode and routed grouping alike)."""
-    layout, _, tier = banks[("t158", None)]
+    layout, _, tier = banks[("t158", None, None)]
     x, ids, w = routing(T, seed=5)
     full = cuda.expert_mlp(x.cuda(), ids.cuda(), w.cuda(), SLOTS, tier, layout, SHAPES,
                            acc=torch.zeros(T, R, device="cuda"))
@@ -264,7 +271,7 @@ def test_windows_of_experts_with_empty_picks(banks, T):
 
 @pytest.mark.cuda
 def test_missing_slot_is_a_key_error(banks):
-    layout, _, tier = banks[("t158", None)]
+    layout, _, tier = banks[("t158", None, None)]
     x, ids, w = routing(2, seed=6)
     with pytest.raises(KeyError, match="no slot given"):
         cuda.expert_mlp(x.cuda(), ids.cuda(), w.cuda(), {0: 7}, tier, layout, SHAPES)
@@ -272,12 +279,12 @@ def test_missing_slot_is_a_key_error(banks):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode,bits", CODECS, ids=CODEC_IDS)
-def test_moe_layer_in_a_cuda_graph(banks, mode, bits, dtype):
+@pytest.mark.parametrize("mode,bits,group", CODECS, ids=CODEC_IDS)
+def test_moe_layer_in_a_cuda_graph(banks, mode, bits, group, dtype):
     """The device interface: slot table, workspace, no host sync; a captured decode step replays
     to the eager result for new inputs copied into the same buffers (the block counters reset
     themselves between launches)."""
-    layout, store, tier = banks[(mode, bits)]
+    layout, store, tier = banks[(mode, bits, group)]
     base, stride = cuda._slot_base(tier)
     slot_of = torch.tensor([SLOTS[e] for e in range(E)], dtype=torch.int32, device="cuda")
     T = 3

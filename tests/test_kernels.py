@@ -21,8 +21,9 @@ from mtplx_runtime.model.moe import LatentMoE, ResidentExpertProvider
 ROOT = Path(__file__).resolve().parent.parent
 R, I, E, K, T = 64, 128, 8, 4, 5  # latent, expert width, experts, top-k, tokens
 SHAPES = {"gate": (I, R), "up": (I, R), "down": (R, I)}
-MODES = [("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4), ("ct-int-asym", 3),
-         ("bf16", None), ("fp8-block", None)]
+MODES = [("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4), ("fp8-block", None),
+         ("ct-int-asym", 3), ("bf16", None)]
+CUDA_MODES = MODES[:5]  # the ones the codec table's cuda column runs
 
 
 def make_bank(mode, bits, seed=0):
@@ -124,14 +125,29 @@ def test_cuda_module_imports_without_cupy():
 def test_cuda_offsets_and_modes():
     from mtplx_runtime.kernels import cuda
 
-    for mode, bits in MODES[:4]:
+    for mode, bits in CUDA_MODES:
         layout, _ = make_bank(mode, bits)
         cuda.kernel_key(layout)
         off = cuda.segment_offsets(layout)
         assert sorted(off) == sorted(f"{p}.{c}" for p in PROJECTIONS for c in ("packed", "scale"))
-    for mode, bits in MODES[4:]:
+    for mode, bits in MODES[len(CUDA_MODES):]:
         with pytest.raises(NotImplementedError, match="no CUDA kernel"):
             cuda.kernel_key(make_bank(mode, bits)[0])
+
+
+def test_cuda_refuses_fp8_block_widths_off_16():
+    """A lane loads 16 whole columns of an fp8-block row (a 16-byte load): a projection of 200
+    columns is refused at load, with the component named."""
+    from mtplx_runtime.formats.record import record_layout
+    from mtplx_runtime.kernels import cuda
+
+    shapes = {"gate": (128, 200), "up": (128, 200), "down": (208, 128)}
+    layout = record_layout(SimpleNamespace(expert_shapes=shapes), "fp8-block")
+    assert "columns of every projection in multiples of 16; gate_proj.weight has 200" in \
+        cuda.unsupported(layout)
+    shapes = {"gate": (128, 208), "up": (128, 208), "down": (208, 128)}
+    assert cuda.unsupported(record_layout(SimpleNamespace(expert_shapes=shapes), "fp8-block")) \
+        is None
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -159,7 +175,7 @@ def test_parse_ptxas():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mode,bits", MODES[:4])
+@pytest.mark.parametrize("mode,bits", CUDA_MODES)
 def test_cuda_matches_reference(mode, bits, dtype):
     from mtplx_runtime.kernels import cuda
     from mtplx_runtime.offload.slots import SlotTier

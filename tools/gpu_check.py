@@ -53,7 +53,9 @@ from mtplx_runtime.offload.device_io import gds_status  # noqa: E402  (imports n
 
 K3 = {"gate": (3072, 3584), "up": (3072, 3584), "down": (3584, 3072)}
 K3_EXPERTS, K3_TOPK = 896, 16
-CODECS = [("t158", None), ("mxfp4", None), ("ct-int", 3), ("ct-int", 4)]
+# (mode, bits, group size; None: the mode's default): the codec table's cuda column
+CODECS = [("t158", None, None), ("mxfp4", None, None), ("ct-int", 3, None), ("ct-int", 4, None),
+          ("ct-int", 4, 32), ("fp8-block", None, None)]
 DECODE_T, PREFILL_T = (1, 8), (64, 512, 4096)
 MATMUL_FLOPS = 790e12  # bf16 dense, measured on these H200s (device notes): the compute roofline
 NO_GPU = 2
@@ -185,13 +187,13 @@ def time_call(fn, iters: int) -> tuple[float, float]:
         return call, call
 
 
-def expert_bank(mode, bits, slots):
+def expert_bank(mode, bits, group, slots):
     """(layout, tier, packed bytes per expert): `slots` K3 experts of random bytes in device
     slots, prepared for the kernels (the repack of t158 and ct-int3 runs on every slot)."""
     from mtplx_runtime.formats.record import record_layout
     from mtplx_runtime.offload.slots import SlotTier
 
-    layout = record_layout(SimpleNamespace(expert_shapes=K3), mode, bits)
+    layout = record_layout(SimpleNamespace(expert_shapes=K3), mode, bits, group)
     packed = sum(s.length for s in layout.segments if s.part in cuda.COMPONENTS[mode])
     slot_bytes = -(-layout.logical_bytes // 4096) * 4096
     tier = SlotTier("bench", layout.logical_bytes, slots * slot_bytes, device="cuda")
@@ -209,10 +211,10 @@ def timing() -> bool:
     g = torch.Generator(device=dev).manual_seed(0)
     slot_of = torch.arange(K3_EXPERTS, dtype=torch.int32, device=dev)
     R, I = K3["down"]  # noqa: E741 (the legend's names)
-    for mode, bits in CODECS:
-        layout, tier, packed = expert_bank(mode, bits, K3_EXPERTS)
+    for mode, bits, group in CODECS:
+        layout, tier, packed = expert_bank(mode, bits, group, K3_EXPERTS)
         base, stride = cuda._slot_base(tier)
-        name = f"{mode}{bits or ''}"
+        name = f"{mode}{bits or ''}{f'-g{group}' if group else ''}"
         for T in DECODE_T + PREFILL_T:
             ids = torch.rand(T, K3_EXPERTS, generator=g, device=dev).topk(K3_TOPK).indices
             ids = ids.sort(dim=1).values  # [T, K] distinct, ascending

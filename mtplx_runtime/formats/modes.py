@@ -66,9 +66,10 @@ class Mode:
         return tuple(f"{p}_proj.{x}" for p in ("gate", "up", "down") for x in self.parts)
 
 
-# the CUDA ct-int kernels read one scale per 64 columns
+# the CUDA ct-int kernels read one scale per 64 columns, ct-int4 also one per 32 (Kimi K2 Thinking)
 _CTINT_CUDA = (CudaKernel(3, "ctint.cu", "ctint3", 64),
-               CudaKernel(4, "ctint.cu", "ctint4", 64))
+               CudaKernel(4, "ctint.cu", "ctint4", 64),
+               CudaKernel(4, "ctint.cu", "ctint4g32", 32))
 # ct-int banks always hold the dense 3-bit layout; group 64 (K3) or 32 (Kimi K2 Thinking)
 _CTINT = dict(codec="ct-int", codec_class="ctint.CtIntCodec", bits=(3, 4), groups=(64, 32),
               bits_param="num_bits", group_param="group_size", cpu="ct-int", section="ct-int")
@@ -88,7 +89,8 @@ ROWS: tuple[Mode, ...] = (
     Mode("bf16", "bf16", "bf16.BF16Codec", (16,), (1,), ("weight",), section="bf16"),
     # group 128: the 128 x 128 block of one scale
     Mode("fp8-block", "fp8-block", "fp8block.FP8BlockCodec", (8,), (128,),
-         ("weight", "weight_scale_inv"), cpu="fp8-block", section="fp8-block"),
+         ("weight", "weight_scale_inv"), cpu="fp8-block",
+         cuda=(CudaKernel(None, "fp8block.cu", "fp8block"),), section="fp8-block"),
     # the published manifest format's affine mode: accepted by the structure rules only
     Mode("affine", None, None, (2, 4), (), ("weight", "scales", "biases")),
     Mode("q2k", "q2k", "q2k.Q2KCodec", section="q2k"),
@@ -174,11 +176,19 @@ def cpu_codecs() -> tuple[str, ...]:
     return tuple(dict.fromkeys(m.cpu for m in ROWS if m.cpu))
 
 
-def cuda_kernels() -> dict[tuple[str, int | None], tuple[str, str, int]]:
-    """{(mode, bits or None): (source, prefix, columns per scale group)}: the CUDA kernels by bank
-    mode, in the form of kernels/cuda.py's KERNELS."""
-    return {(m.name, k.bits): (k.source, k.prefix, k.group or m.group_size)
+def cuda_kernels() -> dict[tuple[str, int | None, int], tuple[str, str]]:
+    """{(mode, bits or None, columns per scale group): (source, prefix)}: the CUDA kernels by
+    bank mode, in the form of kernels/cuda.py's KERNELS."""
+    return {(m.name, k.bits, k.group or m.group_size): (k.source, k.prefix)
             for m in MODES.values() for k in m.cuda}
+
+
+def cuda_key(mode: str, bits: int | None, group_size: int | None) -> tuple[str, int | None, int]:
+    """The `cuda_kernels` key of a bank of `mode` at `bits` and `group_size` (None: the mode's
+    default); bits is None unless the mode has kernels per bits."""
+    row = mode_row(mode)
+    per_bits = any(k.bits is not None for k in row.cuda)
+    return mode, bits if per_bits else None, group_size or row.group_size
 
 
 def cuda_gap(mode: str, bits: int | None, group_size: int | None) -> str | None:
@@ -186,12 +196,14 @@ def cuda_gap(mode: str, bits: int | None, group_size: int | None) -> str | None:
     default), or None when one does: what kernels/cuda.py's `unsupported` says of its records
     first, and what `mtplx plan` says of a GPU plan without reading a record."""
     kernels = cuda_kernels()
-    key = (mode, bits if mode == "ct-int" else None)
-    if key not in kernels:
+    key = cuda_key(mode, bits, group_size)
+    if key in kernels:
+        return None
+    groups = sorted(g for m, b, g in kernels if (m, b) == key[:2])
+    if not groups:
         return (f"no CUDA kernel for bank mode {mode!r}{f' bits {bits}' if bits else ''}; use "
                 "the cpu or reference backend")
-    group, kernel_group = group_size or MODES[mode].group_size, kernels[key][2]
-    if group != kernel_group:  # the kernels read one scale per kernel_group columns
-        return (f"no CUDA kernel for bank mode {mode!r} with scale groups of {group} columns (the "
-                f"CUDA kernels read groups of {kernel_group}); use the cpu or reference backend")
-    return None
+    # the kernels read one scale per group of these many columns
+    return (f"no CUDA kernel for bank mode {mode!r} with scale groups of {key[2]} columns (the "
+            f"CUDA kernels read groups of {' or '.join(map(str, groups))}); use the cpu or "
+            "reference backend")

@@ -30,18 +30,20 @@ import numpy as np
 import torch
 
 from ..extras import install_hint
-from ..formats.modes import MODES, cuda_gap, cuda_kernels
+from ..formats.modes import MODES, cuda_gap, cuda_kernels, cuda_key
 from ..formats.record import first_misaligned
 from .reference import SITU_BETA, SITU_LINEAR_BETA, check_acc
 
 NATIVE = Path(__file__).resolve().parent / "native"
 DEVICE = "cuda"  # where inputs, slots and results live (StreamingExpertProvider reads it)
-# (bank mode, bits or None) -> (source file, kernel prefix, columns per scale group): the codec
+# (bank mode, bits or None, columns per scale group) -> (source file, kernel prefix): the codec
 # table's cuda column; the packed and scale components of each mode it runs.
 KERNELS = cuda_kernels()
 COMPONENTS = {m.name: m.parts[:2] for m in MODES.values() if m.cuda}
 # kernel prefix -> its slot repack (codecs whose records the kernels read in another order)
 REPACKS = {"t158": "t158_repack", "ctint3": "ctint3_repack"}
+# modes whose packed component is the [rows, cols] weight itself (one byte per weight)
+DENSE_BYTES = ("fp8-block",)
 # Up to this many tokens the kernels group a layer's (token, expert) pairs themselves (one warp
 # ballot per block); above it `route` sorts them on the device first.
 DECODE_MAX_T = 32
@@ -118,8 +120,8 @@ def stream(device: torch.device):
     return _cupy_stream(torch.cuda.current_stream(device).cuda_stream)
 
 
-def _layout_key(layout) -> tuple[str, int | None]:
-    return layout.mode, layout.bits if layout.mode == "ct-int" else None
+def _layout_key(layout) -> tuple[str, int | None, int]:
+    return cuda_key(layout.mode, layout.bits, layout.group_size)
 
 
 def unsupported(layout) -> str | None:
@@ -138,20 +140,26 @@ def unsupported(layout) -> str | None:
             if rows % 16:
                 return (f"the CUDA kernels need rows of every projection in multiples of 16 (one "
                         f"MMA tile); {s.component} has {rows}")
+            if cols % 16:  # fp8-block: a lane loads 16 whole columns of a row
+                return (f"the CUDA kernels need columns of every projection in multiples of 16; "
+                        f"{s.component} has {cols}")
             if layout.mode == "t158" and 16 * 15 * (cols // 64) > REPACK_BAND_MAX_BYTES:
                 return f"t158 rows of {cols} columns exceed the CUDA repack's shared memory"
     return None
 
 
 def projection_shape(layout, proj: str) -> tuple[int, int]:
-    """[rows, cols] of projection `proj` from the record layout's scale component (one scale per
-    group: 64 columns, 32 for mxfp4)."""
-    scale = next(s for s in layout.segments
-                 if s.proj == proj and s.part == COMPONENTS[layout.mode][1])
-    return scale.shape[0], scale.shape[1] * (32 if layout.mode == "mxfp4" else 64)
+    """[rows, cols] of projection `proj` from the record layout: fp8-block's weight component,
+    else the scale component (one scale per group of the layout's columns, one row per row)."""
+    packed, scale = COMPONENTS[layout.mode]
+    part = packed if layout.mode in DENSE_BYTES else scale
+    seg = next(s for s in layout.segments if s.proj == proj and s.part == part)
+    if layout.mode in DENSE_BYTES:
+        return tuple(seg.shape)
+    return seg.shape[0], seg.shape[1] * _layout_key(layout)[2]
 
 
-def kernel_key(layout) -> tuple[str, int | None]:
+def kernel_key(layout) -> tuple[str, int | None, int]:
     why = unsupported(layout)
     if why:
         raise NotImplementedError(why)
@@ -175,15 +183,15 @@ def repack(layout, view, stream=None) -> None:
     """Repack the record in device slot `view` (cupy uint8, the record's bytes as read) in place
     into the layout the kernels read (native/codecs.cuh: t158 by bands of 16 rows, ct-int3 by
     groups; same size). Once per fill, after the record's check and before any kernel reads it:
-    a second call would scramble it. A no-op for mxfp4 and ct-int4. The fill pipeline calls it
-    for every record (offload/fill.py).
+    a second call would scramble it. A no-op for mxfp4, ct-int4 and fp8-block. The fill pipeline
+    calls it for every record (offload/fill.py).
     stream None: the bytes must have landed (the stream that wrote them synchronized); it runs
     on a non-blocking stream of the calling thread and returns when done. stream (a
     torch.cuda.Stream): enqueued there after whatever wrote the bytes on that stream (the fill's
     copy stream), and returns at once: the caller's event after it orders the kernels."""
     require()
     key = kernel_key(layout)
-    source, prefix, _ = KERNELS[key]
+    source, prefix = KERNELS[key]
     entry = REPACKS.get(prefix)
     if entry is None:
         return
@@ -287,7 +295,7 @@ def moe_layer(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of
     """
     T, R = x.shape
     K = ids.shape[1]
-    source, prefix, _ = KERNELS[kernel_key(layout)]
+    source, prefix = KERNELS[kernel_key(layout)]
     I = tuple(shapes["gate"])[0]  # noqa: E741 (the legend's name)
     off = segment_offsets(layout)
     f32 = x.dtype == torch.float32

@@ -131,8 +131,9 @@ void emulate(const Mat& m, const float* x, int T, int parts, float* y) {
 
 extern "C" {
 
-// codec: 0 t158, 1 mxfp4, 2 ct-int3, 3 ct-int4 (experts, device layout: t158 and ct-int3 after
-// the repacks below), 4 int8, 5 fp8, 6 int4 (residents, as stored). T <= 32. Returns 0, or -1
+// codec: 0 t158, 1 mxfp4, 2 ct-int3, 3 ct-int4, 7 ct-int4 with groups of 32, 8 fp8-block
+// (experts, device layout: t158 and ct-int3 after the repacks below), 4 int8, 5 fp8, 6 int4
+// (residents, as stored). T <= 32. Returns 0, or -1
 // for an unknown codec or T.
 int mtplx_emulate(int codec, const u8* packed, const u8* scale, const u8* zero, int rows,
                   int cols, const float* x, int T, int parts, float* y) {
@@ -142,10 +143,12 @@ int mtplx_emulate(int codec, const u8* packed, const u8* scale, const u8* zero, 
     case 0: emulate<T158>(m, x, T, parts, y); return 0;
     case 1: emulate<MXFP4>(m, x, T, parts, y); return 0;
     case 2: emulate<CtInt3>(m, x, T, parts, y); return 0;
-    case 3: emulate<CtInt4>(m, x, T, parts, y); return 0;
+    case 3: emulate<CtInt4<64>>(m, x, T, parts, y); return 0;
     case 4: emulate<Int8Res>(m, x, T, parts, y); return 0;
     case 5: emulate<Fp8Res>(m, x, T, parts, y); return 0;
     case 6: emulate<Int4Res>(m, x, T, parts, y); return 0;
+    case 7: emulate<CtInt4<32>>(m, x, T, parts, y); return 0;
+    case 8: emulate<Fp8Block>(m, x, T, parts, y); return 0;
     default: return -1;
   }
 }

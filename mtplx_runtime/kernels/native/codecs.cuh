@@ -290,27 +290,31 @@ struct MXFP4 : Nibbles<MXFP4> {
   }
 };
 
-// ct-int4, symmetric (FORMAT.md "ct-int"): codes u = q + 8, one bf16 scale per 64 columns (a
-// lane's 32 columns share one). Weight = bf16_rne(q * scale): (128 + u) - 136 = q exactly, then
-// one rounded bf16 product, the reference's dequant bit for bit.
-struct CtInt4 : Nibbles<CtInt4> {
+// ct-int4, symmetric (FORMAT.md "ct-int"): codes u = q + 8, one bf16 scale per GROUP columns
+// (64: K3; 32: Kimi K2 Thinking). A lane's 32 columns start at a multiple of 32, so they share
+// one scale either way. Weight = bf16_rne(q * scale): (128 + u) - 136 = q exactly, then one
+// rounded bf16 product, the reference's dequant bit for bit.
+template <int GROUP>
+struct CtInt4 : Nibbles<CtInt4<GROUP>> {
+  static_assert(GROUP % 32 == 0, "a lane's 32 columns must lie in one scale group");
+  using N = Nibbles<CtInt4<GROUP>>;
   struct Raw {
     u32 q[2][4];
     u32 s2[2];
     bool has;
   };
   static MTPLX_HD void load(Raw& w, const Mat& m, int tile, int chunk, int lane) {
-    const int c0 = col0(chunk, lane);
-    if (!load_codes(w, m, tile, c0, lane)) return;
+    const int c0 = N::col0(chunk, lane);
+    if (!N::load_codes(w, m, tile, c0, lane)) return;
     const u16* sc = reinterpret_cast<const u16*>(m.scale);
 #pragma unroll
     for (int rho = 0; rho < 2; ++rho) {
       const long long r = 16LL * tile + (lane >> 2) + 8 * rho;
-      w.s2[rho] = bf16x2_splat(sc[r * (m.cols / 64) + c0 / 64]);
+      w.s2[rho] = bf16x2_splat(sc[r * (m.cols / GROUP) + c0 / GROUP]);
     }
   }
   static MTPLX_HD u32 pair(const Raw& w, int rho, int word, int jj) {
-    const u32 v = nib(w.q[rho][word], jj) | 0x43004300u;
+    const u32 v = N::nib(w.q[rho][word], jj) | 0x43004300u;
     return bf16x2_mul(bf16x2_add(v, MTPLX_BF16X2_NEG136), w.s2[rho]);
   }
 };
@@ -395,7 +399,8 @@ MTPLX_HD void ctint3_repack_group(const u32 (&in)[6], u32 (&out)[6]) {
 // ---- Residents (FORMAT.md "Quantized residents"): int8, fp8 (one scale per row, applied to the
 // fp32 sums) and int4 (scale and zero per 32 inputs, folded). Row-major as stored: a lane loads 16
 // bytes of each row (16 columns of int8/fp8, lane q: columns 16q .. 16q+15 of a 64-column chunk;
-// 32 of int4, as Nibbles). MMA m takes bytes 4m .. 4m+3 of the lane's 16.
+// 32 of int4, as Nibbles). MMA m takes bytes 4m .. 4m+3 of the lane's 16. (Bytes8 also carries
+// the fp8-block experts below.)
 template <class D>  // the codec: D::pair(word, selector) turns two bytes into a bf16 pair
 struct Bytes8 {
   static constexpr int KC = 64, MMAS = 4, UNIT = 1;
@@ -405,23 +410,37 @@ struct Bytes8 {
     u32 q[2][4];
     bool has;
   };
-  static MTPLX_HD void load(Raw& w, const Mat& m, int tile, int chunk, int lane) {
+  // The lane's 16 bytes of both rows, when it holds columns of this chunk (raw.has); returns the
+  // lane's first column.
+  template <class R>
+  static MTPLX_HD int load_bytes(R& w, const Mat& m, int tile, int chunk, int lane) {
     const int c0 = chunk * KC + 16 * (lane & 3);
     w.has = c0 < m.cols;
-    if (!w.has) return;
+    if (!w.has) return c0;
 #pragma unroll
     for (int rho = 0; rho < 2; ++rho) {
       const long long r = 16LL * tile + (lane >> 2) + 8 * rho;
       const uint4 v = *reinterpret_cast<const uint4*>(m.packed + r * m.cols + c0);
       w.q[rho][0] = v.x, w.q[rho][1] = v.y, w.q[rho][2] = v.z, w.q[rho][3] = v.w;
     }
+    return c0;
+  }
+  static MTPLX_HD void load(Raw& w, const Mat& m, int tile, int chunk, int lane) {
+    load_bytes(w, m, tile, chunk, lane);
   }
   static MTPLX_HD int col(int m, int q, int i) { return 16 * q + 4 * m + i; }
-  static MTPLX_HD void frags(const Raw& w, int m, const Ctx&, u32 (&a)[1][4]) {
+  // The bf16 pair of bytes `sel` picks from word m of row rho (a codec with a scale in its Raw
+  // defines its own).
+  template <class R>
+  static MTPLX_HD u32 pair_of(const R& w, int rho, int m, u32 sel) {
+    return D::pair(w.q[rho][m], sel);
+  }
+  template <class R>
+  static MTPLX_HD void frags(const R& w, int m, const Ctx&, u32 (&a)[1][4]) {
 #pragma unroll
     for (int rho = 0; rho < 2; ++rho) {
-      a[0][rho] = w.has ? D::pair(w.q[rho][m], D::SEL_LO) : 0u;      // bytes 0, 1
-      a[0][2 + rho] = w.has ? D::pair(w.q[rho][m], D::SEL_HI) : 0u;  // bytes 2, 3
+      a[0][rho] = w.has ? D::pair_of(w, rho, m, D::SEL_LO) : 0u;      // bytes 0, 1
+      a[0][2 + rho] = w.has ? D::pair_of(w, rho, m, D::SEL_HI) : 0u;  // bytes 2, 3
     }
   }
 };
@@ -442,6 +461,35 @@ struct Fp8Res : Bytes8<Fp8Res> {
   static MTPLX_HD u32 pair(u32 word, u32 sel) {
     const u32 v = prmt(word, 0u, sel);
     return bf16x2_mul((v & 0x80008000u) | ((v >> 4) & 0x07F007F0u), MTPLX_BF16X2_2P120);
+  }
+};
+
+// ---- fp8-block experts (FORMAT.md "fp8-block"), records as stored ---------------------------
+//
+// e4m3 bytes row-major [rows, cols] and fp32 scale_inv [ceil(rows / 128), ceil(cols / 128)]. A
+// lane loads 16 bytes of each of its two rows as the fp8 residents do (lane q: columns 16q ..
+// 16q+15 of a 64-column chunk; cols % 16 == 0, cuda.unsupported). 16 divides 128, so a 16-row
+// tile lies in one row block and a lane's 16 columns in one column block: one scale per lane and
+// chunk. Weight = bf16_rne(fp32(e4m3) * s): the pair made exact bf16 (Fp8Res), each half widened
+// to fp32 (exact), multiplied by s in fp32, the pair rounded once: the reference's value bit for
+// bit (scaling the fp32 sums instead would skip that rounding).
+struct Fp8Block : Bytes8<Fp8Block> {
+  static constexpr u32 SEL_LO = Fp8Res::SEL_LO, SEL_HI = Fp8Res::SEL_HI;
+  struct Raw {
+    u32 q[2][4];
+    float s;
+    bool has;
+  };
+  static MTPLX_HD void load(Raw& w, const Mat& m, int tile, int chunk, int lane) {
+    const int c0 = load_bytes(w, m, tile, chunk, lane);
+    if (!w.has) return;
+    const float* sc = reinterpret_cast<const float*>(m.scale);
+    w.s = sc[(long long)(tile >> 3) * ((m.cols + 127) / 128) + c0 / 128];  // 8 tiles a block
+  }
+  static MTPLX_HD u32 pair_of(const Raw& w, int rho, int m, u32 sel) {
+    const u32 v = Fp8Res::pair(w.q[rho][m], sel);  // bf16 e4m3 values, exact
+    return bf16x2_pack_rn(f32_mul_rn(bits_f32(v << 16), w.s),
+                          f32_mul_rn(bits_f32(v & 0xFFFF0000u), w.s));
   }
 };
 

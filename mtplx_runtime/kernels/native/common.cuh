@@ -120,6 +120,26 @@ MTPLX_HD u32 bf16x2_add(u32 a, u32 c) { return bf16x2_fma(a, MTPLX_BF16X2_ONE, c
 // (v, v): a bf16 pattern in both lanes.
 MTPLX_HD u32 bf16x2_splat(u32 bits) { return (bits & 0xFFFFu) * 0x10001u; }
 
+// a * b in fp32, rounded once (never contracted into an fma).
+MTPLX_HD float f32_mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+// (lo, hi) fp32 -> a bf16 pair, each rounded to nearest even (cvt.rn.bf16x2.f32).
+MTPLX_HD u32 bf16x2_pack_rn(float lo, float hi) {
+#ifdef __CUDA_ARCH__
+  u32 d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  return bf16_rne_bits(lo) | bf16_rne_bits(hi) << 16;
+#endif
+}
+
 // One warp MMA m16n8k16, bf16 inputs, fp32 accumulators: d = a . b + c. Fragment layout (PTX
 // ISA, with g = lane / 4 and q = lane % 4; low half of each register = the lower index):
 //   a[0] A[g][2q..2q+1]  a[1] A[g+8][2q..2q+1]  a[2] A[g][2q+8..2q+9]  a[3] A[g+8][2q+8..2q+9]
