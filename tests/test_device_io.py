@@ -210,6 +210,18 @@ def test_device_reads_chooses_staging_unless_kvikio_really_has_gds(part, monkeyp
     rr.close()
 
 
+def test_staging_buffers_are_page_aligned_and_apart_for_any_record_size():
+    """A record stride that is no multiple of 4 KiB (a bank of another writer) still gets one
+    page-aligned buffer per read in flight, each its own memory."""
+    streams = FakeStreams()
+    staging = Staging(3, PAGE + 100, streams, SlotTable([1], RECORDS, streams))
+    bufs = [staging.take() for _ in range(3)]
+    assert [b.nbytes for b in bufs] == [PAGE + 100] * 3
+    starts = sorted(device_io.device_address(b) for b in bufs)
+    assert all(a % PAGE == 0 for a in starts)
+    assert all(b - a >= PAGE + 100 for a, b in zip(starts, starts[1:]))
+
+
 def test_a_check_of_device_memory_is_refused():
     """Verification never copies a record back from the device."""
 
