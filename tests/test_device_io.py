@@ -6,6 +6,7 @@ the staged bytes before the copy is enqueued; the table names the slot only at c
 next launch waits for the copy; a slot a launch read is rewritten only after that launch; a
 staging buffer is reused only once its copy ran; how `device_reads` chooses kvikio or staging."""
 
+import contextlib
 import hashlib
 import logging
 
@@ -66,9 +67,11 @@ def record(data, e):
     return data[e * PAGE:(e + 1) * PAGE]
 
 
+@contextlib.contextmanager
 def staged(root, data, *, staging=2, read_depth=2, slots=4, bad=(), repack=None):
-    """A prefetcher filling "device" slots (host memory standing in) through `staging` staging
-    buffers, on fake streams whose log the digest checks share."""
+    """(prefetcher, table, streams): a prefetcher filling "device" slots (host memory standing
+    in) through `staging` staging buffers, on fake streams whose log the digest checks share;
+    shut down and its reader closed at the end."""
     streams = FakeStreams()
     table = SlotTable([1, 2], RECORDS, streams)
     reader = RecordReader(root, [("part0.bin", data.nbytes)], direct=False, read_depth=read_depth)
@@ -79,15 +82,19 @@ def staged(root, data, *, staging=2, read_depth=2, slots=4, bad=(), repack=None)
                                  use_kvikio=False)
     fill = Fill(reader, Bank(), cache, digests=Digests(data, streams.log, bad), staging=stage,
                 repack=repack)
-    return Prefetcher(fill, max_inflight_bytes=64 * PAGE, read_depth=read_depth), table, streams
+    pf = Prefetcher(fill, max_inflight_bytes=64 * PAGE, read_depth=read_depth)
+    try:
+        yield pf, table, streams
+    finally:
+        pf.shutdown()
+        reader.close()
 
 
 def test_staged_reads_are_checked_then_copied_and_named_at_commit(part):
     root, data = part
-    pf, table, streams = staged(root, data)
-    tier = pf.cache.tier("compute")
-    assert isinstance(pf.fill.staging, Staging) and pf.fill.staging.free() == 2
-    try:
+    with staged(root, data) as (pf, table, streams):
+        tier = pf.cache.tier("compute")
+        assert isinstance(pf.fill.staging, Staging) and pf.fill.staging.free() == 2
         ref = pf.wait(pf.demand([(1, 1)]), timeout=T_OUT)[(1, 1)]
         assert ref.slot == 0 and table.slot((1, 1)) == 0
         # the check saw the staged bytes, then the copy into the slot was enqueued
@@ -96,16 +103,12 @@ def test_staged_reads_are_checked_then_copied_and_named_at_commit(part):
         with table.launch(1) as slot_of:  # the fake raises unless the copy was waited for
             streams.launch([tier.address(int(slot_of[1]))])
         assert np.array_equal(tier.view(0), record(data, 1))
-    finally:
-        pf.shutdown()
-        pf.fill.reader.close()
 
 
 def test_a_slot_a_launch_read_is_rewritten_only_after_that_launch(part):
     root, data = part
-    pf, table, streams = staged(root, data, slots=2)
-    tier = pf.cache.tier("compute")
-    try:
+    with staged(root, data, slots=2) as (pf, table, streams):
+        tier = pf.cache.tier("compute")
         pf.wait(pf.demand([(1, 0), (1, 1)]), timeout=T_OUT)
         with table.launch(1) as slot_of:
             streams.launch([tier.address(int(slot_of[e])) for e in (0, 1)])
@@ -116,15 +119,11 @@ def test_a_slot_a_launch_read_is_rewritten_only_after_that_launch(part):
             streams.launch([tier.address(int(slot_of[e])) for e in (2, 3)])
         for key, r in refs.items():
             assert np.array_equal(tier.view(r.slot), record(data, key[1]))
-    finally:
-        pf.shutdown()
-        pf.fill.reader.close()
 
 
 def test_a_staged_record_that_fails_its_check_never_reaches_the_slot(part):
     root, data = part
-    pf, table, streams = staged(root, data, bad={(1, 2)})
-    try:
+    with staged(root, data, bad={(1, 2)}) as (pf, table, streams):
         with pytest.raises(PrefetchError, match="part0.bin.*do not match"):
             pf.wait(pf.demand([(1, 2)]), timeout=T_OUT)
         assert not [e for e in streams.log if e[0] == "copy"]
@@ -132,34 +131,27 @@ def test_a_staged_record_that_fails_its_check_never_reaches_the_slot(part):
         assert pf.fill.staging.free() == 2
         pf.wait(pf.demand([(1, 0)]), timeout=T_OUT)
         assert streams.log[-1][0] == "copy" and table.slot((1, 0)) >= 0
-    finally:
-        pf.shutdown()
-        pf.fill.reader.close()
 
 
 def test_one_staging_buffer_is_reused_only_after_its_copy_ran(part, monkeypatch):
     """With one staging buffer a second read is not handed over (however deep the reader) until
     the first one's copy has left the buffer: every slot ends with its own record."""
     root, data = part
-    pf, table, streams = staged(root, data, staging=1, read_depth=4)
-    inflight: list = []
-    real = pf.fill.read
+    with staged(root, data, staging=1, read_depth=4) as (pf, table, streams):
+        inflight: list = []
+        real = pf.fill.read
 
-    def read(job):
-        inflight.append(pf.inflight()["inflight_reads"])
-        return real(job)
+        def read(job):
+            inflight.append(pf.inflight()["inflight_reads"])
+            return real(job)
 
-    monkeypatch.setattr(pf.fill, "read", read)
-    try:
+        monkeypatch.setattr(pf.fill, "read", read)
         refs = pf.wait(pf.demand([(1, e) for e in range(4)]), timeout=T_OUT)
         assert inflight == [1, 1, 1, 1] and pf.stats.peak_inflight_reads == 1
         streams.run_copies(10**9)
         tier = pf.cache.tier("compute")
         for key, r in refs.items():
             assert np.array_equal(tier.view(r.slot), record(data, key[1]))
-    finally:
-        pf.shutdown()
-        pf.fill.reader.close()
 
 
 def test_repack_follows_the_copy_and_precedes_the_commit(part):
@@ -171,16 +163,12 @@ def test_repack_follows_the_copy_and_precedes_the_commit(part):
     def repack(view):
         seen.append((table.slot((1, len(seen) + 1)), streams.log[-1][0]))
 
-    pf, table, streams = staged(root, data, read_depth=1, bad={(1, 3)}, repack=repack)
-    try:
+    with staged(root, data, read_depth=1, bad={(1, 3)}, repack=repack) as (pf, table, streams):
         pf.wait(pf.demand([(1, 1)]), timeout=T_OUT)
         assert seen == [(-1, "copy")]
         with pytest.raises(PrefetchError, match="do not match"):
             pf.wait(pf.demand([(1, 3)]), timeout=T_OUT)
         assert len(seen) == 1
-    finally:
-        pf.shutdown()
-        pf.fill.reader.close()
 
 
 def test_device_reads_chooses_staging_unless_kvikio_really_has_gds(part, monkeypatch, caplog):
@@ -208,6 +196,18 @@ def test_device_reads_chooses_staging_unless_kvikio_really_has_gds(part, monkeyp
     with pytest.raises(RuntimeError, match="verified"):
         device_reads(rr, verified=True, use_kvikio=True, **kw)
     rr.close()
+
+
+def test_staging_buffers_are_page_aligned_and_apart_for_any_record_size():
+    """A record stride that is no multiple of 4 KiB (a bank of another writer) still gets one
+    page-aligned buffer per read in flight, each its own memory."""
+    streams = FakeStreams()
+    staging = Staging(3, PAGE + 100, streams, SlotTable([1], RECORDS, streams))
+    bufs = [staging.take() for _ in range(3)]
+    assert [b.nbytes for b in bufs] == [PAGE + 100] * 3
+    starts = sorted(device_io.device_address(b) for b in bufs)
+    assert all(a % PAGE == 0 for a in starts)
+    assert all(b - a >= PAGE + 100 for a, b in zip(starts, starts[1:]))
 
 
 def test_a_check_of_device_memory_is_refused():

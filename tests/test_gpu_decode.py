@@ -20,14 +20,14 @@ T_OUT = 30.0
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """{codec: (source dir, artifact dir)}."""
+    """{codec: (source dir, artifact dir, resident logits, resident greedy tokens)}."""
     root = tmp_path_factory.mktemp("gpudecode")
     out = {}
     for codec in ("t158", "bf16"):
         src, art = root / codec, root / f"{codec}-art"
         make_tiny(src, codec)
         build_artifact(src, art, codec="keep", progress=False)
-        out[codec] = (src, art)
+        out[codec] = (src, art, *resident(src))
     return out
 
 
@@ -64,6 +64,7 @@ def steps(model, streams, provider, tokens):
 
 
 def resident(src):
+    """Prefill PROMPT then STEPS greedy decode steps on resident experts: (logits, tokens)."""
     model = load_model(src)
     state = model.new_state()
     logits = [model.prefill(PROMPT, state)]
@@ -77,8 +78,7 @@ def resident(src):
 @pytest.mark.parametrize("codec", ["t158", "bf16"])
 @pytest.mark.parametrize("lookahead", [0, 1])
 def test_streamed_on_the_gpu_path_equals_resident(built, codec, lookahead):
-    src, art = built[codec]
-    want_logits, tokens = resident(src)
+    src, art, want_logits, tokens = built[codec]
     model, provider, streams = on_fake_gpu(src, art, slots_per_layer=3, lookahead=lookahead)
     with provider:
         state = model.new_state()
@@ -91,8 +91,7 @@ def test_streamed_on_the_gpu_path_equals_resident(built, codec, lookahead):
 
 
 def test_all_cached_decode_launches_once_per_layer_and_never_waits(built):
-    src, art = built["t158"]
-    want_logits, tokens = resident(src)
+    src, art, want_logits, tokens = built["t158"]
     model, provider, streams = on_fake_gpu(src, art)
     n_moe = len(model.cfg.moe_layers)
     with provider:
@@ -112,8 +111,7 @@ def test_all_cached_decode_launches_once_per_layer_and_never_waits(built):
 
 
 def test_a_layer_with_a_missing_expert_waits_exactly_once(built):
-    src, art = built["bf16"]
-    want_logits, tokens = resident(src)
+    src, art, want_logits, tokens = built["bf16"]
     model, provider, streams = on_fake_gpu(src, art, slots_per_layer=3, lookahead=1)
     n_moe = len(model.cfg.moe_layers)
     with provider:
@@ -126,7 +124,7 @@ def test_a_layer_with_a_missing_expert_waits_exactly_once(built):
 def test_experts_never_decodes_repacked_slot_bytes(built):
     """The fake backend's repack inverts each record in its slot: `experts` must read the bank
     (the weights a host-slot provider decodes) and leave the cache alone."""
-    src, art = built["t158"]
+    src, art, _, _ = built["t158"]
     model, provider, streams = on_fake_gpu(src, art)
     layer = model.cfg.moe_layers[0]
     with provider:

@@ -30,12 +30,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .buffers import (
-    KvikioReader,
-    aligned_buffer,
-    buffer_address,
-    gpu_reader_unavailable_reason,
-)
+from ..formats.record import align_up
+from .buffers import KvikioReader, buffer_address, gpu_reader_unavailable_reason
+from .slots import SlotTier
 
 __all__ = ["CudaStreams", "DeviceReader", "HostIds", "Staging", "device_reads", "gds_status",
            "tier_mover"]
@@ -133,7 +130,9 @@ class Staging:
 
     def __init__(self, count: int, nbytes: int, streams, table):
         self.streams, self.table = streams, table
-        self._free = [_host_buffer(nbytes) for _ in range(count)]
+        # One page-aligned slot per buffer, CUDA-pinned where cupy has a device (async copies).
+        tier = SlotTier("staging", nbytes, count * align_up(nbytes), pinned_host=True)
+        self._free = [tier.view(i) for i in range(count)]
         self._copies: dict[int, object] = {}  # buffer address -> event after its copy
         self._lock = threading.Lock()
 
@@ -301,11 +300,3 @@ def device_reads(reader, *, staging_bytes: int, table, streams, tier, threads: i
                 "GPU on a copy stream (%s)", why)
     return reader, Staging(threads, staging_bytes, streams, table)
 
-
-def _host_buffer(nbytes: int):
-    """A page-aligned staging buffer, CUDA-pinned when cupy has a device (async-copy capable)."""
-    from .slots import SlotTier, cuda_unavailable_reason
-
-    if cuda_unavailable_reason() is None:
-        return SlotTier("staging", nbytes, nbytes, pinned_host=True).view(0)
-    return aligned_buffer(nbytes)

@@ -263,22 +263,27 @@ class StreamingExpertProvider:
         """
         if self._closed:
             raise RuntimeError("StreamingExpertProvider is closed")
-        if self.on_gpu:
-            return self._run_device(layer, x, ids, weights)
+        prompt = ids.shape[0] > 1
+        try:
+            out = (self._run_device if self.on_gpu else self._run_host)(layer, x, ids, weights)
+        except BaseException:
+            if prompt:
+                self.prefetcher.release_prompt()  # a failed prompt must not hold the warm
+            raise
+        if prompt and layer == self._last_layer:
+            self.prefetcher.release_prompt()
+        return out
+
+    def _run_host(self, layer: int, x, ids, weights) -> torch.Tensor:
+        """run_experts on host slots: one token's experts as they land, a prompt's by window."""
         keys = self._keys(layer, ids)
         if self.warm is not None:
             self.warm.add(layer, ids)
         if ids.shape[0] == 1:
             out = self._decode_sum(layer, x, ids, weights, keys)
-            self._spec_keys.difference_update(keys)
-            return out
-        try:
+        else:
             out = self._prefill_sum(layer, x, ids, weights, keys)
-        except BaseException:
-            self.prefetcher.release_prompt()  # a failed prompt must not hold the warm for good
-            raise
-        if layer == self._last_layer:
-            self.prefetcher.release_prompt()
+        self._spec_keys.difference_update(keys)
         return out
 
     def _prefill_sum(self, layer: int, x, ids, weights, keys: list[ExpertKey]) -> torch.Tensor:
@@ -293,7 +298,6 @@ class StreamingExpertProvider:
         for i in range(0, len(keys), room):
             with self._landed(keys[i:i + room], transient) as refs:
                 acc = self._compute(x, ids, weights, refs, acc)
-        self._spec_keys.difference_update(keys)
         return acc.to(x.dtype)
 
     def _decode_sum(self, layer: int, x, ids, weights, keys: list[ExpertKey]) -> torch.Tensor:
@@ -419,31 +423,23 @@ class StreamingExpertProvider:
         """run_experts on device slots: a layer whose experts all hold slots launches at once on
         the slot table (no host wait; its route accounted later); otherwise the route's copy is
         waited for (unless the hint did), the windows are read and each is one launch set."""
-        T = ids.shape[0]
         rec = self._routes.pop(int(layer), None)
         if rec is None:  # no hint for this route
             rec = HostIds(self.streams, layer, ids, {})
-        try:
-            out = None
-            if not rec.taken:
-                out = self._launch(layer, x, ids, weights, whole=True)
-                if out is not None:
-                    rec.taken = True
-                    self._pending.append(rec)
-                else:
-                    self._take(rec)
-            if out is None:
-                keys = self._keys(layer, rec.ids)
-                if self.warm is not None:
-                    self.warm.add(layer, rec.ids)
-                out = self._device_sum(layer, x, ids, weights, keys)
-                self._spec_keys.difference_update(keys)
-        except BaseException:
-            if T > 1:
-                self.prefetcher.release_prompt()  # a failed prompt must not hold the warm
-            raise
-        if T > 1 and layer == self._last_layer:
-            self.prefetcher.release_prompt()
+        out = None
+        if not rec.taken:
+            out = self._launch(layer, x, ids, weights, whole=True)
+            if out is not None:
+                rec.taken = True
+                self._pending.append(rec)
+            else:
+                self._take(rec)
+        if out is None:
+            keys = self._keys(layer, rec.ids)
+            if self.warm is not None:
+                self.warm.add(layer, rec.ids)
+            out = self._device_sum(layer, x, ids, weights, keys)
+            self._spec_keys.difference_update(keys)
         return out
 
     def _take(self, rec: HostIds) -> list[ExpertKey]:
