@@ -16,7 +16,7 @@ pytest.importorskip("tokenizers")
 from test_server import TIMEOUT, _serve  # noqa: E402
 
 from mtplx_runtime.artifact.build import build_artifact  # noqa: E402
-from mtplx_runtime.cli.serve import add_args, build  # noqa: E402
+from mtplx_runtime.cli.serve import add_args, api_key, build  # noqa: E402
 from mtplx_runtime.engine.chat import parse_assistant, render_chat  # noqa: E402
 from mtplx_runtime.engine.generate import generate  # noqa: E402
 from mtplx_runtime.fixtures.tiny_deepseek import make_tiny_deepseek  # noqa: E402
@@ -34,7 +34,7 @@ def served(tmp_path_factory):
     args = parser.parse_args(["--model", str(root / "art"), "--dtype", "float32",
                               "--served-model-name", "ds", "--max-tokens", "10",
                               "--memory-budget", "600MiB"])
-    app, engine, rt = build(args)
+    app, engine, rt = build(args, api_key(args))
     try:
         with _serve(app) as port:
             yield port, rt

@@ -32,7 +32,7 @@ pytest.importorskip("uvloop")
 
 from mtplx_runtime.artifact.build import build_artifact  # noqa: E402
 from mtplx_runtime.cli import main as cli_main  # noqa: E402
-from mtplx_runtime.cli.serve import add_args, build, make_server  # noqa: E402
+from mtplx_runtime.cli.serve import add_args, api_key, build, make_server  # noqa: E402
 from mtplx_runtime.engine.chat import ChannelText  # noqa: E402
 from mtplx_runtime.engine.generate import generate  # noqa: E402
 from mtplx_runtime.fixtures.tiny import make_tiny  # noqa: E402
@@ -60,7 +60,7 @@ def server(art):
         ["--model", str(art), "--dtype", "float32", "--api-key", KEY,
          "--served-model-name", MODEL, "--context", "4096", "--max-tokens", "12",
          "--max-body-bytes", "65536", "--temperature", "0"])  # greedy unless a request says
-    app, engine, rt = build(args)
+    app, engine, rt = build(args, api_key(args))
     try:
         with _serve(app) as port:
             yield {"port": port, "engine": engine, "rt": rt, "app": app}
@@ -222,7 +222,7 @@ def test_a_model_without_a_chat_format_serves_chats_without_thinking(art, capsys
     for flags, thinking, max_tokens in (([], False, 256), (["--thinking"], True, 256),
                                         (["--max-tokens", "9"], False, 9)):
         app, engine, rt = build(parser.parse_args(["--model", str(art), "--dtype", "float32",
-                                                   *flags]))
+                                                   *flags]), None)
         engine.close()
         rt.close()
         assert (app.cfg.thinking, app.cfg.default_max_tokens) == (thinking, max_tokens), flags
@@ -744,7 +744,7 @@ def test_timeout_flags_are_checked(art, flag, value):
     parser = argparse.ArgumentParser()
     add_args(parser)
     with pytest.raises(CliError, match=flag):
-        build(parser.parse_args(["--model", str(art), flag, value]))
+        build(parser.parse_args(["--model", str(art), flag, value]), None)
 
 
 # ---- access log ---------------------------------------------------------------------------------
@@ -942,7 +942,6 @@ def test_completions_skip_special_tokens_unless_asked(server, client):
 
 def test_api_key_from_env_or_file_never_the_command_line(art, tmp_path, monkeypatch):
     from mtplx_runtime.cli.common import CliError
-    from mtplx_runtime.cli.serve import api_key
 
     parser = argparse.ArgumentParser()
     add_args(parser)
@@ -967,6 +966,26 @@ def test_api_key_from_env_or_file_never_the_command_line(art, tmp_path, monkeypa
         key()
     with pytest.raises(SystemExit):  # one source on the command line
         key("--api-key", "a", "--api-key-file", str(tmp_path / "k"))
+
+
+def test_serve_reads_the_api_key_file_once(art, tmp_path, monkeypatch):
+    """`mtplx serve --api-key-file <(pass show k3)`: main reads the key before the model loads
+    and build takes that key; a second read (the pipe is empty by then, here: the file is gone)
+    would refuse the key after minutes of loading."""
+    monkeypatch.delenv("MTPLX_API_KEY", raising=False)
+    (tmp_path / "k").write_text("sk-once\n")
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--model", str(art), "--dtype", "float32",
+                              "--api-key-file", str(tmp_path / "k")])
+    key = api_key(args)
+    (tmp_path / "k").unlink()
+    app, engine, rt = build(args, key)
+    try:
+        assert app.cfg.api_key == "sk-once"
+    finally:
+        engine.close()
+        rt.close()
 
 
 def test_api_key_compared_in_constant_time(server, monkeypatch):

@@ -159,7 +159,7 @@ class ModelConfig(MoELayers):
         for f in fields(self):
             v = getattr(self, f.name)
             if not _TYPE_OK[f.type](v):
-                raise ConfigError(f"{f.name} = {_short(v)} is not of type {f.type}")
+                raise ConfigError(f"{f.name} = {short_repr(v)} is not of type {f.type}")
         for name, hi in _INT_BOUNDS.items():
             v = getattr(self, name)
             lo = 0 if name in ("qk_rope_head_dim", "num_shared_experts") else 1
@@ -357,7 +357,7 @@ def _k3_text_config(d: dict) -> dict:
     if "text_config" in d:
         if d.get("model_type") != "kimi_k3":
             raise ConfigError(
-                f"nested text_config under model_type {_short(d.get('model_type'))}; "
+                f"nested text_config under model_type {short_repr(d.get('model_type'))}; "
                 "expected 'kimi_k3'"
             )
         text = d["text_config"]
@@ -365,7 +365,7 @@ def _k3_text_config(d: dict) -> dict:
             raise ConfigError("text_config must be an object with model_type 'kimi_linear'")
         return {**{k: d[k] for k in _TOP_LEVEL if k in d}, **text}
     if d.get("model_type") not in ("kimi_linear", "kimi_k3"):
-        raise ConfigError(f"model_type {_short(d.get('model_type'))} is not a Kimi K3 config")
+        raise ConfigError(f"model_type {short_repr(d.get('model_type'))} is not a Kimi K3 config")
     lac = d.get("linear_attn_config")
     present = {
         "routed_expert_hidden_size": "routed_expert_hidden_size" in d,
@@ -413,7 +413,7 @@ _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
 
 
-def _short(v: object) -> str:
+def short_repr(v: object) -> str:
     """A bounded repr for error messages (a hostile value may be huge or deeply nested)."""
     return _REPR.repr(v)
 

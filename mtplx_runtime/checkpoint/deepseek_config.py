@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from .config import ConfigError, MoELayers, _short
+from .config import ConfigError, MoELayers, short_repr
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -118,7 +118,7 @@ class DeepseekV3Config(MoELayers):
             v = getattr(self, f.name)
             want = {"int": int, "float": (int, float), "bool": bool}[f.type]
             if isinstance(v, bool) != (f.type == "bool") or not isinstance(v, want):
-                raise ConfigError(f"{f.name} = {_short(v)} is not of type {f.type}")
+                raise ConfigError(f"{f.name} = {short_repr(v)} is not of type {f.type}")
         for name, hi in _INT_BOUNDS.items():
             v, lo = getattr(self, name), 0 if name in _ZERO_OK else 1
             if not lo <= v <= hi:
@@ -189,14 +189,14 @@ class DeepseekV3Config(MoELayers):
             raise ConfigError("config is not a JSON object")
         mt = d.get("model_type")
         if mt not in MODEL_TYPES:
-            raise ConfigError(f"model_type {_short(mt)} is not a DeepSeek-V3 family config "
+            raise ConfigError(f"model_type {short_repr(mt)} is not a DeepSeek-V3 family config "
                               f"({', '.join(MODEL_TYPES)})")
         arch = d.get("architectures")
         if arch is not None and (not isinstance(arch, list) or ARCHITECTURE not in arch):
-            raise ConfigError(f"architectures {_short(arch)} does not name {ARCHITECTURE}")
+            raise ConfigError(f"architectures {short_repr(arch)} does not name {ARCHITECTURE}")
         for key, allowed in _FIXED.items():
             if key in d and d[key] not in allowed:
-                raise ConfigError(f"{key} = {_short(d[key])} is not supported (the DeepSeek-V3 "
+                raise ConfigError(f"{key} = {short_repr(d[key])} is not supported (the DeepSeek-V3 "
                                   f"family uses {allowed[0]!r})")
         if d.get("q_lora_rank", 0) is None:
             raise ConfigError("q_lora_rank null (a full-rank q_proj) is not supported; "
@@ -232,7 +232,7 @@ def _number(src: dict, key: str, where: str, default=None, *, positive=True) -> 
         return None
     if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) \
             or (positive and val <= 0):
-        raise ConfigError(f"{where}.{key} = {_short(val)} must be a finite positive number")
+        raise ConfigError(f"{where}.{key} = {short_repr(val)} must be a finite positive number")
     return float(val)
 
 
@@ -263,7 +263,7 @@ def _rope_from(block: dict, d: dict, where: str) -> RopeScaling:
         raise ConfigError(f"{where}: type {block['type']!r} and rope_type "
                           f"{block['rope_type']!r} differ")
     if kind not in ROPE_TYPES:
-        raise ConfigError(f"{where}: rope type {_short(kind)} is not supported "
+        raise ConfigError(f"{where}: rope type {short_repr(kind)} is not supported "
                           f"({', '.join(ROPE_TYPES)})")
     theta = _number(block, "rope_theta", where, None) or _number(d, "rope_theta", "config",
                                                                   10000.0)
@@ -271,14 +271,14 @@ def _rope_from(block: dict, d: dict, where: str) -> RopeScaling:
         return RopeScaling("default", theta)
     orig = block.get("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
     if isinstance(orig, bool) or not isinstance(orig, int) or not 1 <= orig <= 1 << 40:
-        raise ConfigError(f"{where}.original_max_position_embeddings = {_short(orig)} is not a "
+        raise ConfigError(f"{where}.original_max_position_embeddings = {short_repr(orig)} is not a "
                           f"positive integer")
     factor = _number(block, "factor", where, None)
     if factor is None:  # transformers derives it from the two lengths
         factor = d.get("max_position_embeddings", 4096) / orig
     truncate = block.get("truncate", True)
     if not isinstance(truncate, bool):
-        raise ConfigError(f"{where}.truncate = {_short(truncate)} is not a boolean")
+        raise ConfigError(f"{where}.truncate = {short_repr(truncate)} is not a boolean")
     # transformers treats a beta of 0 (or null) as absent: `beta or default`.
     return RopeScaling(
         "yarn", theta, factor, orig,
@@ -292,7 +292,7 @@ def _rope_from(block: dict, d: dict, where: str) -> RopeScaling:
 def _eos_ids(val) -> tuple[int, ...]:
     vals = [] if val is None else val if isinstance(val, list) else [val]
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in vals):
-        raise ConfigError(f"eos_token_id = {_short(val)} is not an integer or a list of them")
+        raise ConfigError(f"eos_token_id = {short_repr(val)} is not an integer or a list of them")
     return tuple(vals)
 
 

@@ -237,8 +237,10 @@ def model_id(args: argparse.Namespace) -> str:
     return args.served_model_name or os.path.basename(os.path.abspath(args.model))
 
 
-def build(args: argparse.Namespace):
-    """(app, engine, runtime) from parsed flags; raises cli.common.CliError on bad flags."""
+def build(args: argparse.Namespace, key: str | None):
+    """(app, engine, runtime) from parsed flags and the API key (`api_key(args)`, read once
+    by the caller: a --api-key-file pipe has nothing left to read a second time); raises
+    cli.common.CliError on bad flags."""
     from ..server.app import App, ServerConfig
     from ..server.worker import Engine
     from .common import chat_defaults, load_runtime
@@ -248,7 +250,7 @@ def build(args: argparse.Namespace):
     chat_defaults(args, PROG)  # a model without a chat format: no thinking, bounded replies
     engine = Engine(rt, max_queue=args.max_queue, top_k=args.top_k,
                     prefill_chunk=args.prefill_chunk)
-    cfg = ServerConfig(model_id=model_id(args), api_key=api_key(args),
+    cfg = ServerConfig(model_id=model_id(args), api_key=key,
                        max_body_bytes=args.max_body_bytes, context=args.context,
                        default_max_tokens=args.max_tokens, thinking=not args.no_thinking,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed)
@@ -275,7 +277,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"{PROG}: warning: listening on {args.host} without an API key",
                   file=sys.stderr)
         try:
-            app, engine, rt = build(args)
+            app, engine, rt = build(args, key)
         except CliError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2

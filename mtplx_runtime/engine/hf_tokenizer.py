@@ -15,7 +15,6 @@ streams correctly; other decoders decode per token to text.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -68,20 +67,22 @@ class HFTokenizer:
         self._skipped = frozenset(t.id for t in self.specials if t.skipped)
         self.chat_template: str | None = None  # set by the loader for a family that has one
         self.vocab_size = self._special.get_vocab_size(with_added_tokens=True)
-        self._bytes = self._token_bytes(text)
+        self._bytes = self._token_bytes()
         self.bos_id = self._config_token(config, "bos_token", path)
         self.eos_id = self._config_token(config, "eos_token", path)
         self.stop_ids = frozenset({*(t for t in (self.eos_id,) if t is not None), *stop_ids})
 
-    def _token_bytes(self, text: str) -> list[bytes] | None:
+    def _token_bytes(self) -> list[bytes] | None:
         """Every id's bytes when the vocabulary is byte-level BPE (added tokens: their UTF-8),
-        else None (decode per token through the library)."""
-        spec = json.loads(text)  # the library parsed it already: well-formed
-        if (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        else None (decode per token through the library). Read from the parsed tokenizer, not
+        the file's JSON again (DeepSeek-V3's is 7.8 MB)."""
+        from tokenizers.decoders import ByteLevel
+
+        if not isinstance(self._special.decoder, ByteLevel):
             return None
         table = _byte_decoder()
         out: list[bytes] = [b""] * self.vocab_size
-        for tok, i in spec["model"]["vocab"].items():
+        for tok, i in self._special.get_vocab(with_added_tokens=False).items():
             if 0 <= i < self.vocab_size:
                 try:
                     out[i] = bytes(table[c] for c in tok)

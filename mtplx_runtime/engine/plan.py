@@ -356,13 +356,14 @@ def source_bytes(root: Path) -> int | None:
     return sum(shards) or None
 
 
-def facts_from_dir(model_dir: str | Path, manifest=None,
-                   bank_codec: str | None = None) -> ModelFacts:
+def facts_from_dir(model_dir: str | Path, manifest=None, bank_codec: str | None = None,
+                   config=None) -> ModelFacts:
     """A streaming artifact (its manifest and config.json), or a checkpoint from its config.json
     (plus the tensor names when the config cannot tell t158 from bf16): no shard needs to be
-    there, so a machine can be sized before the download. `manifest`: the artifact's manifest
-    when the caller has it loaded already; `bank_codec` "t158": plan a checkpoint's t158 build
-    (`mtplx build-manifest --bank-codec t158`) instead of its own codec ("keep", None)."""
+    there, so a machine can be sized before the download. `manifest`, `config`: the artifact's
+    manifest and config when the caller has them loaded already; `bank_codec` "t158": plan a
+    checkpoint's t158 build (`mtplx build-manifest --bank-codec t158`) instead of its own codec
+    ("keep", None)."""
     root = Path(model_dir)
     if bank_codec not in (None, "keep", "t158"):
         raise PlanError(f"bank codec must be keep or t158, not {bank_codec!r}")
@@ -379,7 +380,7 @@ def facts_from_dir(model_dir: str | Path, manifest=None,
             bank_mode(root, cfg)
         return replace(facts_from_config(cfg, mode, bits, group), source=told,
                        source_bytes=source_bytes(root))
-    cfg = load_config(root / "config.json", root=root)
+    cfg = config if config is not None else load_config(root / "config.json", root=root)
     m = manifest if manifest is not None else load_manifest(root / MANIFEST_NAME)
     sizes = {r.logical_bytes for r in m.records}
     if len(sizes) != 1:

@@ -151,7 +151,7 @@ def load(path: str | os.PathLike, options: LoadOptions | None = None, /,
             compute_bytes, host_bytes = o.cache_slots[0] * n * stride, o.cache_slots[1] * n * stride
         else:
             budget = o.memory_budget or mem_available_bytes()
-            facts = facts_from_dir(root, bank.manifest)
+            facts = facts_from_dir(root, bank.manifest, config=cfg)
             kw = dict(host_budget=o.host_budget, dtype=o.dtype, prefill_chunk=o.prefill_chunk,
                       kernels=name_of(backend), read_depth=o.read_depth,
                       resident_dtype=o.resident_dtype)

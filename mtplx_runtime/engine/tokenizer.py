@@ -46,7 +46,7 @@ from pathlib import Path
 
 import tiktoken
 
-from ..checkpoint.config import load_json
+from ..checkpoint.config import load_json, short_repr
 from ..files import InputError, read_regular
 
 log = logging.getLogger(__name__)
@@ -340,13 +340,8 @@ def _token_name(config: dict, key: str, default: str, names: set[str], where: Pa
     elif isinstance(value, dict):
         value = value.get("content")
     if not isinstance(value, str) or value not in names:
-        raise TokenizerError(f"{where}: {key} {_short(value)} is not one of the special tokens")
+        raise TokenizerError(f"{where}: {key} {short_repr(value)} is not one of the special tokens")
     return value
-
-
-def _short(v: object) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _pattern(config: dict, where: Path) -> str:
@@ -357,7 +352,7 @@ def _pattern(config: dict, where: Path) -> str:
         return K3_PAT_STR
     if not isinstance(pat, str) or not pat or len(pat) > MAX_PAT_CHARS:
         raise TokenizerError(f"{where}: pat_str must be a non-empty string of at most "
-                             f"{MAX_PAT_CHARS} characters, got {_short(pat)}")
+                             f"{MAX_PAT_CHARS} characters, got {short_repr(pat)}")
     if pat not in KNOWN_PAT_STRS:
         log.warning("%s: pat_str is not a pre-tokenizer this runtime knows (%s): text will be "
                     "split as it says, not as K3 splits it", where,

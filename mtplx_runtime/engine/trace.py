@@ -31,7 +31,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..checkpoint.config import MAX_EXPERTS, MAX_LAYERS
+from ..checkpoint.config import MAX_EXPERTS, MAX_LAYERS, short_repr
 from ..files import InputError, open_regular
 
 TRACE_FORMAT = "mtplx-route-trace-v1"
@@ -141,11 +141,6 @@ def _json_line(raw: str, where: str) -> object:
         raise TraceError(f"{where}: not valid JSON: nested too deeply") from None
 
 
-def _short(v: object) -> str:
-    text = repr(v)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -163,8 +158,8 @@ def check_header(header: object, where: str) -> dict:
                          f"0..{MAX_LAYERS - 1}")
     if not _int(experts, 1, MAX_EXPERTS) or not _int(k, 1, experts):
         raise TraceError(f"{where}: header needs 1 <= experts <= {MAX_EXPERTS} and "
-                         f"1 <= top_k <= experts, got experts {_short(experts)}, top_k "
-                         f"{_short(k)}")
+                         f"1 <= top_k <= experts, got experts {short_repr(experts)}, top_k "
+                         f"{short_repr(k)}")
     rb = header.get("record_bytes")
     if rb is not None and not _int(rb, 1, 1 << 48):
         raise TraceError(f"{where}: header record_bytes must be a positive integer or null")

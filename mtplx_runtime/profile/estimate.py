@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine.plan import MemoryPlan, ModelFacts, fmt_bytes, resident_bytes
+from ..formats.record import align_up
 from ..offload.buffers import aligned_buffer
 from .replay import profile
 from .traces import synthetic
@@ -224,7 +225,7 @@ def measure_disk(directory: str | os.PathLike, record_bytes: int, total_bytes: i
     in `directory` (on the drive to measure) and deleted after: the file is synced and dropped
     from the page cache, then its records are read in shuffled order, `depth` in flight, with
     O_DIRECT where the file system has it. Blocks (a few seconds)."""
-    stride = -(-record_bytes // 4096) * 4096
+    stride = align_up(record_bytes)  # a bank slot: the record, 4 KiB-rounded
     n = max(depth, total_bytes // stride)
     directory = Path(directory)
     if not directory.is_dir():

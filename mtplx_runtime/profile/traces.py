@@ -210,8 +210,9 @@ def read_plain(path: str | Path) -> Trace:
     cell = np.repeat(np.arange(len(count)), count)  # [ids]: the (line, layer) of each id
     routes[cell, np.arange(len(ids)) - starts[cell]] = np.frombuffer(ids, np.int32)
     routes = np.sort(routes, axis=-1).reshape(rows, nl, top_k)
-    if ((routes[..., 1:] == routes[..., :-1]) & (routes[..., 1:] >= 0)).any():
-        bad = np.argwhere((routes[..., 1:] == routes[..., :-1]) & (routes[..., 1:] >= 0))[0]
+    repeats = (routes[..., 1:] == routes[..., :-1]) & (routes[..., 1:] >= 0)  # [N, L, K-1]
+    if repeats.any():
+        bad = np.argwhere(repeats)[0]
         raise TraceError(f"{path}: route line {bad[0] + 1}, layer {layers[bad[1]]} repeats "
                          f"expert id {routes[tuple(bad)]}")
     return _from_array(routes, layers, experts, str(path))
