@@ -89,7 +89,15 @@ def module(source: str):
 
 def kernel(source: str, name: str, shared_bytes: int = 0):
     """Entry point `name` of native/`source`, allowed `shared_bytes` of dynamic shared memory
-    (above the 48 KiB default it must be raised per function, once)."""
+    (above the 48 KiB default it must be raised per function, once), on cupy's current device.
+    Looked up once: a launch does not rebuild the handle or query the driver."""
+    import cupy
+
+    return _kernel(source, name, shared_bytes, cupy.cuda.runtime.getDevice())
+
+
+@cache
+def _kernel(source: str, name: str, shared_bytes: int, device: int):
     fn = module(source).get_function(name)
     if shared_bytes > fn.max_dynamic_shared_size_bytes:
         fn.max_dynamic_shared_size_bytes = shared_bytes
