@@ -16,7 +16,6 @@
 
 #define MTPLX_THREADS 128   // 4 warps
 #define MTPLX_BLOCK_ROWS 128  // 2 tiles of 16 rows per warp
-#define MTPLX_PASS_TOKENS 32  // 4 MMA n-tiles of 8 tokens
 // uint2 per staged token: 16 MMAs x 4 quad lanes, + 4 so that lanes (g, q) of a half-warp read
 // 16 different bank pairs (token stride = 8 words mod 32).
 #define MTPLX_XS_STRIDE 68
