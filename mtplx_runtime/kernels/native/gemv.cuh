@@ -181,6 +181,21 @@ __device__ __forceinline__ void each_acc(int tile0, F&& f) {
           8 * nt + 2 * (lane & 3) + (e & 1));
 }
 
+// Whether this block is the last of `blocks` to finish, counted on `counter`: each block fences
+// its stores before it counts itself, so the last one reads them all (through L2, __ldcg). The
+// last block resets the counter when done, so the next launch (or graph replay) starts at 0. All
+// threads of the block.
+__device__ bool last_block(int* counter, int blocks) {
+  __shared__ bool s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == blocks - 1;
+  __syncthreads();
+  if (!s_last) return false;
+  __threadfence();
+  return true;
+}
+
 // Run `body<NT>` for passes of up to 8 NTMAX vectors, choosing NT (1, 2, 4) per pass by its size,
 // so a pass of one or two vectors never pays for 32.
 template <int NTMAX, class Body>
