@@ -132,7 +132,7 @@ __device__ void gate_up(const u8* base, long long slot_bytes, const long long* i
   pass.I = I;
   pass.beta = beta;
   pass.beta_lin = beta_lin;
-  pass.tile0 = (blockIdx.y * MTPLX_BLOCK_ROWS + (threadIdx.x >> 5) * 32) / 16;
+  pass.tile0 = warp_tile0(blockIdx.y);
   passes<NTMAX>(w.n, pass);
 }
 
@@ -205,7 +205,7 @@ __device__ void down(const u8* base, long long slot_bytes, const long long* ids,
     pass.pairs = w.pairs;
     pass.y = y;
     pass.R = R;
-    pass.tile0 = (blockIdx.y * MTPLX_BLOCK_ROWS + (threadIdx.x >> 5) * 32) / 16;
+    pass.tile0 = warp_tile0(blockIdx.y);
     passes<NTMAX>(w.n, pass);
   }
   finish<PARTS>(ids, slot_of, weights, y, acc0, out, counters, T, K, R);

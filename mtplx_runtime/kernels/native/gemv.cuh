@@ -166,6 +166,11 @@ __device__ void mainloop(const Mat (&mats)[NM], int tile0, const Src& src, int f
   }
 }
 
+// The first of the warp's two 16-row tiles in row block `block` (each warp 32 of its rows).
+__device__ __forceinline__ int warp_tile0(int block) {
+  return (block * MTPLX_BLOCK_ROWS + (threadIdx.x >> 5) * 32) / 16;
+}
+
 // f(rt, nt, e, row, n) for each accumulator of the lane (the MMA C layout): element e of n-tile
 // nt of tile tile0 + rt is matrix row `row` times the pass's vector n.
 template <int NT, class F>

@@ -48,7 +48,7 @@ __device__ void resident_gemv(const u8* q, const void* scale, const u8* zero, in
   pass.s0 = blockIdx.y * split;
   pass.s1 = pass.s0 + split;
   pass.xs = xs;
-  pass.tile0 = (blockIdx.x * MTPLX_BLOCK_ROWS + (threadIdx.x >> 5) * 32) / 16;
+  pass.tile0 = warp_tile0(blockIdx.x);
   passes<NTMAX>(T, pass);
   if (!last_block(&counters[blockIdx.x], (int)gridDim.y)) return;
   const int r0 = blockIdx.x * MTPLX_BLOCK_ROWS;
