@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from mtplx_runtime.formats.record import align_up
 from mtplx_runtime.kernels import cuda, reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,8 +96,8 @@ def device_tier(layout, store):
 
     from mtplx_runtime.offload.slots import SlotTier
 
-    slot_bytes = -(-layout.logical_bytes // 4096) * 4096
-    tier = SlotTier("dev", layout.logical_bytes, len(store) * slot_bytes, device="cuda")
+    tier = SlotTier("dev", layout.logical_bytes, len(store) * align_up(layout.logical_bytes),
+                    device="cuda")
     for s in range(len(store)):
         tier.view(s)[...] = cupy.asarray(store[s])
     cupy.cuda.Device().synchronize()  # the bytes have landed: repack runs on its own stream

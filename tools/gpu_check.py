@@ -190,13 +190,13 @@ def time_call(fn, iters: int) -> tuple[float, float]:
 def expert_bank(mode, bits, group, slots):
     """(layout, tier, packed bytes per expert): `slots` K3 experts of random bytes in device
     slots, prepared for the kernels (the repack of t158 and ct-int3 runs on every slot)."""
-    from mtplx_runtime.formats.record import record_layout
+    from mtplx_runtime.formats.record import align_up, record_layout
     from mtplx_runtime.offload.slots import SlotTier
 
     layout = record_layout(SimpleNamespace(expert_shapes=K3), mode, bits, group)
     packed = sum(s.length for s in layout.segments if s.part in cuda.COMPONENTS[mode])
-    slot_bytes = -(-layout.logical_bytes // 4096) * 4096
-    tier = SlotTier("bench", layout.logical_bytes, slots * slot_bytes, device="cuda")
+    tier = SlotTier("bench", layout.logical_bytes, slots * align_up(layout.logical_bytes),
+                    device="cuda")
     torch.as_tensor(tier.data, device="cuda").random_(0, 256)  # values do not change the time
     torch.cuda.synchronize()  # landed: repack runs on a stream of its own
     for s in range(slots):

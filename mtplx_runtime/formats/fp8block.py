@@ -19,7 +19,15 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .base import Codec, ComponentSpec, FormatError, Shape2, bf16_bits_to_f32, f32_to_bf16_bits
+from .base import (
+    Codec,
+    ComponentSpec,
+    FormatError,
+    Shape2,
+    bf16_bits_to_f32,
+    check_weight,
+    f32_to_bf16_bits,
+)
 
 BLOCK = 128  # rows and columns per scale
 E4M3_MAX = 448.0
@@ -101,12 +109,9 @@ def e4m3_codes(x: np.ndarray) -> np.ndarray:
 def encode_fp8_block(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float32 `[rows, cols]` -> (weight uint8 e4m3 codes, scale_inv float32), for fixtures: per
     128 x 128 block s = max|w| / 448 (1 for an all-zero block), codes = e4m3(w / s)."""
-    w = np.asarray(weight, np.float32)
-    if w.ndim != 2 or 0 in w.shape:
-        raise FormatError(f"fp8-block: weight must be 2-D and non-empty, got {list(w.shape)}")
-    if not np.isfinite(w).all():
-        raise FormatError("fp8-block: weight has NaN or Inf values; the encoder needs finite "
-                          "inputs")
+    w = check_weight("fp8-block", weight, 1)
+    if 0 in w.shape:
+        raise FormatError(f"fp8-block: weight must be non-empty, got shape {list(w.shape)}")
     rows, cols = w.shape
     gr, gc = scale_shape(w.shape)
     padded = np.zeros((gr * BLOCK, gc * BLOCK), np.float32)

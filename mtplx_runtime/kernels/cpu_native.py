@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..formats.fp8block import scale_shape
 from ..formats.modes import MODES, cpu_codecs
 from . import cpu_build
 
@@ -219,8 +220,8 @@ def fp8_block(weight: np.ndarray, scale_inv: np.ndarray) -> Matrix:
     [ceil(rows/128), ceil(cols/128)]; cols a multiple of 64."""
     rows, cols = _array(weight, np.uint8, "fp8-block weight").shape
     _cols(cols, 1, "fp8-block")
-    if _array(scale_inv, np.float32, "fp8-block weight_scale_inv").shape != (
-            -(-rows // 128), -(-cols // 128)):
+    if _array(scale_inv, np.float32, "fp8-block weight_scale_inv").shape != scale_shape(
+            (rows, cols)):
         raise ValueError(f"fp8-block: weight_scale_inv {scale_inv.shape} does not hold one scale "
                          f"per 128 x 128 block of weight {weight.shape}")
     return Matrix("fp8-block", rows, cols, weight, scale_inv)

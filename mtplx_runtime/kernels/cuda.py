@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -88,7 +89,15 @@ def module(source: str):
 
 def kernel(source: str, name: str, shared_bytes: int = 0):
     """Entry point `name` of native/`source`, allowed `shared_bytes` of dynamic shared memory
-    (above the 48 KiB default it must be raised per function, once)."""
+    (above the 48 KiB default it must be raised per function, once), on cupy's current device.
+    Looked up once: a launch does not rebuild the handle or query the driver."""
+    import cupy
+
+    return _kernel(source, name, shared_bytes, cupy.cuda.runtime.getDevice())
+
+
+@cache
+def _kernel(source: str, name: str, shared_bytes: int, device: int):
     fn = module(source).get_function(name)
     if shared_bytes > fn.max_dynamic_shared_size_bytes:
         fn.max_dynamic_shared_size_bytes = shared_bytes
@@ -177,6 +186,14 @@ def segment_offsets(layout) -> dict[str, int]:
     return out
 
 
+@cache
+def _record_kernels(layout) -> tuple[str, str, Mapping[str, int]]:
+    """(source, prefix, segment_offsets) for records of `layout`: checked (`kernel_key`) and
+    computed once per layout, not on every launch and fill."""
+    source, prefix = KERNELS[kernel_key(layout)]
+    return source, prefix, MappingProxyType(segment_offsets(layout))
+
+
 # ---- Slots: the repack when a record lands --------------------------------------------------
 
 def repack(layout, view, stream=None) -> None:
@@ -190,19 +207,17 @@ def repack(layout, view, stream=None) -> None:
     torch.cuda.Stream): enqueued there after whatever wrote the bytes on that stream (the fill's
     copy stream), and returns at once: the caller's event after it orders the kernels."""
     require()
-    key = kernel_key(layout)
-    source, prefix = KERNELS[key]
+    source, prefix, off = _record_kernels(layout)
     entry = REPACKS.get(prefix)
     if entry is None:
         return
     base = int(view.data.ptr)
     assert base % 4096 == 0 and view.size >= layout.logical_bytes, "a whole, aligned slot"
-    off = segment_offsets(layout)
     s = _thread_stream() if stream is None else _cupy_stream(stream.cuda_stream)
     for proj in ("gate", "up", "down"):
         rows, cols = projection_shape(layout, proj)
         packed = base + off[f"{proj}.packed"]
-        if key[0] == "t158":
+        if prefix == "t158":
             band = 16 * 15 * (cols // 64)
             kernel(source, entry, band)((rows // 16,), (256,),
                                          (packed, base + off[f"{proj}.scale"], np.int32(cols)),
@@ -295,9 +310,8 @@ def moe_layer(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of
     """
     T, R = x.shape
     K = ids.shape[1]
-    source, prefix = KERNELS[kernel_key(layout)]
+    source, prefix, off = _record_kernels(layout)
     I = tuple(shapes["gate"])[0]  # noqa: E741 (the legend's name)
-    off = segment_offsets(layout)
     f32 = x.dtype == torch.float32
     if not (x.dtype in (torch.float32, torch.bfloat16) and ids.dtype == torch.int64
             and weights.dtype == torch.float32 and slot_of.dtype == torch.int32
@@ -408,7 +422,7 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots,
     Enqueued on torch's current stream; a {expert: slot} mapping costs one host sync (the check
     for experts without a slot), a [T, K] slot tensor none."""
     require()
-    kernel_key(layout)
+    _record_kernels(layout)  # NotImplementedError before any work
     T, R = x.shape
     if not (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16) and ids.dtype == torch.int64
             and weights.dtype == torch.float32 and ids.dim() == 2

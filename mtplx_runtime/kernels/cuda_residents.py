@@ -13,14 +13,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .cuda import BLOCK_ROWS, THREADS, XS_STRIDE_BYTES, kernel, stream, unavailable_reason
+from .cuda import (
+    BLOCK_ROWS,
+    THREADS,
+    X1_MAX_T,
+    XS_STRIDE_BYTES,
+    kernel,
+    stream,
+    unavailable_reason,
+)
 
 SLICE = 256  # columns per staged slice (native/codecs.cuh MTPLX_SLICE): the split unit
 
 SOURCE = "residents.cu"
 KINDS = ("int8", "fp8", "int4")
 MAX_T = 32  # above it torch's kernels (or the reference) compute: model/quant.py kernel_for
-X1_MAX_T = 8
 # Blocks to aim for: a 16384-row lm_head makes only 128 row blocks, too few loads in flight to
 # stream at the memory's rate (about 4 blocks of 4 warps per SM, 132 SMs), so its columns are
 # split; the sums stay deterministic (added in split order).

@@ -157,11 +157,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b
         "f"(c[2]), "f"(c[3]));
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-  return v;
-}
-
 // SiTU(g) * beta_lin * tanh(u / beta_lin), SiTU(g) = beta * tanh(g / beta) * sigmoid(g)
 // (FORMAT.md "SiTU-GLU"; an fp32 island in the reference too). A beta of +inf is the limit
 // beta * tanh(v / beta) -> v: SiLU-GLU at both (FORMAT.md "SiLU-GLU").

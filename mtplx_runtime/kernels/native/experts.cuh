@@ -132,7 +132,7 @@ __device__ void gate_up(const u8* base, long long slot_bytes, const long long* i
   pass.I = I;
   pass.beta = beta;
   pass.beta_lin = beta_lin;
-  pass.tile0 = (blockIdx.y * MTPLX_BLOCK_ROWS + (threadIdx.x >> 5) * 32) / 16;
+  pass.tile0 = warp_tile0(blockIdx.y);
   passes<NTMAX>(w.n, pass);
 }
 
@@ -163,21 +163,13 @@ struct DownPass {
 };
 
 // The ordered combine of row block blockIdx.y, run by the last of its gridDim.x blocks to finish
-// (each block's y stores are fenced before it counts itself; the counter is reset for the next
-// launch, so a captured CUDA graph replays correctly).
+// (last_block; the counter is reset for the next launch, so a captured CUDA graph replays
+// correctly).
 template <int PARTS>
 __device__ void finish(const long long* ids, const int* slot_of, const float* weights,
                        const void* y, const float* acc0, float* out, int* counters, int T,
                        int K, int R) {
-  __shared__ bool s_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    s_last = atomicAdd(&counters[blockIdx.y], 1) == (int)gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+  if (!last_block(&counters[blockIdx.y], (int)gridDim.x)) return;
   const int r0 = blockIdx.y * MTPLX_BLOCK_ROWS;
   for (int i = threadIdx.x; i < T * MTPLX_BLOCK_ROWS; i += blockDim.x) {
     const int t = i / MTPLX_BLOCK_ROWS, r = r0 + i % MTPLX_BLOCK_ROWS;
@@ -213,7 +205,7 @@ __device__ void down(const u8* base, long long slot_bytes, const long long* ids,
     pass.pairs = w.pairs;
     pass.y = y;
     pass.R = R;
-    pass.tile0 = (blockIdx.y * MTPLX_BLOCK_ROWS + (threadIdx.x >> 5) * 32) / 16;
+    pass.tile0 = warp_tile0(blockIdx.y);
     passes<NTMAX>(w.n, pass);
   }
   finish<PARTS>(ids, slot_of, weights, y, acc0, out, counters, T, K, R);

@@ -16,7 +16,6 @@
 
 #define MTPLX_THREADS 128   // 4 warps
 #define MTPLX_BLOCK_ROWS 128  // 2 tiles of 16 rows per warp
-#define MTPLX_PASS_TOKENS 32  // 4 MMA n-tiles of 8 tokens
 // uint2 per staged token: 16 MMAs x 4 quad lanes, + 4 so that lanes (g, q) of a half-warp read
 // 16 different bank pairs (token stride = 8 words mod 32).
 #define MTPLX_XS_STRIDE 68
@@ -167,6 +166,11 @@ __device__ void mainloop(const Mat (&mats)[NM], int tile0, const Src& src, int f
   }
 }
 
+// The first of the warp's two 16-row tiles in row block `block` (each warp 32 of its rows).
+__device__ __forceinline__ int warp_tile0(int block) {
+  return (block * MTPLX_BLOCK_ROWS + (threadIdx.x >> 5) * 32) / 16;
+}
+
 // f(rt, nt, e, row, n) for each accumulator of the lane (the MMA C layout): element e of n-tile
 // nt of tile tile0 + rt is matrix row `row` times the pass's vector n.
 template <int NT, class F>
@@ -180,6 +184,21 @@ __device__ __forceinline__ void each_acc(int tile0, F&& f) {
       for (int e = 0; e < 4; ++e)
         f(rt, nt, e, 16 * (tile0 + rt) + (lane >> 2) + 8 * (e >> 1),
           8 * nt + 2 * (lane & 3) + (e & 1));
+}
+
+// Whether this block is the last of `blocks` to finish, counted on `counter`: each block fences
+// its stores before it counts itself, so the last one reads them all (through L2, __ldcg). The
+// last block resets the counter when done, so the next launch (or graph replay) starts at 0. All
+// threads of the block.
+__device__ bool last_block(int* counter, int blocks) {
+  __shared__ bool s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == blocks - 1;
+  __syncthreads();
+  if (!s_last) return false;
+  __threadfence();
+  return true;
 }
 
 // Run `body<NT>` for passes of up to 8 NTMAX vectors, choosing NT (1, 2, 4) per pass by its size,

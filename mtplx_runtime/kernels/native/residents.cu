@@ -40,7 +40,6 @@ __device__ void resident_gemv(const u8* q, const void* scale, const u8* zero, in
                               const u16* x, int T, u16* out, float* part, int* counters,
                               int split) {
   extern __shared__ uint2 xs[];
-  __shared__ bool s_last;
   ResidentPass<C, KIND> pass;
   pass.mats[0] = Mat{q, static_cast<const u8*>(scale), zero, N, K};
   pass.src = Src{x, nullptr, 1, K, false};
@@ -49,14 +48,9 @@ __device__ void resident_gemv(const u8* q, const void* scale, const u8* zero, in
   pass.s0 = blockIdx.y * split;
   pass.s1 = pass.s0 + split;
   pass.xs = xs;
-  pass.tile0 = (blockIdx.x * MTPLX_BLOCK_ROWS + (threadIdx.x >> 5) * 32) / 16;
+  pass.tile0 = warp_tile0(blockIdx.x);
   passes<NTMAX>(T, pass);
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(&counters[blockIdx.x], 1) == (int)gridDim.y - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+  if (!last_block(&counters[blockIdx.x], (int)gridDim.y)) return;
   const int r0 = blockIdx.x * MTPLX_BLOCK_ROWS;
   for (int i = threadIdx.x; i < T * MTPLX_BLOCK_ROWS; i += blockDim.x) {
     const int t = i / MTPLX_BLOCK_ROWS, row = r0 + i % MTPLX_BLOCK_ROWS;

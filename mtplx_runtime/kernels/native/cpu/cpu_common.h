@@ -61,6 +61,9 @@ int ctint_prepare(mat_t *m);
 rows_fn ctint_rows(const mat_t *m, int isa);
 int fp8_prepare(mat_t *m);
 rows_fn fp8_rows(const mat_t *m, int isa);
+/* Whether the CPU has AVX-512 BW (16-bit lanes), which isa 2 (F and DQ) does not imply: the
+ * kernels that need it (t158's t16f, fp8-block's tables) ask before they are chosen (isa.c). */
+int cpu_has_avx512bw(void);
 
 /* This thread's buffer `slot` with room for `floats` (64-byte aligned, contents unspecified,
  * kept across calls, freed at thread exit; thread_buf.c), or NULL when out of memory. */

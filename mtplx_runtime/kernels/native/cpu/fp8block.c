@@ -154,15 +154,6 @@ __attribute__((target(AVX512_TARGET))) static void rows_avx512(const mat_t *m, c
  * NaN weight, hence a NaN output: only then is the row's bytes scanned for the NaN codes (an
  * input NaN gives a NaN output too, but raises no flag). */
 
-static int has_bw(void) {
-    static int ok = -1;
-    if (ok < 0) {
-        __builtin_cpu_init();
-        ok = __builtin_cpu_supports("avx512bw");
-    }
-    return ok;
-}
-
 /* The tables of row band `band`: tab[128 j + c] for the band's 128-column blocks j. */
 __attribute__((target(AVX512_TARGET))) static void band_tables(const mat_t *m, int band,
                                                                uint16_t *tab) {
@@ -330,6 +321,6 @@ int fp8_prepare(mat_t *m) {
 
 rows_fn fp8_rows(const mat_t *m, int isa) {
     (void)m;
-    if (isa >= 2) return has_bw() ? rows_split_avx512 : rows_avx512;
+    if (isa >= 2) return cpu_has_avx512bw() ? rows_split_avx512 : rows_avx512;
     return isa == 1 ? rows_avx2 : rows_scalar;
 }

@@ -1,7 +1,7 @@
 /* The ISA switch of the CPU expert library (mtplx_cpu.h): one portable build whose SIMD variants
  * sit behind per-function target attributes, and one choice of path, read by every codec, the
  * SiTU-GLU loop (glu.c) and the record checksum (checksum.c) alike. */
-#include "mtplx_cpu.h"
+#include "cpu_common.h"
 
 /* The path in use (0 scalar, 1 avx2, 2 avx512, 3 avx512bf16); -1 until first asked or set. */
 static int g_isa = -1;
@@ -26,4 +26,13 @@ int mtplx_cpu_set_isa(int want) {
 int mtplx_cpu_get_isa(void) {
     if (g_isa < 0) mtplx_cpu_set_isa(-1);
     return g_isa;
+}
+
+int cpu_has_avx512bw(void) {
+    static int ok = -1;
+    if (ok < 0) {
+        __builtin_cpu_init();
+        ok = __builtin_cpu_supports("avx512bw");
+    }
+    return ok;
 }

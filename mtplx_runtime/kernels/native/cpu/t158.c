@@ -264,18 +264,10 @@ int t158_prepare(mat_t *m) {
     return 0;
 }
 
-static int has_t16f(void) { /* AVX-512 F/DQ (isa 2) and BW */
-    static int ok = -1;
-    if (ok < 0) {
-        __builtin_cpu_init();
-        ok = __builtin_cpu_supports("avx512bw");
-    }
-    return ok;
-}
-
 rows_fn t158_rows(const mat_t *m, int isa) {
     /* the driver's per-thread scratch (scratch_floats) covers t16f_span's (asserted here) */
-    if (isa >= 2 && has_t16f() && T16F_SCRATCH_FLOATS(m->cols / GE) <= scratch_floats(m->cols))
+    if (isa >= 2 && cpu_has_avx512bw() &&
+        T16F_SCRATCH_FLOATS(m->cols / GE) <= scratch_floats(m->cols))
         return t158_rows_avx512;
     return isa >= 1 ? t158_rows_avx2 : t158_rows_scalar;
 }
