@@ -27,7 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("mtplx_runtime.cli.chat",
              "interactive chat; each turn prefills only what the model state has not seen"),
     "make-tiny": ("mtplx_runtime.cli.make_tiny", "write a tiny deterministic K3 checkpoint"),
-    "inspect": ("mtplx_runtime.cli.inspect", "summarise a K3 checkpoint: layout, codec, experts"),
+    "inspect": ("mtplx_runtime.cli.inspect",
+                "summarise a checkpoint (K3, K2, DeepSeek-V3): layout, codec, experts"),
     "logits": ("mtplx_runtime.cli.logits",
                "reference forward of a token list, logits to a .npy file"),
     "profile": ("mtplx_runtime.cli.profile",
@@ -63,7 +64,8 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     """The `mtplx` parser and its subparsers by name."""
     parser = argparse.ArgumentParser(
         prog="mtplx",
-        description="mtplx_runtime: run Kimi K3 with routed experts streamed from disk",
+        description="mtplx_runtime: run Kimi K3, Kimi K2 and DeepSeek-V3/R1 with routed experts "
+                    "streamed from disk",
     )
     parser.add_argument("--version", action="version", version=f"mtplx_runtime {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
