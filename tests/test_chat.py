@@ -614,6 +614,11 @@ def test_chat_format_source_names_what_says_the_model_chats(tmp_path):
     (d / "tokenizer_config.json").write_text("{not json")  # unreadable: the tokenizer says so
     (d / "encoding_k3.py").unlink()
     assert chat_format_source(d) is None
+    outside = tmp_path / "outside.json"  # a config that leaves the model directory: not read
+    outside.write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    (d / "tokenizer_config.json").unlink()
+    (d / "tokenizer_config.json").symlink_to(outside)
+    assert chat_format_source(d) is None
 
 
 def test_chat_on_the_shipped_model_answers_and_ends_its_reply(monkeypatch, capsys):

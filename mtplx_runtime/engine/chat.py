@@ -52,7 +52,7 @@ def chat_format_source(model_dir: str | os.PathLike) -> str | None:
         if (root / name).is_file():
             return name
     try:
-        config = load_json(root / "tokenizer_config.json")
+        config = load_json(root / "tokenizer_config.json", root=root)  # as the loaders read it
     except (OSError, ValueError):
         return None
     return "tokenizer_config.json" if isinstance(config, dict) and config.get("chat_template") \
